@@ -1,0 +1,92 @@
+"""Train a CIFAR ResNet with DistributedDataParallel, launched by torchrun.
+
+One process per GPU; each holds a full copy of the model, trains on its own
+shard of every global batch, and DDP averages the gradients with an all-reduce
+that overlaps the backward pass. Without GPUs the processes run on the CPU (gloo).
+
+    # one process (one GPU, or the CPU)
+    python distributed.py --dataset synthetic --epochs 1
+
+    # one node, all its GPUs (4 here)
+    torchrun --standalone --nproc_per_node=4 distributed.py --batch-size 512
+
+    # two nodes with 8 GPUs each: run on both, with --node_rank=1 on the second
+    torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 \
+        --rdzv-backend=c10d --rdzv-endpoint=HOST_OF_NODE_0:29500 distributed.py --batch-size 1024
+
+--batch-size is the global batch: each of the N processes gets batch-size / N.
+"""
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from models import build_model
+from utils import cli, data, distributed as dist_utils, metrics, schedule
+from utils.run import TrainingRun
+
+
+def main(argv=None):
+    # --- arguments --------------------------------------------------------------------
+    parser = cli.build_parser(__doc__)
+    args = cli.parse_args(parser, argv)
+
+    # --- distributed setup ------------------------------------------------------------
+    # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; init_process_group
+    # reads them (env://). Under plain `python` none is set: one process, no process group.
+    per_device_batch = cli.split_batch(args.batch_size, dist_utils.world_size_from_env())
+    env = dist_utils.setup_from_env()
+    try:
+        train(args, env, per_device_batch)
+    finally:
+        dist_utils.cleanup()  # also when training raises: no rank is left in the group
+
+
+def train(args, env, per_device_batch):
+    dist_utils.seed_everything(args.seed)
+
+    # --- data -------------------------------------------------------------------------
+    train_set, test_set = data.build_datasets(args, env)
+    train_loader = data.train_loader(train_set, per_device_batch, args.batch_size, env, args)
+    test_loader = data.eval_loader(test_set, 2 * per_device_batch, env, args)
+    steps_per_epoch = data.steps_per_epoch(len(train_set), args.batch_size)
+
+    # --- model ------------------------------------------------------------------------
+    model = build_model(args.model, data.NUM_CLASSES).to(env.device)
+    if env.distributed:
+        # DDP broadcasts rank 0's weights to every rank here, then all-reduces (averages)
+        # gradients bucket by bucket while backward is still running.
+        ddp_model = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
+    else:
+        ddp_model = model
+
+    # --- optimizer --------------------------------------------------------------------
+    optimizer = torch.optim.SGD(model.parameters(), lr=schedule.scaled_lr(args), momentum=args.momentum,
+                                nesterov=args.nesterov, weight_decay=args.weight_decay)
+    scheduler = schedule.warmup_multistep(optimizer, args, steps_per_epoch)
+    run = TrainingRun(args, env, model, optimizer, scheduler, steps_per_epoch=steps_per_epoch,
+                      strategy="ddp-torchrun")  # resumes here with --resume
+
+    # --- training loop ----------------------------------------------------------------
+    for epoch in run.epochs():
+        # A new shuffle every epoch; without set_epoch every epoch repeats the first order.
+        train_loader.sampler.set_epoch(epoch, start_step=run.step_in_epoch)
+        ddp_model.train()
+        for images, targets in run.progress(train_loader):
+            images = images.to(env.device, non_blocking=True)
+            targets = targets.to(env.device, non_blocking=True)
+            logits = ddp_model(images)
+            loss = F.cross_entropy(logits, targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # DDP's hooks all-reduce the gradients during this call
+            optimizer.step()
+            scheduler.step()
+            run.meter.update(loss.detach(), logits.detach(), targets)
+            if run.step_done():  # counts the step, checkpoints when due; True at --max-steps
+                break
+        # Evaluate the unwrapped model: exact over all ranks, see metrics.evaluate.
+        run.end_epoch(metrics.evaluate(model, test_loader, env.device))
+    run.finish()
+
+
+if __name__ == "__main__":
+    cli.run_main(main)

@@ -1,0 +1,98 @@
+"""ResNets for 32x32 images (CIFAR).
+
+The ImageNet ResNet starts with a 7x7 stride-2 convolution and a max-pool, which
+would shrink a 32x32 image to 8x8 before the first block. The CIFAR variant used
+in the literature (and here) starts with a 3x3 stride-1 convolution and no pool,
+so the four stages see 32, 16, 8 and 4 pixels.
+"""
+import torch.nn as nn
+
+
+def _norm(norm: str, channels: int) -> nn.Module:
+    # "batch" is the standard model. "group" and "none" exist for tests that compare
+    # strategies exactly: batch-norm running statistics depend on how the batch is
+    # split across devices, which would hide what the test wants to see.
+    if norm == "batch":
+        return nn.BatchNorm2d(channels)
+    if norm == "group":
+        return nn.GroupNorm(min(32, channels), channels)
+    if norm == "none":
+        return nn.Identity()
+    raise ValueError(f"unknown norm {norm!r}: expected batch, group or none")
+
+
+class BasicBlock(nn.Module):
+    expansion = 1
+
+    def __init__(self, in_planes: int, planes: int, stride: int, norm: str):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_planes, planes, 3, stride, 1, bias=False)
+        self.bn1 = _norm(norm, planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
+        self.bn2 = _norm(norm, planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or in_planes != planes:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_planes, planes, 1, stride, bias=False), _norm(norm, planes)
+            )
+
+    def forward(self, x):
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + self.shortcut(x))
+
+
+class Bottleneck(nn.Module):
+    expansion = 4
+
+    def __init__(self, in_planes: int, planes: int, stride: int, norm: str):
+        super().__init__()
+        out_planes = planes * self.expansion
+        self.conv1 = nn.Conv2d(in_planes, planes, 1, bias=False)
+        self.bn1 = _norm(norm, planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, stride, 1, bias=False)
+        self.bn2 = _norm(norm, planes)
+        self.conv3 = nn.Conv2d(planes, out_planes, 1, bias=False)
+        self.bn3 = _norm(norm, out_planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or in_planes != out_planes:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_planes, out_planes, 1, stride, bias=False), _norm(norm, out_planes)
+            )
+
+    def forward(self, x):
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return self.relu(out + self.shortcut(x))
+
+
+class ResNet(nn.Module):
+    def __init__(self, block, layers, num_classes: int = 100, width: int = 64, norm: str = "batch"):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 3, 1, 1, bias=False)  # CIFAR stem: 3x3, stride 1
+        self.bn1 = _norm(norm, width)
+        self.relu = nn.ReLU(inplace=True)
+        in_planes = width
+        stages = []
+        for i, blocks in enumerate(layers):
+            planes = width * 2**i
+            stride = 1 if i == 0 else 2
+            stage = []
+            for b in range(blocks):
+                stage.append(block(in_planes, planes, stride if b == 0 else 1, norm))
+                in_planes = planes * block.expansion
+            stages.append(nn.Sequential(*stage))
+        self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(in_planes, num_classes)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+    def forward(self, x):
+        x = self.relu(self.bn1(self.conv1(x)))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(self.pool(x).flatten(1))

@@ -1,0 +1,68 @@
+"""Shared test helpers: run the real scripts as subprocesses, bounded in time."""
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# Small, fast settings every script accepts: the tiny ResNet on a slice of synthetic data.
+SMALL = ["--dataset", "synthetic", "--model", "resnet_tiny", "--train-samples", "256",
+         "--test-samples", "100", "--batch-size", "32", "--workers", "0", "--epochs", "1"]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs CUDA; skipped without it")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def subprocess_env(**extra) -> dict:
+    env = dict(os.environ)
+    # Never inherit a launcher's identity from the test runner's environment.
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "TORCHELASTIC_RESTART_COUNT", "GROUP_RANK"):
+        env.pop(key, None)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run_script(args, timeout=180, check=True, env=None, cwd=None) -> subprocess.CompletedProcess:
+    """Run `python <args>` (or any argv starting with a module flag) from the repo root."""
+    cmd = [sys.executable, *map(str, args)]
+    proc = subprocess.run(cmd, cwd=cwd or ROOT, env=env or subprocess_env(), capture_output=True,
+                          text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout}\n"
+                             f"--- stderr\n{proc.stderr}")
+    return proc
+
+
+def torchrun(nproc, script, args, timeout=240, check=True, extra_torchrun=()):
+    return run_script(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                       *extra_torchrun, script, *args], timeout=timeout, check=check)
+
+
+def read_metrics(path) -> list:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

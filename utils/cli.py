@@ -1,0 +1,175 @@
+"""The command line shared by the five scripts, its validation, and the error exit.
+
+Every script builds its parser with `build_parser`, adds its own flags in a group
+of its own, and calls `parse_args`. Bad input that can only be seen later (a batch
+that does not split over the processes, a missing data set, a corrupt checkpoint)
+raises `UsageError`; `run_main` turns it into one line on stderr and exit status 2.
+"""
+import argparse
+import json
+import os
+import sys
+
+from models import MODEL_NAMES
+
+
+class UsageError(Exception):
+    """Bad input from the user: reported as one line and exit status 2, no traceback."""
+
+
+class _Parser(argparse.ArgumentParser):
+    # argparse prints the whole usage block before the error; a wrong flag deserves
+    # one line that names it, and --help for the rest.
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _positive_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be greater than 0, got {value}")
+    return value
+
+
+def _non_negative_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+positive_int = _positive_int  # for the scripts' own flags (--accum-steps, --nproc-per-node, ...)
+non_negative_int = _non_negative_int
+positive_float = _positive_float
+
+
+def build_parser(doc: str) -> argparse.ArgumentParser:
+    """The common flags of DESIGN.md, grouped; each script adds its own group."""
+    first_line = (doc or "").strip().splitlines()[0] if doc else None
+    parser = _Parser(description=first_line, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+    g = parser.add_argument_group("data")
+    g.add_argument("--dataset", choices=["cifar100", "synthetic"], default="cifar100",
+                   help="cifar100 is downloaded once to --data-dir; synthetic is an offline "
+                        "stand-in of the same shape (100 classes, 50,000/10,000 images) that a model can learn")
+    g.add_argument("--data-dir", "--data_dir", default="./data", help="where CIFAR-100 is stored")
+    g.add_argument("--train-samples", type=_positive_int, default=None,
+                   help="use only the first N training images (quick runs, tests)")
+    g.add_argument("--test-samples", type=_positive_int, default=None,
+                   help="use only the first N test images")
+    g.add_argument("--workers", type=_non_negative_int, default=4,
+                   help="data-loading worker processes per training process")
+
+    g = parser.add_argument_group("model")
+    g.add_argument("--model", choices=MODEL_NAMES, default="resnet18")
+
+    # Defaults follow weiaicunzai/pytorch-cifar100 (ResNet-18, 200 epochs, batch 128,
+    # SGD 0.1, momentum 0.9, wd 5e-4, 1 warm-up epoch, lr x0.2 at epochs 60/120/160).
+    g = parser.add_argument_group("recipe")
+    g.add_argument("--epochs", type=_positive_int, default=200)
+    g.add_argument("--batch-size", "--batch_size", type=_positive_int, default=128,
+                   help="GLOBAL batch per optimizer step, over all processes and accumulation steps")
+    g.add_argument("--lr", type=_positive_float, default=0.1,
+                   help="learning rate per 128 images; scaled linearly with --batch-size")
+    g.add_argument("--momentum", type=_non_negative_float, default=0.9)
+    g.add_argument("--nesterov", action="store_true", help="Nesterov momentum")
+    g.add_argument("--weight-decay", "--weight_decay", type=_non_negative_float, default=5e-4)
+    g.add_argument("--warmup-epochs", type=_non_negative_float, default=1.0,
+                   help="linear learning-rate warm-up from 0, in epochs")
+    g.add_argument("--seed", type=int, default=0)
+
+    g = parser.add_argument_group("run")
+    g.add_argument("--max-steps", type=_positive_int, default=None,
+                   help="stop after N optimizer steps in all (benchmarks, smoke runs)")
+    g.add_argument("--checkpoint-dir", default=None,
+                   help="write full-state checkpoints here (checkpoint.pt, config.json)")
+    g.add_argument("--checkpoint-every", type=_positive_int, default=None,
+                   help="also checkpoint every N optimizer steps, not only at the end of each epoch")
+    g.add_argument("--resume", nargs="?", const="auto", default=None, metavar="PATH",
+                   help="continue from PATH, or from --checkpoint-dir/checkpoint.pt without PATH")
+    g.add_argument("--metrics", default=None, metavar="FILE",
+                   help="append JSON lines: one record per epoch and one at the end of the run")
+    g.add_argument("--log-every", type=_positive_int, default=50,
+                   help="refresh the progress bar's loss every N steps (each refresh waits for the device)")
+    # torch.distributed.launch (deprecated) passes --local-rank=N (--local_rank before 2.0).
+    g.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    args = parser.parse_args(argv)
+    if args.local_rank is not None and "LOCAL_RANK" not in os.environ:
+        os.environ["LOCAL_RANK"] = str(args.local_rank)
+    if args.resume is not None and args.resume == "auto" and not args.checkpoint_dir:
+        parser.error("--resume without a PATH needs --checkpoint-dir")
+    if args.checkpoint_every is not None and not args.checkpoint_dir:
+        parser.error("--checkpoint-every needs --checkpoint-dir")
+    return args
+
+
+def split_batch(global_batch: int, world_size: int, accum_steps: int = 1) -> int:
+    """Per-device batch for one forward pass; refuses to truncate silently."""
+    parts = world_size * accum_steps
+    if global_batch % parts:
+        how = f"{world_size} process{'es' if world_size != 1 else ''}"
+        if accum_steps != 1:
+            how += f" x {accum_steps} accumulation steps"
+        raise UsageError(
+            f"batch size {global_batch} is not divisible by {how}"
+            f" ({global_batch} / {parts} = {global_batch / parts:g}); "
+            f"choose a multiple of {parts}, e.g. {max(parts, global_batch // parts * parts)}"
+        )
+    return global_batch // parts
+
+
+def plain_config(args: argparse.Namespace) -> dict:
+    """The resolved arguments as plain JSON-able values (saved beside checkpoints)."""
+    return {k: (v if isinstance(v, (int, float, str, bool, type(None))) else str(v))
+            for k, v in sorted(vars(args).items())}
+
+
+def run_main(main, argv=None):
+    """Call main(argv); a UsageError becomes one line on stderr and exit status 2.
+
+    In a multi-process job every rank meets the same bad input at the same point,
+    so only global rank 0 prints the line; all ranks exit with 2.
+    """
+    try:
+        main(argv)
+    except UsageError as err:
+        if int(os.environ.get("RANK", "0")) == 0:
+            prog = os.path.basename(sys.argv[0]) or "train"
+            print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+def dump_json(obj) -> str:
+    return json.dumps(obj, sort_keys=True)

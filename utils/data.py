@@ -1,0 +1,251 @@
+"""Data: CIFAR-100 through torchvision, an offline synthetic stand-in, the
+per-rank training sampler and the exact evaluation sampler.
+
+Augmentation is seeded per sample. The training sampler hands the dataset
+(index, seed) pairs, the seed derived from (--seed, epoch, index); the random crop
+and flip are drawn from that seed alone. So a sample gets the same augmentation
+whatever the number of processes, loader workers, or whether the run was resumed
+in the middle of an epoch: that is what makes runs comparable across strategies
+and resumes exact. torchvision's RandomCrop/RandomHorizontalFlip draw from the
+global RNG of whichever worker happens to load the sample, which is neither.
+"""
+import math
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
+
+from .cli import UsageError
+from .distributed import DistEnv, all_ranks_ok
+
+NUM_CLASSES = 100
+IMAGE_SHAPE = (3, 32, 32)
+# Per-channel statistics of the CIFAR-100 training set (0..1 scale).
+CIFAR100_MEAN = (0.5071, 0.4865, 0.4409)
+CIFAR100_STD = (0.2673, 0.2564, 0.2762)
+PAD = 4  # random crop with 4 pixels of zero padding, as in the ResNet paper
+
+
+# --- data sets --------------------------------------------------------------------
+
+class SyntheticCIFAR(Dataset):
+    """An offline stand-in for CIFAR-100: 32x32 RGB uint8 images, 100 classes.
+
+    Each class has a smooth random prototype image; a sample is its class
+    prototype plus pixel noise, shifted by a few pixels. A CNN learns it in a few
+    hundred steps but not instantly, so loss curves and accuracies mean something.
+    Samples are generated on demand from their index, so building it costs nothing.
+    Attributes mirror torchvision's CIFAR100: `.targets` and (via `array()`) `.data`.
+    """
+
+    def __init__(self, train: bool, size: int = None, seed: int = 1234):
+        self.train = train
+        self.size = size if size is not None else (50_000 if train else 10_000)
+        rng = np.random.default_rng(seed)
+        # Low-frequency patterns: 4x4 random colours upsampled to 32x32.
+        coarse = rng.uniform(-1, 1, size=(NUM_CLASSES, 3, 4, 4)).astype(np.float32)
+        protos = torch.nn.functional.interpolate(torch.from_numpy(coarse), size=(40, 40),
+                                                 mode="bicubic", align_corners=False)
+        self._prototypes = protos.numpy()  # 40x40 so that a 32x32 window can be shifted
+        self._noise_seed = seed + (1 if train else 2)
+        self.targets = [i % NUM_CLASSES for i in range(self.size)]
+
+    def __len__(self):
+        return self.size
+
+    def _image(self, index: int) -> np.ndarray:
+        rng = np.random.default_rng((self._noise_seed, index))
+        dy, dx = rng.integers(0, 9, size=2)
+        proto = self._prototypes[self.targets[index], :, dy:dy + 32, dx:dx + 32]
+        pixels = 128 + 70 * proto + rng.normal(0, 40, size=proto.shape)
+        return np.clip(pixels, 0, 255).astype(np.uint8).transpose(1, 2, 0)  # HWC like CIFAR
+
+    def __getitem__(self, index):
+        return self._image(index), self.targets[index]
+
+
+def _cifar100(data_dir: str, train: bool, download: bool):
+    import torchvision
+    return torchvision.datasets.CIFAR100(data_dir, train=train, download=download)
+
+
+def _load_cifar100(args, env: DistEnv):
+    """CIFAR-100 from --data-dir; downloaded once per node, by local rank 0 only."""
+    error = None
+    if env.local_rank == 0:
+        try:
+            train = _cifar100(args.data_dir, True, download=True)
+            test = _cifar100(args.data_dir, False, download=True)
+        except Exception as exc:  # no network, disk full, corrupt archive, ...
+            error = exc
+    # Every rank learns whether local rank 0 succeeded: a plain barrier would leave
+    # the others waiting forever if it failed.
+    if not all_ranks_ok(error is None, env.device):
+        detail = f" ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})" if error else ""
+        raise UsageError(
+            f"CIFAR-100 is not in --data-dir {args.data_dir} and could not be downloaded{detail}; "
+            "put cifar-100-python/ there or use --dataset synthetic for an offline run")
+    if env.local_rank != 0:
+        train = _cifar100(args.data_dir, True, download=False)
+        test = _cifar100(args.data_dir, False, download=False)
+    return train, test
+
+
+def _first(dataset, n):
+    if n is None or n >= len(dataset):
+        return dataset
+    return Subset(dataset, range(n))
+
+
+def build_datasets(args, env: DistEnv):
+    """(train, test) data sets of (HWC uint8 image, label) pairs, cut to
+    --train-samples/--test-samples."""
+    if args.dataset == "synthetic":
+        train, test = SyntheticCIFAR(True, args.train_samples), SyntheticCIFAR(False, args.test_samples)
+    else:
+        train, test = _load_cifar100(args, env)
+    train, test = _first(train, args.train_samples), _first(test, args.test_samples)
+    return TrainImages(train), TestImages(test)
+
+
+def _to_uint8_chw(image) -> torch.Tensor:
+    if not isinstance(image, np.ndarray):  # a PIL image from torchvision's CIFAR100
+        image = np.asarray(image)
+    return torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)
+
+
+def _normalize(pixels: torch.Tensor) -> torch.Tensor:
+    mean = torch.tensor(CIFAR100_MEAN).view(3, 1, 1)
+    std = torch.tensor(CIFAR100_STD).view(3, 1, 1)
+    return (pixels.float() / 255 - mean) / std
+
+
+def augment(pixels: torch.Tensor, seed: int) -> torch.Tensor:
+    """Random crop (4-pixel zero padding) and horizontal flip, drawn from `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    dy, dx, flip = torch.randint(0, 2 * PAD + 1, (3,), generator=g).tolist()
+    padded = torch.nn.functional.pad(pixels, (PAD, PAD, PAD, PAD))
+    crop = padded[:, dy:dy + 32, dx:dx + 32]
+    return crop.flip(2) if flip % 2 else crop
+
+
+class TrainImages(Dataset):
+    """Training view: keys are (index, augmentation seed) from TrainSampler."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, key):
+        index, seed = key
+        image, target = self.base[index]
+        return _normalize(augment(_to_uint8_chw(image), seed)), target
+
+
+class TestImages(Dataset):
+    """Evaluation view: no augmentation."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, index):
+        image, target = self.base[index]
+        return _normalize(_to_uint8_chw(image)), target
+
+
+# --- samplers ----------------------------------------------------------------------
+
+def steps_per_epoch(num_samples: int, global_batch: int) -> int:
+    """Optimizer steps per epoch: only whole global batches, so every step sees
+    exactly --batch-size images (the remainder of the permutation is dropped, a
+    different remainder each epoch)."""
+    return num_samples // global_batch
+
+
+class TrainSampler(Sampler):
+    """DistributedSampler's semantics (one permutation per epoch from seed + epoch,
+    rank r takes positions r, r+W, r+2W, ...) plus what exact resume needs.
+
+    Step s of the epoch uses permutation positions [s*B, (s+1)*B) of the global
+    batch B, split over the ranks, so N processes see exactly the samples that one
+    process sees with the same global batch. Yields (index, augmentation seed).
+    """
+
+    def __init__(self, num_samples: int, global_batch: int, rank: int, world_size: int, seed: int):
+        if steps_per_epoch(num_samples, global_batch) == 0:
+            raise UsageError(f"the training set has {num_samples} samples, fewer than one global "
+                             f"batch of {global_batch}: lower --batch-size or raise --train-samples")
+        self.num_samples, self.global_batch = num_samples, global_batch
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.epoch, self.start_step = 0, 0
+
+    def set_epoch(self, epoch: int, start_step: int = 0):
+        """Call before every epoch, as with DistributedSampler: without it every
+        epoch would repeat epoch 0's order. start_step skips steps already taken
+        (resume in the middle of an epoch) without loading their images."""
+        self.epoch, self.start_step = epoch, start_step
+
+    def _per_rank(self) -> int:
+        return steps_per_epoch(self.num_samples, self.global_batch) * self.global_batch // self.world_size
+
+    def __len__(self):
+        return self._per_rank() - self.start_step * self.global_batch // self.world_size
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.num_samples, generator=g)
+        mine = order[self.rank::self.world_size][:self._per_rank()]
+        mine = mine[self.start_step * self.global_batch // self.world_size:]
+        for index in mine.tolist():
+            yield index, sample_seed(self.seed, self.epoch, index)
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    # Any injective-enough mix works; this keeps seeds distinct across epochs.
+    return ((seed * 1_000_003 + epoch) * 10_000_019 + index) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+class ShardSampler(Sampler):
+    """Evaluation: rank r takes samples r, r+W, r+2W, ... and nothing else.
+
+    DistributedSampler pads the last shard with repeated samples so that all
+    shards have the same length; those duplicates would be counted twice in the
+    accuracy. Here shards differ in length by at most one, each sample is counted
+    once, and evaluate() all-reduces sums and counts.
+    """
+
+    def __init__(self, num_samples: int, rank: int, world_size: int):
+        self.indices = range(rank, num_samples, world_size)
+
+    def __len__(self):
+        return len(self.indices)
+
+    def __iter__(self):
+        return iter(self.indices)
+
+
+# --- loaders -----------------------------------------------------------------------
+
+def _worker_init(_):
+    # Each loader worker is a process; one thread each avoids oversubscribing the CPU.
+    torch.set_num_threads(1)
+
+
+def train_loader(train_set, per_device_batch: int, global_batch: int, env: DistEnv, args) -> DataLoader:
+    sampler = TrainSampler(len(train_set), global_batch, env.rank, env.world_size, args.seed)
+    return DataLoader(train_set, batch_size=per_device_batch, sampler=sampler,
+                      num_workers=args.workers, pin_memory=env.device.type == "cuda",
+                      persistent_workers=args.workers > 0, worker_init_fn=_worker_init,
+                      drop_last=False)  # the sampler already yields whole batches
+
+
+def eval_loader(test_set, batch_size: int, env: DistEnv, args) -> DataLoader:
+    return DataLoader(test_set, batch_size=batch_size,
+                      sampler=ShardSampler(len(test_set), env.rank, env.world_size),
+                      num_workers=args.workers, pin_memory=env.device.type == "cuda",
+                      persistent_workers=args.workers > 0, worker_init_fn=_worker_init)

@@ -1,0 +1,128 @@
+"""Process setup and the few helpers every rank needs.
+
+Devices: CUDA with nccl when there are GPUs, otherwise CPU with gloo, with no
+code change. The launcher tells us who we are through the environment
+(torchrun: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT);
+`python script.py` sets none of them and runs as a single process without a
+process group.
+"""
+import datetime
+import os
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .cli import UsageError
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int               # global rank, 0 .. world_size-1
+    local_rank: int         # rank within this node: picks the GPU
+    world_size: int         # processes in the whole job
+    local_world_size: int   # processes on this node
+    device: torch.device
+    distributed: bool       # a process group exists (wrap the model in DDP)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name, default):
+    value = os.environ.get(name)
+    return default if value in (None, "") else int(value)
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def pick_device(local_rank: int, local_world_size: int) -> torch.device:
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    n_gpus = torch.cuda.device_count()
+    if local_world_size > n_gpus:
+        raise UsageError(
+            f"{local_world_size} processes per node but only {n_gpus} GPU"
+            f"{'s' if n_gpus != 1 else ''} visible: use --nproc_per_node={n_gpus} or fewer "
+            "(one process per GPU)")
+    return torch.device("cuda", local_rank)
+
+
+def setup(rank: int, world_size: int, local_rank: int, local_world_size: int,
+          init_method: str = "env://", timeout_s: float = 1800.0) -> DistEnv:
+    """Join the process group (nccl on GPUs, gloo on CPU) and pin this rank's device.
+
+    The timeout bounds how long a rank waits in a collective for a peer that died,
+    so a failed job ends instead of hanging.
+    """
+    device = pick_device(local_rank, local_world_size)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return DistEnv(rank, local_rank, world_size, local_world_size, device, distributed=True)
+
+
+def setup_from_env(timeout_s: float = 1800.0) -> DistEnv:
+    """Set up from torchrun's environment, or as one process under plain `python`."""
+    if not launched_by_torchrun():
+        device = pick_device(0, 1)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        return DistEnv(0, 0, 1, 1, device, distributed=False)
+    rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+    return setup(rank, world_size, local_rank, local_world_size, "env://", timeout_s)
+
+
+def cleanup():
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_main() -> bool:
+    """Global rank 0: the only rank that prints, writes metrics and saves checkpoints."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return _env_int("RANK", 0) == 0
+
+
+def print0(*args, **kwargs):
+    if is_main():
+        print(*args, **kwargs, flush=True)
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks in place (no-op in a single process); returns the tensor."""
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_ranks_ok(ok: bool, device: torch.device) -> bool:
+    """True only if `ok` holds on every rank. Use it where one rank could fail alone
+    (a download, a file read): every rank learns the outcome, so none is left
+    waiting in a collective for a peer that has given up."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def seed_everything(seed: int):
+    """Same seed on every rank: identical initial weights (DDP broadcasts them anyway)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def world_size_from_env() -> int:
+    """The job's size before joining it, to validate arguments first."""
+    return _env_int("WORLD_SIZE", 1) if launched_by_torchrun() else 1

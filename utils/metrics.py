@@ -1,0 +1,135 @@
+"""Accuracy, loss and throughput meters, exact distributed evaluation, and the
+JSON-lines metrics file.
+
+Meters keep running sums as tensors on the device and are read once per epoch
+(or per --log-every steps): calling .item() every step would make the CPU wait
+for the GPU at every step.
+"""
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from .distributed import all_reduce_sum, is_main
+
+
+def correct_topk(logits: torch.Tensor, targets: torch.Tensor, ks=(1, 5)) -> torch.Tensor:
+    """Number of samples whose target is among the k highest logits, for each k."""
+    top = logits.topk(max(ks), dim=1).indices
+    hits = top.eq(targets.unsqueeze(1))
+    return torch.stack([hits[:, :k].any(dim=1).sum() for k in ks])
+
+
+class TrainMeter:
+    """Running training loss and top-1 accuracy, summed on the device."""
+
+    def __init__(self, device, initial=None):
+        # [loss x samples, correct top-1, samples], float64 so that sums stay exact.
+        self.sums = torch.zeros(3, dtype=torch.float64, device=device)
+        if initial is not None:  # partial sums of an epoch interrupted by a checkpoint
+            self.sums += torch.tensor(initial, dtype=torch.float64, device=device)
+
+    def update(self, loss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor):
+        n = targets.numel()
+        correct = (logits.argmax(dim=1) == targets).sum()
+        self.sums += torch.stack([loss.double() * n, correct.double(),
+                                  torch.tensor(n, dtype=torch.float64, device=self.sums.device)])
+
+    def local_loss(self) -> float:
+        """This rank's mean loss so far (one device sync; for the progress bar)."""
+        loss_sum, _, n = self.sums.tolist()
+        return loss_sum / max(n, 1)
+
+    def global_sums(self) -> list:
+        """[loss x samples, correct, samples] over all ranks (a collective)."""
+        return all_reduce_sum(self.sums.clone()).tolist()
+
+    def summary(self) -> dict:
+        loss_sum, correct, n = self.global_sums()
+        return {"train_loss": loss_sum / max(n, 1), "train_acc1": 100.0 * correct / max(n, 1)}
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader, device, autocast=None) -> dict:
+    """Exact evaluation over all ranks: every test sample is counted once.
+
+    Pass the UNWRAPPED module, not the DDP wrapper: DDP's forward broadcasts
+    buffers from rank 0, a collective that would hang when shards are uneven (one
+    rank has a batch more than another). Each rank sums loss and correct counts
+    over its shard; one all-reduce of the sums and counts gives the same numbers as
+    a single process evaluating the whole test set.
+    """
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, top1, top5, count
+    for images, targets in loader:
+        images = images.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
+        if autocast is not None:
+            with autocast():
+                logits = model(images)
+        else:
+            logits = model(images)
+        loss = F.cross_entropy(logits.float(), targets, reduction="sum")
+        top1, top5 = correct_topk(logits, targets)
+        sums += torch.stack([loss.double(), top1.double(), top5.double(),
+                             torch.tensor(targets.numel(), dtype=torch.float64, device=device)])
+    loss_sum, top1, top5, count = all_reduce_sum(sums).tolist()
+    model.train(was_training)
+    count_safe = max(count, 1)
+    return {"test_loss": loss_sum / count_safe, "test_acc1": 100.0 * top1 / count_safe,
+            "test_acc5": 100.0 * top5 / count_safe, "test_samples": int(count)}
+
+
+def synchronize(device):
+    """Wait for queued GPU work, so that a clock reading means something."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class EpochTimer:
+    """Wall time of an epoch and its throughput after warm-up.
+
+    The first `warmup_steps` steps of each epoch (loader start, cudnn autotuning,
+    torch.compile) are timed but left out of images/s. The clock is read only at
+    the warm-up boundary and at the end, each time after one device sync, never
+    inside the other steps.
+    """
+
+    def __init__(self, device, images_per_step: int, steps: int):
+        self.device, self.images_per_step = device, images_per_step
+        self.warmup_steps = min(10, steps // 4)
+        self.steps = 0
+        synchronize(device)
+        self.start = self.after_warmup = time.perf_counter()
+
+    def step(self):
+        self.steps += 1
+        if self.steps == self.warmup_steps:
+            synchronize(self.device)
+            self.after_warmup = time.perf_counter()
+
+    def stop(self) -> dict:
+        synchronize(self.device)
+        end = time.perf_counter()
+        timed_steps = self.steps - self.warmup_steps if self.steps > self.warmup_steps else self.steps
+        timed_from = self.after_warmup if self.steps > self.warmup_steps else self.start
+        seconds = end - timed_from
+        return {"epoch_seconds": end - self.start,
+                "images_per_second": timed_steps * self.images_per_step / seconds if seconds > 0 else 0.0}
+
+
+class MetricsLog:
+    """JSON lines, appended and flushed record by record; only rank 0 writes."""
+
+    def __init__(self, path):
+        self.path = path if path and is_main() else None
+        if self.path:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+
+    def write(self, record: dict):
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")

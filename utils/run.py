@@ -1,0 +1,193 @@
+"""The bookkeeping of a training run, the same in every script: epochs and steps,
+resume, checkpoints, --max-steps, progress bar, per-epoch summary and metrics.
+
+The scripts keep the lesson (how the model is wrapped, how a step is taken) and
+hand this object the rest:
+
+    run = TrainingRun(args, env, model, optimizer, scheduler, ...)   # resumes if asked
+    for epoch in run.epochs():
+        train_loader.sampler.set_epoch(epoch, run.step_in_epoch)
+        for images, targets in run.progress(train_loader):
+            ...forward, backward, optimizer.step()...
+            run.meter.update(loss, logits, targets)
+            if run.step_done():      # True at --max-steps
+                break
+        run.end_epoch(evaluate(model, test_loader, env.device))
+    run.finish()
+"""
+import json
+import os
+import sys
+import time
+
+import torch
+
+from . import checkpoint
+from .cli import UsageError, plain_config
+from .distributed import DistEnv, print0
+from .metrics import EpochTimer, MetricsLog, TrainMeter
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+class TrainingRun:
+    def __init__(self, args, env: DistEnv, model, optimizer, scheduler, *, steps_per_epoch: int,
+                 strategy: str, scaler=None, extra_record=None):
+        self.args, self.env = args, env
+        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self.steps_per_epoch = steps_per_epoch
+        self.strategy = strategy
+        self.extra_record = dict(extra_record or {})
+        self.epoch = 0           # the epoch in progress (0-based)
+        self.step_in_epoch = 0   # optimizer steps already taken in it
+        self.global_step = 0     # optimizer steps taken in the whole run
+        self.meter = None
+        self.last_eval = {}
+        self.last_record = None
+        self._partial_sums = None
+        self._stop = False
+        self._bar = None
+        self.log = MetricsLog(args.metrics)
+        self.started = time.perf_counter()
+
+        self.checkpoint_path = None
+        if args.checkpoint_dir:
+            self.checkpoint_path = os.path.join(args.checkpoint_dir, checkpoint.FILENAME)
+        if args.resume is not None:
+            self._resume(self.checkpoint_path if args.resume == "auto" else args.resume)
+        if args.checkpoint_dir and env.is_main:
+            # The resolved configuration beside the checkpoint, for whoever finds it later.
+            os.makedirs(args.checkpoint_dir, exist_ok=True)
+            with open(os.path.join(args.checkpoint_dir, "config.json"), "w") as f:
+                json.dump(dict(plain_config(args), world_size=env.world_size, strategy=strategy), f, indent=2)
+
+    # --- resume -------------------------------------------------------------------
+
+    def _resume(self, path):
+        state = checkpoint.load(path)  # every rank reads the file: no broadcast needed
+        saved = state.get("config", {})
+        for key in ("model", "batch_size"):
+            if key in saved and saved[key] != getattr(self.args, key):
+                raise UsageError(f"checkpoint {path} was written with --{key.replace('_', '-')} "
+                                 f"{saved[key]}, this run has {getattr(self.args, key)}")
+        try:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            if self.scaler is not None and state.get("scaler"):
+                self.scaler.load_state_dict(state["scaler"])
+        except (KeyError, RuntimeError, ValueError) as exc:
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            raise UsageError(f"checkpoint {path} does not fit this model/optimizer: {first}") from None
+        checkpoint.set_rng_state(state["rng"])
+        self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
+        self.global_step = state["global_step"]
+        # The interrupted epoch's training sums are already global: only rank 0 carries
+        # them, so that the end-of-epoch all-reduce counts them once.
+        self._partial_sums = state["train_sums"] if self.env.is_main and self.step_in_epoch else None
+        if self.step_in_epoch >= self.steps_per_epoch:
+            self.epoch, self.step_in_epoch, self._partial_sums = self.epoch + 1, 0, None
+        print0(f"resumed from {path}: epoch {self.epoch + 1}, step {self.step_in_epoch} of "
+               f"{self.steps_per_epoch} in it, {self.global_step} steps in all")
+
+    def save(self):
+        """Checkpoint now (a collective: every rank must call it at the same step)."""
+        if not self.checkpoint_path:
+            return
+        sums = self.meter.global_sums() if self.meter is not None else [0.0, 0.0, 0.0]
+        if not self.env.is_main:
+            return
+        state = {
+            "format": checkpoint.FORMAT,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "epoch": self.epoch,
+            "step_in_epoch": self.step_in_epoch,
+            "global_step": self.global_step,
+            "train_sums": sums,
+            "rng": checkpoint.rng_state(),
+            "config": plain_config(self.args),
+            "world_size": self.env.world_size,
+            "strategy": self.strategy,
+        }
+        checkpoint.atomic_save(state, self.checkpoint_path)
+
+    # --- the loop -----------------------------------------------------------------
+
+    def done(self) -> bool:
+        return self._stop or (self.args.max_steps is not None and self.global_step >= self.args.max_steps)
+
+    def epochs(self):
+        """The epochs still to run, from the resumed position on."""
+        if self.epoch >= self.args.epochs or self.done():
+            print0(f"nothing to train: the run already stands at epoch {self.epoch} "
+                   f"of {self.args.epochs}, step {self.global_step}")
+        while self.epoch < self.args.epochs and not self.done():
+            self.meter = TrainMeter(self.env.device, self._partial_sums)
+            self._partial_sums = None
+            remaining = self.steps_per_epoch - self.step_in_epoch
+            self.timer = EpochTimer(self.env.device, self.args.batch_size, remaining)
+            yield self.epoch
+            if self.step_in_epoch >= self.steps_per_epoch:
+                self.epoch, self.step_in_epoch = self.epoch + 1, 0
+
+    def progress(self, loader):
+        """Iterate the loader; a progress bar on rank 0 when stderr is a terminal."""
+        if not (self.env.is_main and sys.stderr.isatty()):
+            yield from loader
+            return
+        from tqdm import tqdm
+        with tqdm(loader, desc=f"epoch {self.epoch + 1}/{self.args.epochs}", leave=False,
+                  dynamic_ncols=True) as self._bar:
+            yield from self._bar
+        self._bar = None
+
+    def step_done(self) -> bool:
+        """Count one optimizer step; checkpoint when due. True when the run must stop."""
+        self.step_in_epoch += 1
+        self.global_step += 1
+        self.timer.step()
+        if self._bar is not None and self.global_step % self.args.log_every == 0:
+            self._bar.set_postfix(loss=f"{self.meter.local_loss():.3f}")  # one device sync
+        every = self.args.checkpoint_every
+        if every and self.global_step % every == 0 and self.step_in_epoch < self.steps_per_epoch:
+            self.save()
+        return self.done()
+
+    def end_epoch(self, eval_metrics: dict):
+        """After the epoch (or at --max-steps): summary, metrics record, checkpoint."""
+        timing = self.timer.stop()
+        train = self.meter.summary()
+        self.last_eval = eval_metrics
+        record = {
+            "event": "epoch", "epoch": self.epoch + 1, "step": self.global_step,
+            "epoch_complete": self.step_in_epoch >= self.steps_per_epoch,
+            **train, **eval_metrics, **timing,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "world_size": self.env.world_size, "global_batch": self.args.batch_size,
+            "strategy": self.strategy, "device": device_name(self.env.device), **self.extra_record,
+        }
+        self.last_record = record
+        self.log.write(record)
+        print0(f"epoch {self.epoch + 1}/{self.args.epochs} step {self.global_step} | "
+               f"train loss {train['train_loss']:.4f} acc1 {train['train_acc1']:.2f}% | "
+               f"test loss {eval_metrics['test_loss']:.4f} acc1 {eval_metrics['test_acc1']:.2f}% "
+               f"acc5 {eval_metrics['test_acc5']:.2f}% ({eval_metrics['test_samples']} images) | "
+               f"{timing['epoch_seconds']:.1f} s, {timing['images_per_second']:.0f} img/s")
+        self.save()
+
+    def finish(self):
+        """The end-of-run record (rank 0), with the last evaluation."""
+        if self.last_record is None:
+            return
+        record = dict(self.last_record, event="end", step=self.global_step,
+                      total_seconds=time.perf_counter() - self.started)
+        self.log.write(record)
+        print0(f"done: {self.global_step} steps, test acc1 {record['test_acc1']:.2f}%, "
+               f"{record['total_seconds']:.1f} s in all")
