@@ -21,13 +21,14 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from models import build_model
-from utils import cli, data, distributed as dist_utils, metrics, schedule
+from utils import cli, data, distributed as dist_utils, metrics, replicas, schedule
 from utils.run import TrainingRun
 
 
 def main(argv=None):
     # --- arguments --------------------------------------------------------------------
     parser = cli.build_parser(__doc__)
+    replicas.add_flags(parser)
     args = cli.parse_args(parser, argv)
 
     # --- distributed setup ------------------------------------------------------------
@@ -52,6 +53,8 @@ def train(args, env, per_device_batch):
 
     # --- model ------------------------------------------------------------------------
     model = build_model(args.model, data.NUM_CLASSES).to(env.device)
+    if args.sync_bn:  # batch statistics over the global batch instead of each GPU's slice
+        model = replicas.convert_sync_bn(model, env)
     if env.distributed:
         # DDP broadcasts rank 0's weights to every rank here, then all-reduces (averages)
         # gradients bucket by bucket while backward is still running.
@@ -86,6 +89,8 @@ def train(args, env, per_device_batch):
         # Evaluate the unwrapped model: exact over all ranks, see metrics.evaluate.
         run.end_epoch(metrics.evaluate(model, test_loader, env.device))
     run.finish()
+    if args.verify_sync:
+        replicas.verify_sync(model)
 
 
 if __name__ == "__main__":

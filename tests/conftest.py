@@ -16,10 +16,6 @@ SMALL = ["--dataset", "synthetic", "--model", "resnet_tiny", "--train-samples", 
          "--test-samples", "100", "--batch-size", "32", "--workers", "0", "--epochs", "1"]
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs CUDA; skipped without it")
-
-
 def pytest_collection_modifyitems(config, items):
     import torch
     if torch.cuda.is_available():

@@ -1,0 +1,60 @@
+"""Keeping DDP's replicas in agreement: SyncBatchNorm and an end-of-run check.
+
+DDP keeps parameters identical on every rank by averaging gradients. Buffers are
+another matter: batch-norm running statistics are updated from each rank's own
+slice of the batch, so they drift apart unless SyncBatchNorm computes the batch
+statistics over the global batch (or DDP's broadcast_buffers copies rank 0's at
+every forward, which hides rather than fixes it).
+"""
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .cli import UsageError
+from .distributed import DistEnv, print0
+
+
+def add_flags(parser):
+    g = parser.add_argument_group("replicas")
+    g.add_argument("--sync-bn", "--sync_bn", action="store_true",
+                   help="SyncBatchNorm: batch statistics over the global batch (GPUs only)")
+    g.add_argument("--verify-sync", action="store_true",
+                   help="at the end, check that parameters and buffers agree across ranks")
+
+
+def convert_sync_bn(model: nn.Module, env: DistEnv) -> nn.Module:
+    if env.device.type != "cuda":
+        raise UsageError("--sync-bn needs GPUs: PyTorch's SyncBatchNorm runs only on CUDA "
+                         "(on CPU, leave it out)")
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+
+
+def mismatched_tensors(module: nn.Module) -> list:
+    """Names of parameters and buffers that differ from rank 0's (a collective)."""
+    names = []
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        reference = tensor.detach().clone()
+        dist.broadcast(reference, src=0)
+        differs = torch.tensor([0 if torch.equal(reference, tensor.detach()) else 1], device=tensor.device)
+        dist.all_reduce(differs, op=dist.ReduceOp.MAX)
+        if differs.item():
+            names.append(name)
+    return names
+
+
+def verify_sync(module: nn.Module) -> list:
+    """Report on rank 0 whether the replicas agree; returns the names that differ."""
+    if not (dist.is_available() and dist.is_initialized()):
+        print0("verify-sync: a single process has nothing to compare")
+        return []
+    names = mismatched_tensors(module)
+    world = dist.get_world_size()
+    if not names:
+        print0(f"verify-sync: all parameters and buffers agree across {world} ranks")
+    else:
+        shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+        print0(f"verify-sync: {len(names)} tensors differ across {world} ranks: {shown}"
+               + (" (batch-norm running statistics differ unless --sync-bn)"
+                  if all(n.endswith(("running_mean", "running_var", "num_batches_tracked")) for n in names)
+                  else ""))
+    return names
