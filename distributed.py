@@ -35,7 +35,7 @@ def main(argv=None):
     # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; init_process_group
     # reads them (env://). Under plain `python` none is set: one process, no process group.
     per_device_batch = cli.split_batch(args.batch_size, dist_utils.world_size_from_env())
-    env = dist_utils.setup_from_env()
+    env = dist_utils.setup_from_env(timeout_s=args.dist_timeout)
     try:
         train(args, env, per_device_batch)
     finally:

@@ -6,7 +6,6 @@ that does not split over the processes, a missing data set, a corrupt checkpoint
 raises `UsageError`; `run_main` turns it into one line on stderr and exit status 2.
 """
 import argparse
-import json
 import os
 import sys
 
@@ -117,6 +116,9 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                    help="append JSON lines: one record per epoch and one at the end of the run")
     g.add_argument("--log-every", type=_positive_int, default=50,
                    help="refresh the progress bar's loss every N steps (each refresh waits for the device)")
+    g.add_argument("--dist-timeout", type=_positive_float, default=1800.0, metavar="SECONDS",
+                   help="how long a rank waits in a collective for a peer before the job fails "
+                        "(bounds the hang when a peer dies)")
     # torch.distributed.launch (deprecated) passes --local-rank=N (--local_rank before 2.0).
     g.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser
@@ -158,18 +160,22 @@ def run_main(main, argv=None):
     """Call main(argv); a UsageError becomes one line on stderr and exit status 2.
 
     In a multi-process job every rank meets the same bad input at the same point,
-    so only global rank 0 prints the line; all ranks exit with 2.
+    so only global rank 0 prints the line; all ranks exit with 2. Any other
+    exception is a bug: torchelastic's @record writes its traceback to the error
+    file torchrun reads, so the failing rank's error is the one torchrun reports
+    first, not the timeouts of the ranks that were waiting for it.
     """
-    try:
-        main(argv)
-    except UsageError as err:
-        if int(os.environ.get("RANK", "0")) == 0:
-            prog = os.path.basename(sys.argv[0]) or "train"
-            print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        sys.exit(130)
+    from torch.distributed.elastic.multiprocessing.errors import record
 
+    def guarded():
+        try:
+            main(argv)
+        except UsageError as err:
+            if int(os.environ.get("RANK", "0")) == 0:
+                prog = os.path.basename(sys.argv[0]) or "train"
+                print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            sys.exit(130)
 
-def dump_json(obj) -> str:
-    return json.dumps(obj, sort_keys=True)
+    record(guarded)()

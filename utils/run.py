@@ -24,8 +24,9 @@ import torch
 
 from . import checkpoint
 from .cli import UsageError, plain_config
-from .distributed import DistEnv, print0
+from .distributed import DistEnv, all_ranks_ok, print0
 from .metrics import EpochTimer, MetricsLog, TrainMeter
+from .preemption import Preempted, StopSignal
 
 
 def device_name(device: torch.device) -> str:
@@ -57,8 +58,10 @@ class TrainingRun:
         self.checkpoint_path = None
         if args.checkpoint_dir:
             self.checkpoint_path = os.path.join(args.checkpoint_dir, checkpoint.FILENAME)
-        if args.resume is not None:
-            self._resume(self.checkpoint_path if args.resume == "auto" else args.resume)
+        resume_from = self._resume_path()
+        if resume_from:
+            self._resume(resume_from)
+        self.stop_signal = StopSignal(env.distributed)
         if args.checkpoint_dir and env.is_main:
             # The resolved configuration beside the checkpoint, for whoever finds it later.
             os.makedirs(args.checkpoint_dir, exist_ok=True)
@@ -66,6 +69,32 @@ class TrainingRun:
                 json.dump(dict(plain_config(args), world_size=env.world_size, strategy=strategy), f, indent=2)
 
     # --- resume -------------------------------------------------------------------
+
+    def _resume_path(self):
+        """Which checkpoint to continue from, if any.
+
+        --resume PATH: that file. --resume: --checkpoint-dir's checkpoint if there is
+        one (a requeued SLURM job passes it every time), else a fresh start. A worker
+        restarted by torchrun --max-restarts resumes by itself. A fresh run never
+        overwrites a checkpoint it was not told to continue.
+        """
+        args = self.args
+        if args.resume not in (None, "auto"):
+            return args.resume
+        exists = all_ranks_ok(bool(self.checkpoint_path) and os.path.isfile(self.checkpoint_path),
+                              self.env.device)
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if args.resume == "auto":
+            if not exists:
+                print0(f"--resume: no checkpoint in {args.checkpoint_dir} yet, starting from scratch")
+            return self.checkpoint_path if exists else None
+        if exists and restarts > 0:
+            print0(f"torchrun restart {restarts}: resuming from {self.checkpoint_path}")
+            return self.checkpoint_path
+        if exists:
+            raise UsageError(f"--checkpoint-dir {args.checkpoint_dir} already holds a checkpoint: add --resume "
+                             "to continue it, or choose another directory (it would be overwritten)")
+        return None
 
     def _resume(self, path):
         state = checkpoint.load(path)  # every rank reads the file: no broadcast needed
@@ -158,6 +187,10 @@ class TrainingRun:
         every = self.args.checkpoint_every
         if every and self.global_step % every == 0 and self.step_in_epoch < self.steps_per_epoch:
             self.save()
+        if self.stop_signal.should_stop(self.global_step):
+            self.save()
+            self.stop_signal.announce(self.global_step, self.checkpoint_path)
+            raise Preempted()  # exit status 0; the script's `finally` still tears down
         return self.done()
 
     def end_epoch(self, eval_metrics: dict):

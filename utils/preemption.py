@@ -1,0 +1,59 @@
+"""Stop cleanly on SIGTERM (and SIGUSR1, which SLURM can send before a time limit
+or preemption): checkpoint at the next step boundary that every rank agrees on,
+then exit with status 0, so that a later run with --resume continues with the
+exact next batch.
+
+torchrun forwards SIGTERM to every worker and kills them 30 s later; SLURM's
+`--signal=USR1@120` gives two minutes. The signal handler only sets a flag: the
+ranks then agree, in one small collective, on the step at which all of them
+stop. A rank that stopped alone would leave the others waiting in the next
+gradient all-reduce.
+"""
+import signal
+
+import torch
+import torch.distributed as dist
+
+from .distributed import print0
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preempted(SystemExit):
+    """Raised after the checkpoint is saved; exits the process with status 0."""
+
+    def __init__(self):
+        super().__init__(0)
+
+
+class StopSignal:
+    def __init__(self, distributed: bool, check_every: int = 10):
+        self.received = None
+        self.check_every = check_every if distributed else 1
+        self.group = None
+        if distributed:
+            # The agreement runs on a CPU (gloo) group: reading the result never waits
+            # for the GPU, so it does not stall the queue of kernels.
+            self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+        for sig in SIGNALS:
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame):
+        self.received = signal.Signals(signum).name
+
+    def should_stop(self, global_step: int) -> bool:
+        """True on every rank at the same step once any rank has received a signal.
+        Checked every `check_every` steps (one tiny CPU all-reduce each time)."""
+        if global_step % self.check_every:
+            return False
+        if not (dist.is_available() and dist.is_initialized()):
+            return self.received is not None
+        flag = torch.tensor([0 if self.received is None else 1])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if flag.item() and self.received is None:
+            self.received = "a signal to another rank"
+        return bool(flag.item())
+
+    def announce(self, global_step: int, path):
+        where = f"checkpoint saved to {path}" if path else "no --checkpoint-dir, nothing saved"
+        print0(f"stopping at step {global_step} on {self.received}: {where}; continue with --resume")
