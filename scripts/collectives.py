@@ -112,11 +112,12 @@ def check(ok: bool, what: str, detail: str = "") -> None:
     the same point. Raising on one rank only would leave the others blocked in
     the next collective until the timeout.
     """
-    failed_here = torch.tensor([0 if ok else 1], device=current_device())
-    dist.all_reduce(failed_here)
-    failed_ranks = int(failed_here.item())
+    failure_count = torch.tensor([0 if ok else 1], device=current_device())
+    dist.all_reduce(failure_count)
+    failed_ranks = int(failure_count.item())  # how many ranks reported a failure
     if not ok:
-        print(f"[rank {dist.get_rank()}] CHECK FAILED: {what} {detail}", file=sys.stderr, flush=True)
+        message = f"{what}: {detail}" if detail else what
+        print(f"[rank {dist.get_rank()}] CHECK FAILED: {message}", file=sys.stderr, flush=True)
     if failed_ranks:
         raise CheckFailed(f"{what} (wrong on {failed_ranks} of {dist.get_world_size()} ranks)")
 
@@ -424,8 +425,9 @@ def demo_ring_all_reduce(rank: int, world_size: int) -> None:
     for r, (sent, diff) in enumerate(gather_objects((bytes_sent, max_difference))):
         say(f"  rank {r}: sent {sent} bytes (theory 2(N-1)/N x {tensor_bytes} = {theory:.1f}); "
             f"max |ring - dist.all_reduce| = {diff:.2e}")
-    say(f"  for comparison, gathering everything on rank 0 and sending the sum back costs rank 0 "
-        f"{2 * (world_size - 1) * tensor_bytes} bytes")
+    say(f"  for comparison, reducing to rank 0 and sending the sum back makes rank 0 receive "
+        f"{(world_size - 1) * tensor_bytes} bytes and send as many;\n"
+        f"  the ring has every rank send (and receive) under 2 x {tensor_bytes} bytes, whatever N")
 
     check(close_to_library, "ring all-reduce equals dist.all_reduce", f"max diff {max_difference}")
     check(close_to_hand, "ring all-reduce equals the sum computed by hand")
@@ -540,12 +542,12 @@ def demo_data_parallel(rank: int, world_size: int, steps: int = 3) -> None:
 
     say(f"\n--- data-parallel SGD, {steps} steps, {SAMPLES_PER_RANK} samples per rank, "
         f"{params['initial'].numel()} parameters")
-    for r, (a, b, c) in enumerate(gather_objects((hand_vs_ddp, hand_vs_single, moved))):
-        say(f"  rank {r}: max |hand-rolled - DDP| = {a:.1e}, max |hand-rolled - one process, whole batch| "
-            f"= {b:.1e} (weights moved by up to {c:.3f})")
-    say("  DDP automates what the hand-rolled loop spells out: it broadcasts rank 0's parameters and buffers "
-        "at construction, groups gradients into buckets (~25 MB) and all-reduces each bucket as soon as "
-        "backward has filled it, overlapping communication with the rest of backward.")
+    for r, (to_ddp, to_single, moved_r) in enumerate(gather_objects((hand_vs_ddp, hand_vs_single, moved))):
+        say(f"  rank {r}: |hand-rolled - DDP| <= {to_ddp:.1e}, "
+            f"|hand-rolled - whole batch in one process| <= {to_single:.1e} (weights moved up to {moved_r:.3f})")
+    say("  DDP automates what the hand-rolled loop spells out: it broadcasts rank 0's parameters and\n"
+        "  buffers at construction, groups gradients into buckets (~25 MB) and all-reduces each bucket\n"
+        "  as soon as backward has filled it, overlapping communication with the rest of backward.")
 
     check(torch.equal(params["after_ddp_init"], params["initial"]), "DDP broadcasts rank 0's initial weights")
     check(moved > 1e-4, "training changed the weights", f"moved {moved}")
