@@ -1,4 +1,4 @@
-"""Train a CIFAR ResNet with DistributedDataParallel, launched by torchrun.
+r"""Train a CIFAR ResNet with DistributedDataParallel, launched by torchrun.
 
 One process per GPU; each holds a full copy of the model, trains on its own
 shard of every global batch, and DDP averages the gradients with an all-reduce

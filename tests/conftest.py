@@ -38,7 +38,8 @@ def subprocess_env(**extra) -> dict:
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "TORCHELASTIC_RESTART_COUNT", "GROUP_RANK"):
         env.pop(key, None)
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    # CPU tests stay on the CPU on a GPU machine too; GPU tests pass CUDA_VISIBLE_DEVICES back.
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -54,9 +55,9 @@ def run_script(args, timeout=180, check=True, env=None, cwd=None) -> subprocess.
     return proc
 
 
-def torchrun(nproc, script, args, timeout=240, check=True, extra_torchrun=()):
+def torchrun(nproc, script, args, timeout=240, check=True, extra_torchrun=(), env=None):
     return run_script(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                       *extra_torchrun, script, *args], timeout=timeout, check=check)
+                       *extra_torchrun, script, *args], timeout=timeout, check=check, env=env)
 
 
 def read_metrics(path) -> list:

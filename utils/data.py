@@ -13,7 +13,6 @@ import math
 
 import numpy as np
 import torch
-import torchvision
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from .cli import UsageError
@@ -65,22 +64,24 @@ class SyntheticCIFAR(Dataset):
         return self._image(index), self.targets[index]
 
 
-class _CIFAR100(torchvision.datasets.CIFAR100):
+def _cifar100(data_dir: str, train: bool, download: bool):
     """torchvision's CIFAR-100 reader, trusting files already on disk.
 
     torchvision checks the md5 of every file at every load, which rejects any copy
     that is not byte-identical to the original release (a subset, a re-pickled
     copy, the small data sets the tests write). Here the files are checked for
     presence only; a download is still verified against the archive's md5 by
-    torchvision, and a corrupt file fails when it is unpickled.
+    torchvision, and a corrupt file fails when it is unpickled. (torchvision is
+    imported here, not at the top: it costs seconds that synthetic runs skip.)
     """
-    train_list = [[name, None] for name, _ in torchvision.datasets.CIFAR100.train_list]
-    test_list = [[name, None] for name, _ in torchvision.datasets.CIFAR100.test_list]
-    meta = dict(torchvision.datasets.CIFAR100.meta, md5=None)
+    import torchvision
 
+    class CIFAR100(torchvision.datasets.CIFAR100):
+        train_list = [[name, None] for name, _ in torchvision.datasets.CIFAR100.train_list]
+        test_list = [[name, None] for name, _ in torchvision.datasets.CIFAR100.test_list]
+        meta = dict(torchvision.datasets.CIFAR100.meta, md5=None)
 
-def _cifar100(data_dir: str, train: bool, download: bool):
-    return _CIFAR100(data_dir, train=train, download=download)
+    return CIFAR100(data_dir, train=train, download=download)
 
 
 def _load_cifar100(args, env: DistEnv):

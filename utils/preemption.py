@@ -35,8 +35,13 @@ class StopSignal:
             # The agreement runs on a CPU (gloo) group: reading the result never waits
             # for the GPU, so it does not stall the queue of kernels.
             self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
-        for sig in SIGNALS:
-            signal.signal(sig, self._handler)
+        self._previous = {sig: signal.signal(sig, self._handler) for sig in SIGNALS}
+
+    def close(self):
+        """Give the signals back to whoever handled them before (the default: exit)."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
     def _handler(self, signum, frame):
         self.received = signal.Signals(signum).name

@@ -190,6 +190,7 @@ class TrainingRun:
         if self.stop_signal.should_stop(self.global_step):
             self.save()
             self.stop_signal.announce(self.global_step, self.checkpoint_path)
+            self.stop_signal.close()
             raise Preempted()  # exit status 0; the script's `finally` still tears down
         return self.done()
 
@@ -217,6 +218,7 @@ class TrainingRun:
 
     def finish(self):
         """The end-of-run record (rank 0), with the last evaluation."""
+        self.stop_signal.close()
         if self.last_record is None:
             return
         record = dict(self.last_record, event="end", step=self.global_step,

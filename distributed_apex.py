@@ -1,0 +1,271 @@
+r"""Train a CIFAR ResNet with DistributedDataParallel and mixed precision, launched by torchrun.
+
+distributed.py plus mixed precision. The forward pass and the loss run under
+autocast: convolutions and matrix multiplies in float16 or bfloat16 (tensor
+cores, half the memory traffic), reductions and the loss in float32; weights,
+gradients and optimizer state stay float32. float16 can only represent
+magnitudes down to about 6e-8, so small gradients would underflow to zero: a
+GradScaler multiplies the loss before backward, divides the gradients by the
+same factor before the step, and skips a step whose gradients overflowed.
+bfloat16 has float32's range and needs no scaler. Without GPUs the processes
+run on the CPU (gloo), in bfloat16 by default.
+
+    # one process (one GPU, or the CPU)
+    python distributed_apex.py --dataset synthetic --epochs 1 --amp bf16
+    python distributed_apex.py --dataset synthetic --epochs 1 --amp fp16
+
+    # one node, all its GPUs (4 here)
+    torchrun --standalone --nproc_per_node=4 distributed_apex.py --batch-size 512 --amp bf16
+    torchrun --standalone --nproc_per_node=4 distributed_apex.py --batch-size 512 --amp fp16
+
+    # two nodes with 8 GPUs each: run on both, with --node_rank=1 on the second
+    torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 --rdzv-backend=c10d \
+        --rdzv-endpoint=HOST_OF_NODE_0:29500 distributed_apex.py --batch-size 1024 --amp bf16
+    torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 --rdzv-backend=c10d \
+        --rdzv-endpoint=HOST_OF_NODE_0:29500 distributed_apex.py --batch-size 1024 --amp fp16
+
+--batch-size is the global batch: each of the N processes gets batch-size / N.
+bf16 wants an Ampere or newer GPU (A100, H100, RTX 30xx and later); fp16 runs on any.
+On the CPU prefer bf16: recent builds run fp16 too, but its convolution backward
+is a slow fallback there (tens of times slower), fine for tests only.
+
+The name is historical: this used to be done with NVIDIA apex (apex.amp and
+apex.parallel.DistributedDataParallel). NVIDIA removed both from apex in 2025;
+torch.amp is their upstream successor and the default here. `--amp-impl apex`
+uses a source build of NVIDIA apex (github.com/NVIDIA/apex) where one is
+installed: its FusedSGD, and apex.amp with --opt-level O0..O3 if that apex is old
+enough to still have it. The PyPI package called `apex` is unrelated.
+"""
+import importlib
+import warnings
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from models import build_model
+from utils import cli, data, distributed as dist_utils, metrics, replicas, schedule
+from utils.run import TrainingRun
+
+AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def main(argv=None):
+    # --- arguments --------------------------------------------------------------------
+    parser = cli.build_parser(__doc__)
+    replicas.add_flags(parser)
+    g = parser.add_argument_group("mixed precision")
+    g.add_argument("--amp", choices=sorted(AMP_DTYPES), default=None,
+                   help="autocast dtype; without the flag fp16 on CUDA, bf16 on the CPU")
+    g.add_argument("--amp-impl", choices=["torch", "apex"], default="torch",
+                   help="torch: torch.amp (autocast + GradScaler); apex: a source build of NVIDIA apex")
+    g.add_argument("--opt-level", choices=["O0", "O1", "O2", "O3"], default=None,
+                   help="apex.amp's level (O1 when apex.amp is used); with torch.amp: O0 = float32, "
+                        "O1/O2 = autocast + GradScaler, O3 (pure fp16) is refused")
+    g.add_argument("--clip-grad", type=cli.positive_float, default=None, metavar="MAX_NORM",
+                   help="clip the gradients' global L2 norm to MAX_NORM (after unscaling)")
+    args = cli.parse_args(parser, argv)
+    # Settled before joining the process group: a bad choice ends every rank at once.
+    precision = choose_precision(args, "cuda" if torch.cuda.is_available() else "cpu")
+
+    # --- distributed setup ------------------------------------------------------------
+    # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; init_process_group
+    # reads them (env://). Under plain `python` none is set: one process, no process group.
+    per_device_batch = cli.split_batch(args.batch_size, dist_utils.world_size_from_env())
+    env = dist_utils.setup_from_env(timeout_s=args.dist_timeout)
+    try:
+        train(args, env, per_device_batch, precision)
+    finally:
+        dist_utils.cleanup()  # also when training raises: no rank is left in the group
+
+
+def train(args, env, per_device_batch, precision):
+    dist_utils.seed_everything(args.seed)
+    if env.device.type == "cuda":
+        # The input shape never changes, so let cudnn time its convolution algorithms once
+        # and keep the fastest for the rest of the run.
+        torch.backends.cudnn.benchmark = True
+        # What autocast leaves in float32 (and all of an O0 run) may use TF32 tensor cores
+        # on Ampere and later: float32 range, 10-bit mantissa in the multiply, float32 sums.
+        # (The newer spelling is fp32_precision = "tf32"; set TF32 one way only: reading
+        # allow_tf32 after setting fp32_precision raises.)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+    # --- data -------------------------------------------------------------------------
+    train_set, test_set = data.build_datasets(args, env)
+    train_loader = data.train_loader(train_set, per_device_batch, args.batch_size, env, args)
+    test_loader = data.eval_loader(test_set, 2 * per_device_batch, env, args)
+    steps_per_epoch = data.steps_per_epoch(len(train_set), args.batch_size)
+
+    # --- model ------------------------------------------------------------------------
+    model = build_model(args.model, data.NUM_CLASSES).to(env.device)
+    if args.sync_bn:  # batch statistics over the global batch instead of each GPU's slice
+        model = replicas.convert_sync_bn(model, env)
+
+    # --- optimizer --------------------------------------------------------------------
+    sgd = precision.fused_sgd or torch.optim.SGD  # apex's FusedSGD: one kernel for all tensors
+    optimizer = sgd(model.parameters(), lr=schedule.scaled_lr(args), momentum=args.momentum,
+                    nesterov=args.nesterov, weight_decay=args.weight_decay)
+
+    # --- mixed precision --------------------------------------------------------------
+    apex_amp, dtype = precision.apex_amp, precision.dtype
+    if apex_amp is not None:
+        # apex.amp patches (O1) or recasts (O2/O3) the model and wraps the optimizer; it
+        # must see them before DDP does, whose gradient buckets follow the parameters' dtype.
+        model, optimizer = apex_amp.initialize(model, optimizer, opt_level=precision.opt_level,
+                                               verbosity=0)
+
+    use_autocast = dtype is not None and apex_amp is None  # apex.amp casts by itself
+
+    def autocast():  # forward and loss in `dtype`; a no-op for float32
+        return torch.amp.autocast(env.device.type, dtype=dtype, enabled=use_autocast)
+
+    # Loss scaling for float16 only. Disabled, every scaler call below passes straight
+    # through (scale returns the loss, step calls optimizer.step), so one loop serves all.
+    scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16 and apex_amp is None)
+
+    if env.distributed:  # wrapped last, after apex.amp may have recast the model
+        # DDP broadcasts rank 0's weights to every rank here, then all-reduces (averages)
+        # gradients bucket by bucket while backward is still running.
+        ddp_model = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
+    else:
+        ddp_model = model
+    scheduler = schedule.warmup_multistep(optimizer, args, steps_per_epoch)
+    run = TrainingRun(args, env, model, optimizer, scheduler, steps_per_epoch=steps_per_epoch,
+                      strategy=f"ddp-amp-{args.amp_impl}",
+                      scaler=apex_amp or scaler,  # the loss scale is checkpointed and resumed too
+                      extra_record={"amp": precision.name, "amp_impl": args.amp_impl,
+                                    "opt_level": precision.opt_level})  # resumes here with --resume
+
+    # --- training loop ----------------------------------------------------------------
+    for epoch in run.epochs():
+        # A new shuffle every epoch; without set_epoch every epoch repeats the first order.
+        train_loader.sampler.set_epoch(epoch, start_step=run.step_in_epoch)
+        ddp_model.train()
+        for images, targets in run.progress(train_loader):
+            images = images.to(env.device, non_blocking=True)
+            targets = targets.to(env.device, non_blocking=True)
+            with autocast():  # forward and loss only: backward follows the forward's dtypes
+                logits = ddp_model(images)
+                loss = F.cross_entropy(logits, targets)  # autocast computes the loss in float32
+            optimizer.zero_grad(set_to_none=True)
+            if apex_amp is None:
+                scaler.scale(loss).backward()  # DDP's hooks all-reduce the (scaled) gradients here
+            else:
+                with apex_amp.scale_loss(loss, optimizer) as scaled_loss:  # unscales on exit
+                    scaled_loss.backward()
+            if args.clip_grad is not None:
+                scaler.unscale_(optimizer)  # the true gradients, before their norm is measured
+                params = apex_amp.master_params(optimizer) if apex_amp else model.parameters()
+                torch.nn.utils.clip_grad_norm_(params, args.clip_grad)
+            scaler.step(optimizer)  # skipped if a gradient is inf/nan (the scale was too high)
+            scaler.update()  # halve the scale after an overflow, double it after 2000 clean steps
+            # Stepped even when the scaler skipped optimizer.step: the schedule stays aligned
+            # with the step count that checkpoints and --max-steps use (common practice; a
+            # skip is rare after the first few steps). torch may warn once about it.
+            scheduler.step()
+            run.meter.update(loss.detach(), logits.detach(), targets)
+            if run.step_done():  # counts the step, checkpoints when due; True at --max-steps
+                break
+        # Evaluate the unwrapped model, in the same precision: exact over all ranks, see metrics.evaluate.
+        run.end_epoch(metrics.evaluate(model, test_loader, env.device, autocast=autocast))
+    run.finish()
+    if args.verify_sync:
+        replicas.verify_sync(model)
+
+
+# --- choosing the precision ------------------------------------------------------------
+# apex.amp opt levels when this script has no apex.amp to hand them to:
+#   O0  float32 throughout                 -> no autocast, scaler disabled ("fp32")
+#   O1  per-op casts + dynamic loss scale  -> autocast + GradScaler: its direct successor
+#   O2  fp16 model + fp32 master weights   -> the same as O1: autocast keeps the weights in
+#                                             float32, which is what master weights were for
+#   O3  pure fp16, no master weights       -> refused: torch.amp has no such mode
+
+
+class Precision(NamedTuple):
+    name: str          # "fp16", "bf16" or "fp32", for the metrics
+    dtype: Any         # autocast dtype; None: no torch autocast (float32, or apex.amp does the casting)
+    opt_level: Any     # apex.amp's opt level, or the one mapped onto torch.amp; None if not given
+    fused_sgd: Any     # apex.optimizers.FusedSGD, or None for torch.optim.SGD
+    apex_amp: Any      # the apex.amp module, or None for torch.amp
+
+
+def choose_precision(args, device_type: str) -> Precision:
+    """Resolve --amp, --amp-impl and --opt-level for this device, or raise UsageError."""
+    fused_sgd = apex_amp = None
+    if args.amp_impl == "apex":
+        fused_sgd, apex_amp = find_nvidia_apex()
+        if device_type != "cuda":
+            raise cli.UsageError("NVIDIA apex runs on CUDA GPUs only; on the CPU use --amp-impl torch "
+                                 "(the default)")
+        if apex_amp is None:
+            dist_utils.print0("apex: FusedSGD from NVIDIA apex; this apex has no apex.amp (removed in "
+                              "2025), so mixed precision comes from torch.amp")
+    if apex_amp is not None:
+        if args.amp == "bf16":
+            raise cli.UsageError("apex.amp is float16 only: for --amp bf16 use --amp-impl torch")
+        opt_level = args.opt_level or "O1"
+        return Precision("fp32" if opt_level == "O0" else "fp16", None, opt_level, fused_sgd, apex_amp)
+
+    name = args.amp
+    if args.opt_level == "O0":
+        if name is not None:
+            raise cli.UsageError(f"--opt-level O0 means float32 throughout, which contradicts --amp {name}")
+    elif args.opt_level == "O3":
+        raise cli.UsageError("--opt-level O3 (pure float16, no float32 master weights) has no torch.amp "
+                             "equivalent: use O1 or O2 (autocast + GradScaler), or an apex with apex.amp")
+    elif name is None:
+        name = "fp16" if device_type == "cuda" else "bf16"
+        if device_type == "cpu":
+            dist_utils.print0("no --amp given: using bf16 on the CPU")
+    if name == "fp16" and device_type == "cpu" and not cpu_fp16_autocast_works():
+        raise cli.UsageError("this PyTorch build has no float16 autocast on the CPU: use --amp bf16")
+    if name == "bf16" and device_type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise cli.UsageError("this GPU has no bfloat16 support (it needs Ampere or newer): use --amp fp16")
+    return Precision(name or "fp32", AMP_DTYPES.get(name), args.opt_level, fused_sgd, None)
+
+
+def find_nvidia_apex():
+    """(FusedSGD or None, apex.amp or None) from an installed NVIDIA apex.
+
+    Recognised by what it provides, not by its name: the PyPI package called
+    `apex` is an unrelated web toolkit, and current NVIDIA apex no longer has
+    apex.amp. Neither feature present is a UsageError.
+    """
+    fused_sgd = apex_amp = None
+    try:  # a broken build can fail in many ways on import (missing CUDA extensions)
+        fused_sgd = getattr(importlib.import_module("apex.optimizers"), "FusedSGD", None)
+    except Exception:
+        pass
+    try:
+        apex_amp = importlib.import_module("apex.amp")
+        if not all(callable(getattr(apex_amp, name, None)) for name in ("initialize", "scale_loss")):
+            apex_amp = None
+    except Exception:
+        pass
+    if fused_sgd is None and apex_amp is None:
+        raise cli.UsageError(
+            "--amp-impl apex needs NVIDIA apex, which is built from source (github.com/NVIDIA/apex); "
+            "the PyPI package called `apex` is unrelated; --amp-impl torch (the default) is the "
+            "upstream successor of apex.amp")
+    return fused_sgd, apex_amp
+
+
+def cpu_fp16_autocast_works() -> bool:
+    """Whether this CPU build runs a convolution in float16 under autocast (older
+    builds warn and fall back to float32, or raise)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            with torch.amp.autocast("cpu", dtype=torch.float16):
+                out = F.conv2d(torch.ones(1, 1, 4, 4), torch.ones(1, 1, 3, 3))
+        except (RuntimeError, TypeError, ValueError):
+            return False
+    return out.dtype == torch.float16
+
+
+if __name__ == "__main__":
+    cli.run_main(main)

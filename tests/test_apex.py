@@ -1,0 +1,312 @@
+"""distributed_apex.py: DDP + mixed precision (torch.amp; NVIDIA apex only when a real one is installed).
+
+End to end on the CPU through the real launchers (bf16 under torchrun, fp16 with
+GradScaler under python), an exact resume that carries the loss scale, the one-line
+error when apex is asked for but absent, and unit tests of how the precision is chosen.
+"""
+import argparse
+import contextlib
+import importlib
+import signal
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from conftest import ROOT, SMALL, read_metrics, run_script, subprocess_env, torchrun
+from utils.cli import UsageError
+
+SCRIPT = "distributed_apex.py"
+apex_script = importlib.import_module("distributed_apex")
+
+# fp16 convolution backward is a slow fallback on the CPU (about 0.3 s per image here):
+# few, tiny steps.
+FP16_SMALL = ["--dataset", "synthetic", "--model", "resnet_tiny", "--train-samples", "16",
+              "--test-samples", "4", "--batch-size", "2", "--workers", "0", "--epochs", "1",
+              "--amp", "fp16", "--clip-grad", "1.0"]
+
+
+def cpu_env():
+    # These tests are about the CPU path: on a GPU machine too.
+    return subprocess_env(CUDA_VISIBLE_DEVICES="")
+
+
+@pytest.fixture
+def start():
+    """start(args): `python <args>` in the background, to overlap with another run.
+    Whatever is still running when the test ends (it failed early) is killed."""
+    procs = []
+
+    def launch(args):
+        procs.append(subprocess.Popen([sys.executable, *map(str, args)], cwd=ROOT, env=cpu_env(),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        return procs[-1]
+    yield launch
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def torchrun_cpu(nproc, args, timeout=240):
+    # conftest.torchrun with CUDA hidden (it takes no env).
+    return run_script(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                       SCRIPT, *args], timeout=timeout, env=cpu_env())
+
+
+def finish(proc, timeout=180):
+    """Wait for a process started with start(); kill it on timeout; fail with its output."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"{proc.args} timed out\n{out}\n{err}")
+    assert proc.returncode == 0, f"{proc.args} exited {proc.returncode}\n--- stdout\n{out}\n--- stderr\n{err}"
+    return out
+
+
+def end_record(path):
+    records = read_metrics(path)
+    assert records[-1]["event"] == "end"
+    return records[-1]
+
+
+# --- end to end on the CPU -------------------------------------------------------------
+
+def test_bf16_under_torchrun_two_processes(tmp_path):
+    proc = torchrun_cpu(2, [*SMALL, "--amp", "bf16", "--metrics", tmp_path / "bf16.jsonl"])
+    assert "no --amp given" not in proc.stdout
+    bf16 = end_record(tmp_path / "bf16.jsonl")
+    assert bf16["amp"] == "bf16" and bf16["amp_impl"] == "torch" and bf16["opt_level"] is None
+    assert bf16["strategy"] == "ddp-amp-torch"
+    assert bf16["world_size"] == 2 and bf16["global_batch"] == 32 and bf16["device"] == "cpu"
+    assert bf16["step"] == 256 // 32 and bf16["epoch_complete"]
+    assert bf16["test_samples"] == 100  # every test image once over the two shards
+
+
+def run_in_this_process(argv):
+    """The script's main() in the test process (no interpreter start-up to pay), leaving
+    the process's signal handlers as they were (the run installs its own)."""
+    signals = [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1]
+    saved = {sig: signal.getsignal(sig) for sig in signals}
+    try:
+        apex_script.main([str(a) for a in argv])
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def test_autocast_changes_the_arithmetic(tmp_path):
+    # One process, two steps each, in bf16 and in float32 (--opt-level O0): the same
+    # batches and weights, so only the precision can make the numbers differ.
+    # (In this process CUDA is used if there is one; bf16 unless the GPU lacks it.)
+    amp = "bf16" if not torch.cuda.is_available() or torch.cuda.is_bf16_supported() else "fp16"
+    for tag, flag in ((amp, ["--amp", amp]), ("fp32", ["--opt-level", "O0"])):
+        run_in_this_process([*SMALL, *flag, "--max-steps", "2", "--metrics", tmp_path / f"{tag}.jsonl"])
+    mixed, fp32 = end_record(tmp_path / f"{amp}.jsonl"), end_record(tmp_path / "fp32.jsonl")
+    assert (mixed["amp"], fp32["amp"], fp32["opt_level"]) == (amp, "fp32", "O0")
+    # Close, but the 8-bit (bf16) or 11-bit (fp16) mantissa shows, in training and in evaluation.
+    for key in ("train_loss", "test_loss"):
+        assert 1e-6 < abs(mixed[key] - fp32[key]) < 0.05, (key, mixed[key], fp32[key])
+
+
+@pytest.mark.skipif(not apex_script.cpu_fp16_autocast_works(),
+                    reason="this PyTorch build has no float16 autocast on the CPU")
+def test_fp16_resume_continues_with_the_same_loss_scale(tmp_path, start):
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    uninterrupted = start([SCRIPT, *FP16_SMALL, "--max-steps", "2", "--checkpoint-dir", whole,
+                           "--metrics", tmp_path / "whole.jsonl"])
+    first_half = start([SCRIPT, *FP16_SMALL, "--max-steps", "1", "--checkpoint-dir", part])
+    finish(first_half)
+    halfway = torch.load(part / "checkpoint.pt", weights_only=True)
+    assert halfway["global_step"] == 1 and halfway["scaler"]["scale"] > 0  # the scaler is saved
+    out = run_script([SCRIPT, *FP16_SMALL, "--max-steps", "2", "--checkpoint-dir", part, "--resume"],
+                     env=cpu_env()).stdout
+    assert "resumed from" in out
+    finish(uninterrupted)
+
+    record = end_record(tmp_path / "whole.jsonl")
+    assert record["amp"] == "fp16" and record["strategy"] == "ddp-amp-torch"
+    a = torch.load(whole / "checkpoint.pt", weights_only=True)
+    b = torch.load(part / "checkpoint.pt", weights_only=True)
+    assert a["global_step"] == b["global_step"] == 2
+    # A resume that lost the scaler would restart the growth tracker (and the scale) from scratch.
+    assert a["scaler"] and a["scaler"]["scale"] > 0
+    assert b["scaler"]["scale"] == a["scaler"]["scale"]
+    assert b["scaler"]["_growth_tracker"] == a["scaler"]["_growth_tracker"]
+    assert a["model"].keys() == b["model"].keys()
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), name
+    for key, state in a["optimizer"]["state"].items():
+        assert torch.equal(state["momentum_buffer"], b["optimizer"]["state"][key]["momentum_buffer"])
+
+
+# --- NVIDIA apex: asked for but absent ------------------------------------------------
+
+def _no_real_apex():
+    try:
+        apex_script.find_nvidia_apex()
+    except UsageError:
+        return True
+    return False
+
+
+@pytest.mark.skipif(not _no_real_apex(), reason="an NVIDIA apex is installed here")
+def test_apex_absent_is_one_clear_line_and_exit_2():
+    proc = run_script([SCRIPT, *SMALL, "--amp-impl", "apex"], check=False, timeout=120, env=cpu_env())
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "PyPI" in lines[0] and "--amp-impl torch" in lines[0] and "github.com/NVIDIA/apex" in lines[0]
+
+
+def _module(name, **attrs):
+    module = types.ModuleType(name)
+    for key, value in attrs.items():
+        setattr(module, key, value)
+    return module
+
+
+@pytest.fixture
+def fake_apex(monkeypatch):
+    """Install a fake `apex` (and, on request, apex.optimizers / apex.amp) in sys.modules."""
+    def install(optimizers=None, amp=None, **top_level):
+        monkeypatch.setitem(sys.modules, "apex", _module("apex", **top_level))
+        for name, module in (("apex.optimizers", optimizers), ("apex.amp", amp)):
+            if module is None:
+                # None in sys.modules makes `import` fail, as for a package without it.
+                monkeypatch.setitem(sys.modules, name, None)
+            else:
+                monkeypatch.setitem(sys.modules, name, module)
+    return install
+
+
+class FakeFusedSGD(torch.optim.SGD):
+    pass
+
+
+def fake_amp_module():
+    return _module("apex.amp", initialize=lambda model, optimizer, **kw: (model, optimizer),
+                   scale_loss=lambda loss, optimizer: None)
+
+
+def test_an_apex_without_the_features_is_rejected(fake_apex):
+    # What the unrelated PyPI `apex` looks like to us: importable, none of NVIDIA's features.
+    fake_apex(__version__="0.9.10dev", views=object())
+    with pytest.raises(UsageError, match="PyPI") as err:
+        apex_script.find_nvidia_apex()
+    assert "--amp-impl torch" in str(err.value)
+    # An apex.amp stub without initialize/scale_loss does not count either.
+    fake_apex(amp=_module("apex.amp", something_else=1))
+    with pytest.raises(UsageError, match="PyPI"):
+        apex_script.find_nvidia_apex()
+
+
+def test_an_apex_with_the_features_is_accepted(fake_apex):
+    amp = fake_amp_module()
+    fake_apex(optimizers=_module("apex.optimizers", FusedSGD=FakeFusedSGD), amp=amp)
+    assert apex_script.find_nvidia_apex() == (FakeFusedSGD, amp)
+    # Current apex: FusedSGD, but apex.amp is gone.
+    fake_apex(optimizers=_module("apex.optimizers", FusedSGD=FakeFusedSGD))
+    assert apex_script.find_nvidia_apex() == (FakeFusedSGD, None)
+
+
+# --- choosing the precision -------------------------------------------------------------
+
+def flags(amp=None, amp_impl="torch", opt_level=None):
+    return argparse.Namespace(amp=amp, amp_impl=amp_impl, opt_level=opt_level)
+
+
+def test_precision_defaults_and_opt_level_mapping(capsys):
+    cpu_default = apex_script.choose_precision(flags(), "cpu")
+    assert (cpu_default.name, cpu_default.dtype) == ("bf16", torch.bfloat16)
+    assert "no --amp given: using bf16 on the CPU" in capsys.readouterr().out
+    gpu_default = apex_script.choose_precision(flags(), "cuda")
+    assert (gpu_default.name, gpu_default.dtype, gpu_default.apex_amp) == ("fp16", torch.float16, None)
+
+    fp32 = apex_script.choose_precision(flags(opt_level="O0"), "cuda")
+    assert (fp32.name, fp32.dtype, fp32.opt_level) == ("fp32", None, "O0")
+    for level in ("O1", "O2"):
+        mixed = apex_script.choose_precision(flags(opt_level=level), "cuda")
+        assert (mixed.name, mixed.dtype, mixed.opt_level) == ("fp16", torch.float16, level)
+    with pytest.raises(UsageError, match="O3"):
+        apex_script.choose_precision(flags(opt_level="O3"), "cuda")
+    with pytest.raises(UsageError, match="contradicts"):
+        apex_script.choose_precision(flags(amp="fp16", opt_level="O0"), "cuda")
+
+
+def test_precision_with_apex(fake_apex):
+    amp = fake_amp_module()
+    fake_apex(optimizers=_module("apex.optimizers", FusedSGD=FakeFusedSGD), amp=amp)
+    chosen = apex_script.choose_precision(flags(amp_impl="apex"), "cuda")
+    # apex.amp does its own casting: no torch autocast, opt level O1 by default.
+    assert chosen == ("fp16", None, "O1", FakeFusedSGD, amp)
+    assert apex_script.choose_precision(flags(amp_impl="apex", opt_level="O3"), "cuda").opt_level == "O3"
+    with pytest.raises(UsageError, match="bf16"):
+        apex_script.choose_precision(flags(amp="bf16", amp_impl="apex"), "cuda")
+    with pytest.raises(UsageError, match="CUDA"):
+        apex_script.choose_precision(flags(amp_impl="apex"), "cpu")
+
+    # FusedSGD without apex.amp: torch.amp does the mixed precision, the opt levels are mapped.
+    fake_apex(optimizers=_module("apex.optimizers", FusedSGD=FakeFusedSGD))
+    chosen = apex_script.choose_precision(flags(amp_impl="apex", amp="fp16"), "cuda")
+    assert chosen == ("fp16", torch.float16, None, FakeFusedSGD, None)
+    with pytest.raises(UsageError, match="O3"):
+        apex_script.choose_precision(flags(amp_impl="apex", opt_level="O3"), "cuda")
+
+
+def test_the_apex_amp_branch_of_the_loop(tmp_path, monkeypatch):
+    """The loop with apex.amp, on the CPU, through a stand-in with apex.amp's interface:
+    amp.initialize before DDP, backward inside amp.scale_loss, clipping on
+    amp.master_params, FusedSGD as the optimizer, amp's state in the checkpoint."""
+    calls = {"initialize": [], "scale_loss": 0, "master_params": 0, "load_state_dict": []}
+
+    def initialize(model, optimizer, opt_level, verbosity=1):
+        calls["initialize"].append((type(optimizer), opt_level))
+        return model, optimizer
+
+    @contextlib.contextmanager
+    def scale_loss(loss, optimizer):
+        calls["scale_loss"] += 1
+        yield loss * 1.0
+
+    def master_params(optimizer):
+        calls["master_params"] += 1
+        for group in optimizer.param_groups:
+            yield from group["params"]
+
+    amp = _module("apex.amp", initialize=initialize, scale_loss=scale_loss, master_params=master_params,
+                  state_dict=lambda: {"loss_scaler0": {"loss_scale": 1024.0, "unskipped": calls["scale_loss"]}},
+                  load_state_dict=lambda state: calls["load_state_dict"].append(state))
+    # The CPU has no real apex: hand train() the precision that a GPU with an old apex would get.
+    monkeypatch.setattr(apex_script, "choose_precision",
+                        lambda args, device_type: apex_script.Precision("fp16", None, "O1", FakeFusedSGD, amp))
+    common = [*SMALL, "--amp-impl", "apex", "--clip-grad", "1.0", "--checkpoint-dir", tmp_path / "ckpt"]
+    run_in_this_process([*common, "--max-steps", "2", "--metrics", tmp_path / "m.jsonl"])
+    assert calls["initialize"] == [(FakeFusedSGD, "O1")]
+    assert calls["scale_loss"] == calls["master_params"] == 2
+    record = end_record(tmp_path / "m.jsonl")
+    assert (record["strategy"], record["amp"], record["amp_impl"], record["opt_level"]) == \
+        ("ddp-amp-apex", "fp16", "apex", "O1")
+    saved = torch.load(tmp_path / "ckpt" / "checkpoint.pt", weights_only=True)
+    assert saved["scaler"] == {"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 2}}
+    run_in_this_process([*common, "--max-steps", "3", "--resume"])
+    assert calls["load_state_dict"] == [saved["scaler"]]  # amp's loss scale is resumed
+
+
+# --- GPU ------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_fp16_on_cuda(tmp_path):
+    nproc = min(2, torch.cuda.device_count())
+    torchrun(nproc, SCRIPT, [*SMALL, "--amp", "fp16", "--metrics", tmp_path / "m.jsonl",
+                             "--checkpoint-dir", tmp_path / "ckpt"])
+    record = end_record(tmp_path / "m.jsonl")
+    assert record["amp"] == "fp16" and record["device"] != "cpu" and record["world_size"] == nproc
+    assert record["test_samples"] == 100
+    state = torch.load(tmp_path / "ckpt" / "checkpoint.pt", weights_only=True)
+    assert state["scaler"]["scale"] > 0 and state["global_step"] == 256 // 32
