@@ -1,0 +1,123 @@
+"""Train a CIFAR ResNet with DistributedDataParallel and gradient accumulation, launched by torchrun.
+
+Each optimizer step sums the gradients of k micro-batches per process before it
+updates the weights, so a global batch too large for the GPUs' memory still
+trains as one batch. DDP's no_sync() skips the gradient all-reduce on the first
+k-1 micro-batches: one all-reduce per optimizer step instead of k. Without GPUs
+the processes run on the CPU (gloo).
+
+    # one process (one GPU, or the CPU): 4 micro-batches of 32 per step
+    python distributed_gradient_accumulation.py --dataset synthetic --epochs 1 --accum-steps 4
+
+    # one node, all its GPUs (4 here): 4 GPUs x 2 micro-batches of 64 per step
+    torchrun --standalone --nproc_per_node=4 distributed_gradient_accumulation.py \
+        --batch-size 512 --accum-steps 2
+
+    # two nodes with 8 GPUs each: run on both, with --node_rank=1 on the second
+    torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 \
+        --rdzv-backend=c10d --rdzv-endpoint=HOST_OF_NODE_0:29500 distributed_gradient_accumulation.py \
+        --batch-size 4096 --accum-steps 4
+
+--batch-size is the global batch: each of the N processes runs k micro-batches
+of batch-size / (N x k) per optimizer step (k = --accum-steps).
+"""
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from models import build_model
+from utils import cli, data, distributed as dist_utils, metrics, replicas, schedule
+from utils.run import TrainingRun
+
+
+def main(argv=None):
+    # --- arguments --------------------------------------------------------------------
+    parser = cli.build_parser(__doc__)
+    replicas.add_flags(parser)
+    g = parser.add_argument_group("ddp-accum")
+    g.add_argument("--accum-steps", "--grad_accu_steps", type=cli.positive_int, default=1,
+                   help="micro-batches per optimizer step and process (gradient accumulation)")
+    args = cli.parse_args(parser, argv)
+
+    # --- distributed setup ------------------------------------------------------------
+    # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; init_process_group
+    # reads them (env://). Under plain `python` none is set: one process, no process group.
+    micro_batch = cli.split_batch(args.batch_size, dist_utils.world_size_from_env(), args.accum_steps)
+    env = dist_utils.setup_from_env(timeout_s=args.dist_timeout)
+    try:
+        train(args, env, micro_batch)
+    finally:
+        dist_utils.cleanup()  # also when training raises: no rank is left in the group
+
+
+def train(args, env, micro_batch):
+    dist_utils.seed_everything(args.seed)
+    accum_steps = args.accum_steps
+
+    # --- data -------------------------------------------------------------------------
+    train_set, test_set = data.build_datasets(args, env)
+    # The sampler cuts the data into global batches; the loader hands each process
+    # its share of one as accum_steps micro-batches, in order.
+    train_loader = data.train_loader(train_set, micro_batch, args.batch_size, env, args)
+    test_loader = data.eval_loader(test_set, 2 * micro_batch, env, args)
+    steps_per_epoch = data.steps_per_epoch(len(train_set), args.batch_size)  # optimizer steps
+
+    # --- model ------------------------------------------------------------------------
+    model = build_model(args.model, data.NUM_CLASSES).to(env.device)
+    if args.sync_bn:  # batch statistics over the global batch instead of each GPU's slice
+        model = replicas.convert_sync_bn(model, env)
+    if env.distributed:
+        # DDP broadcasts rank 0's weights to every rank here, then all-reduces (averages)
+        # gradients bucket by bucket while backward is still running.
+        ddp_model = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
+        no_sync = ddp_model.no_sync
+    else:
+        ddp_model = model
+        no_sync = contextlib.nullcontext  # one process: there is no all-reduce to skip
+
+    # --- optimizer --------------------------------------------------------------------
+    optimizer = torch.optim.SGD(model.parameters(), lr=schedule.scaled_lr(args), momentum=args.momentum,
+                                nesterov=args.nesterov, weight_decay=args.weight_decay)
+    scheduler = schedule.warmup_multistep(optimizer, args, steps_per_epoch)
+    run = TrainingRun(args, env, model, optimizer, scheduler, steps_per_epoch=steps_per_epoch,
+                      strategy="ddp-accum", extra_record={"accum_steps": accum_steps})
+
+    # --- training loop ----------------------------------------------------------------
+    for epoch in run.epochs():
+        # A new shuffle every epoch; without set_epoch every epoch repeats the first order.
+        train_loader.sampler.set_epoch(epoch, start_step=run.step_in_epoch)
+        ddp_model.train()
+        for micro_step, (images, targets) in enumerate(run.progress(train_loader)):
+            images = images.to(env.device, non_blocking=True)
+            targets = targets.to(env.device, non_blocking=True)
+            last_micro_batch = (micro_step + 1) % accum_steps == 0
+            # The gradients only need averaging over the ranks once they are complete, after
+            # the last micro-batch: no_sync() skips the all-reduce of the other k-1, which
+            # keep accumulating locally in .grad. Forward must be inside no_sync() too: DDP
+            # decides during forward whether the coming backward all-reduces, so with only
+            # backward inside, every micro-batch is still all-reduced (a known bug).
+            with contextlib.nullcontext() if last_micro_batch else no_sync():
+                logits = ddp_model(images)
+                loss = F.cross_entropy(logits, targets)
+                # .grad sums over micro-batches; dividing by k makes it the mean over the
+                # global batch, the gradient that one big batch would give.
+                (loss / accum_steps).backward()
+            run.meter.update(loss.detach(), logits.detach(), targets)  # mean over micro-batches
+            if not last_micro_batch:
+                continue
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            if run.step_done():  # counts the step, checkpoints when due; True at --max-steps
+                break
+        # Evaluate the unwrapped model: exact over all ranks, see metrics.evaluate.
+        run.end_epoch(metrics.evaluate(model, test_loader, env.device))
+    run.finish()
+    if args.verify_sync:
+        replicas.verify_sync(model)
+
+
+if __name__ == "__main__":
+    cli.run_main(main)

@@ -1,0 +1,143 @@
+"""Compare the weights of two checkpoints tensor by tensor.
+
+    python scripts/compare_models.py runs/a/checkpoint.pt runs/b/checkpoint.pt
+    python scripts/compare_models.py A.pt B.pt --atol 1e-6 --what all
+
+Reads checkpoints written by these scripts (the "model" entry; with --what also the
+optimizer state) or a plain state_dict saved with torch.save. A leading "module."
+(left by saving a DDP or DataParallel wrapper's state_dict) is ignored, so a
+wrapped and an unwrapped model compare by their real names.
+
+Lists the tensors whose largest absolute difference exceeds --atol, the tensors
+present in only one file and those whose shapes differ, or says that they match.
+Exit status: 0 they match, 1 they differ, 2 a file cannot be read.
+"""
+import argparse
+import os
+import sys
+
+# `python scripts/compare_models.py` puts scripts/ on sys.path, not the repository root.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from utils import checkpoint  # noqa: E402
+from utils.cli import UsageError  # noqa: E402
+
+
+def read_state(path: str) -> dict:
+    """The whole checkpoint, or {"model": state_dict} for a plain state_dict file."""
+    if not os.path.isfile(path):
+        raise UsageError(f"no file at {path}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise UsageError(f"cannot read {path}: it is corrupt or not a PyTorch file "
+                         f"({type(exc).__name__}: {first})") from None
+    if not isinstance(state, dict):
+        raise UsageError(f"{path} holds a {type(state).__name__}, not a checkpoint or a state_dict")
+    if state.get("format") == checkpoint.FORMAT:
+        return state
+    if state and all(isinstance(v, torch.Tensor) for v in state.values()):
+        return {"model": state}
+    raise UsageError(f"{path} is neither a checkpoint of these scripts (format {checkpoint.FORMAT!r}) "
+                     "nor a state_dict of tensors")
+
+
+def flatten(obj, prefix: str = "") -> dict:
+    """Nested dicts and lists (an optimizer state_dict) as {"a.b.0": tensor or value}."""
+    if isinstance(obj, dict):
+        items = obj.items()
+    elif isinstance(obj, (list, tuple)):
+        items = enumerate(obj)
+    else:
+        return {prefix: obj}
+    flat = {}
+    for key, value in items:
+        flat.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def model_tensors(state: dict, path: str) -> dict:
+    if "model" not in state:
+        raise UsageError(f"{path} has no model weights")
+    # DDP and DataParallel prefix every name with "module."; the weights are the same.
+    return {(k[len("module."):] if k.startswith("module.") else k): v for k, v in state["model"].items()}
+
+
+def entries(state: dict, path: str, what: str) -> dict:
+    found = {}
+    if what in ("model", "all"):
+        found.update({f"model.{k}": v for k, v in model_tensors(state, path).items()})
+    if what in ("optimizer", "all"):
+        if not state.get("optimizer"):
+            raise UsageError(f"{path} has no optimizer state (a plain state_dict holds only weights)")
+        found.update(flatten(state["optimizer"], "optimizer"))
+    return found
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.numel() == 0:
+        return 0.0
+    if a.dtype == torch.bool:
+        return float((a != b).any())
+    # float64 so that integer counters and low-precision floats subtract exactly.
+    a, b = a.double(), b.double()
+    diff = (a - b).abs()
+    # NaN in the same place on both sides is the same value; NaN on one side only stays NaN.
+    diff = torch.where(a.isnan() & b.isnan(), torch.zeros_like(diff), diff)
+    return diff.max().item()
+
+
+def compare(a: dict, b: dict, atol: float) -> list:
+    """Lines describing every difference between the flat dicts a and b."""
+    lines = []
+    for name in sorted(a.keys() | b.keys()):
+        if name not in b:
+            lines.append(f"only in A: {name}")
+        elif name not in a:
+            lines.append(f"only in B: {name}")
+        else:
+            x, y = a[name], b[name]
+            if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+                if x.shape != y.shape:
+                    lines.append(f"shape differs: {name} {tuple(x.shape)} vs {tuple(y.shape)}")
+                else:
+                    diff = max_abs_diff(x, y)
+                    if diff > atol or diff != diff:  # diff != diff: a NaN on one side
+                        lines.append(f"differs: {name} max |A-B| = {diff:.6g}")
+            elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+                lines.append(f"type differs: {name} {type(x).__name__} vs {type(y).__name__}")
+            elif x != y:  # plain values: lr, momentum, step counters
+                lines.append(f"differs: {name} {x!r} vs {y!r}")
+    return lines
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("a", metavar="A.pt")
+    parser.add_argument("b", metavar="B.pt")
+    parser.add_argument("--atol", type=float, default=0.0,
+                        help="largest absolute difference still counted as equal (default 0: bitwise)")
+    parser.add_argument("--what", choices=["model", "optimizer", "all"], default="model",
+                        help="compare the model weights, the optimizer state, or both (default: model)")
+    args = parser.parse_args(argv)
+    try:
+        a = entries(read_state(args.a), args.a, args.what)
+        b = entries(read_state(args.b), args.b, args.what)
+    except UsageError as err:
+        print(f"compare_models.py: error: {err}", file=sys.stderr)
+        return 2
+    lines = compare(a, b, args.atol)
+    print(f"A = {args.a}\nB = {args.b}")
+    if not lines:
+        print(f"match: {len(a)} entries ({args.what}), max |A-B| <= {args.atol:g}")
+        return 0
+    print("\n".join(lines))
+    print(f"{len(lines)} of {len(a.keys() | b.keys())} entries differ ({args.what}, atol {args.atol:g})")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""scripts/compare_models.py: real checkpoints through the command line, and the
+comparison rules (module. prefix, shapes, missing tensors, --atol) in process."""
+import importlib.util
+
+import pytest
+import torch
+
+from conftest import ROOT, SMALL, run_script, subprocess_env
+
+TOOL = "scripts/compare_models.py"
+
+
+def run_tool(args, cwd=ROOT):
+    """As a user runs it: no PYTHONPATH, so the tool must find utils/ by itself."""
+    env = subprocess_env()
+    env.pop("PYTHONPATH")
+    return run_script([ROOT / TOOL, *args], timeout=60, check=False, env=env, cwd=cwd)
+
+
+def load_module(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_tool():
+    return load_module("compare_models", ROOT / TOOL)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Two runs of distributed.py with the same flags and one with another seed, 2
+    steps each; in this process, which spares three `import torch` subprocesses."""
+    root = tmp_path_factory.mktemp("runs")
+    paths = {}
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+            mp.delenv(name, raising=False)  # one process, no process group
+        for name, seed in (("first", 0), ("again", 0), ("other_seed", 1)):
+            script = load_module("distributed", ROOT / "distributed.py")
+            script.main([*SMALL, "--max-steps", "2", "--seed", str(seed), "--checkpoint-dir", str(root / name)])
+            paths[name] = root / name / "checkpoint.pt"
+    return paths
+
+
+def test_identical_runs_match(checkpoints):
+    proc = run_tool([checkpoints["first"], checkpoints["again"], "--what", "all"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "match:" in proc.stdout
+    assert "differs" not in proc.stdout
+
+
+def test_different_seeds_differ(checkpoints, capsys):
+    # In process: one more `import torch` in a subprocess would add seconds, not coverage.
+    assert load_tool().main([str(checkpoints["first"]), str(checkpoints["other_seed"])]) == 1
+    out = capsys.readouterr().out
+    assert "differs: model.conv1.weight max |A-B| = " in out
+    assert "differs: model.fc.weight max |A-B| = " in out
+    assert "match:" not in out
+
+
+def test_corrupt_file_is_one_line_and_exit_2(checkpoints, tmp_path):
+    corrupt = tmp_path / "corrupt.pt"
+    corrupt.write_bytes(checkpoints["first"].read_bytes()[:1000])  # a save cut short
+    proc = run_tool([checkpoints["first"], corrupt], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot read" in lines[0] and str(corrupt) in lines[0], proc.stderr
+
+
+# --- the rules, in process on small hand-made files ---------------------------------------
+
+def state_dict():
+    torch.manual_seed(0)
+    return {"conv.weight": torch.randn(4, 3, 3, 3), "fc.weight": torch.randn(10, 4),
+            "fc.bias": torch.zeros(10), "bn.num_batches_tracked": torch.tensor(7)}
+
+
+def test_plain_state_dict_with_ddp_prefix_matches(tmp_path, capsys):
+    tool = load_tool()
+    torch.save(state_dict(), tmp_path / "plain.pt")
+    torch.save({"module." + k: v for k, v in state_dict().items()}, tmp_path / "wrapped.pt")
+    assert tool.main([str(tmp_path / "plain.pt"), str(tmp_path / "wrapped.pt")]) == 0
+    assert "match: 4 entries" in capsys.readouterr().out
+
+
+def test_shape_missing_and_value_differences_are_listed(tmp_path, capsys):
+    tool = load_tool()
+    changed = state_dict()
+    changed["fc.weight"] = changed["fc.weight"][:5]
+    del changed["fc.bias"]
+    changed["extra.weight"] = torch.ones(2)
+    changed["conv.weight"] = changed["conv.weight"] + 0.25
+    torch.save(state_dict(), tmp_path / "a.pt")
+    torch.save(changed, tmp_path / "b.pt")
+    assert tool.main([str(tmp_path / "a.pt"), str(tmp_path / "b.pt")]) == 1
+    out = capsys.readouterr().out
+    assert "shape differs: model.fc.weight (10, 4) vs (5, 4)" in out
+    assert "only in A: model.fc.bias" in out
+    assert "only in B: model.extra.weight" in out
+    assert "differs: model.conv.weight max |A-B| = 0.25" in out
+    assert "bn.num_batches_tracked" not in out
+
+
+def test_atol_allows_small_differences(tmp_path, capsys):
+    tool = load_tool()
+    nudged = state_dict()
+    nudged["fc.weight"] = nudged["fc.weight"] + 1e-7
+    torch.save(state_dict(), tmp_path / "a.pt")
+    torch.save(nudged, tmp_path / "b.pt")
+    assert tool.main([str(tmp_path / "a.pt"), str(tmp_path / "b.pt")]) == 1
+    assert tool.main([str(tmp_path / "a.pt"), str(tmp_path / "b.pt"), "--atol", "1e-6"]) == 0
+    capsys.readouterr()
+
+
+def test_not_a_state_dict_is_exit_2(tmp_path, capsys):
+    tool = load_tool()
+    torch.save([1, 2, 3], tmp_path / "list.pt")
+    torch.save(state_dict(), tmp_path / "a.pt")
+    assert tool.main([str(tmp_path / "a.pt"), str(tmp_path / "list.pt")]) == 2
+    assert tool.main([str(tmp_path / "a.pt"), str(tmp_path / "missing.pt")]) == 2
+    assert tool.main([str(tmp_path / "a.pt"), str(tmp_path / "a.pt"), "--what", "optimizer"]) == 2
+    err = capsys.readouterr().err
+    assert "not a checkpoint or a state_dict" in err and "no file at" in err and "no optimizer state" in err
