@@ -46,6 +46,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from models import build_model
 from utils import cli, data, distributed as dist_utils, metrics, replicas, schedule
+from utils.device_data import DeviceTrainLoader
 from utils.run import TrainingRun
 
 AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -55,6 +56,7 @@ def main(argv=None):
     # --- arguments --------------------------------------------------------------------
     parser = cli.build_parser(__doc__)
     replicas.add_flags(parser)
+    cli.add_fast_path_flags(parser)
     g = parser.add_argument_group("mixed precision")
     g.add_argument("--amp", choices=sorted(AMP_DTYPES), default=None,
                    help="autocast dtype; without the flag fp16 on CUDA, bf16 on the CPU")
@@ -95,19 +97,29 @@ def train(args, env, per_device_batch, precision):
 
     # --- data -------------------------------------------------------------------------
     train_set, test_set = data.build_datasets(args, env)
-    train_loader = data.train_loader(train_set, per_device_batch, args.batch_size, env, args)
+    if args.data_on_gpu:  # fast path: the training set in device memory, augmented there
+        train_loader = DeviceTrainLoader(train_set, per_device_batch, args.batch_size, env, args)
+    else:
+        train_loader = data.train_loader(train_set, per_device_batch, args.batch_size, env, args)
     test_loader = data.eval_loader(test_set, 2 * per_device_batch, env, args)
     steps_per_epoch = data.steps_per_epoch(len(train_set), args.batch_size)
 
     # --- model ------------------------------------------------------------------------
-    model = build_model(args.model, data.NUM_CLASSES).to(env.device)
+    # channels_last (NHWC) is the layout tensor-core convolutions want: no transposes.
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    model = build_model(args.model, data.NUM_CLASSES).to(env.device, memory_format=memory_format)
     if args.sync_bn:  # batch statistics over the global batch instead of each GPU's slice
         model = replicas.convert_sync_bn(model, env)
 
     # --- optimizer --------------------------------------------------------------------
-    sgd = precision.fused_sgd or torch.optim.SGD  # apex's FusedSGD: one kernel for all tensors
-    optimizer = sgd(model.parameters(), lr=schedule.scaled_lr(args), momentum=args.momentum,
-                    nesterov=args.nesterov, weight_decay=args.weight_decay)
+    # Fused: one kernel updates every parameter (apex's FusedSGD, or torch's on GPUs).
+    if precision.fused_sgd is not None:
+        optimizer = precision.fused_sgd(model.parameters(), lr=schedule.scaled_lr(args), momentum=args.momentum,
+                                        nesterov=args.nesterov, weight_decay=args.weight_decay)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=schedule.scaled_lr(args), momentum=args.momentum,
+                                    nesterov=args.nesterov, weight_decay=args.weight_decay,
+                                    fused=True if env.device.type == "cuda" else None)
 
     # --- mixed precision --------------------------------------------------------------
     apex_amp, dtype = precision.apex_amp, precision.dtype
@@ -129,9 +141,16 @@ def train(args, env, per_device_batch, precision):
     if env.distributed:  # wrapped last, after apex.amp may have recast the model
         # DDP broadcasts rank 0's weights to every rank here, then all-reduces (averages)
         # gradients bucket by bucket while backward is still running.
-        ddp_model = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
+        # gradient_as_bucket_view: .grad tensors are views into DDP's all-reduce buckets,
+        # which saves a copy of every gradient and the memory for it.
+        ddp_model = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
+                        gradient_as_bucket_view=True)
     else:
         ddp_model = model
+    if args.compile:
+        # Compiled around DDP: its optimizer splits the graph at bucket boundaries, so the
+        # all-reduces still overlap backward. The first steps compile (excluded from timing).
+        ddp_model = torch.compile(ddp_model)
     scheduler = schedule.warmup_multistep(optimizer, args, steps_per_epoch)
     run = TrainingRun(args, env, model, optimizer, scheduler, steps_per_epoch=steps_per_epoch,
                       strategy=f"ddp-amp-{args.amp_impl}",
@@ -145,7 +164,7 @@ def train(args, env, per_device_batch, precision):
         train_loader.sampler.set_epoch(epoch, start_step=run.step_in_epoch)
         ddp_model.train()
         for images, targets in run.progress(train_loader):
-            images = images.to(env.device, non_blocking=True)
+            images = images.to(env.device, non_blocking=True, memory_format=memory_format)
             targets = targets.to(env.device, non_blocking=True)
             with autocast():  # forward and loss only: backward follows the forward's dtypes
                 logits = ddp_model(images)

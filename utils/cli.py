@@ -125,6 +125,17 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     return parser
 
 
+def add_fast_path_flags(parser):
+    """Opt-in speed (distributed.py, distributed_apex.py); the default path stays plain."""
+    g = parser.add_argument_group("fast path")
+    g.add_argument("--data-on-gpu", action="store_true",
+                   help="keep the uint8 training set in device memory and augment it there (no loader workers)")
+    g.add_argument("--channels-last", action="store_true",
+                   help="NHWC memory format for the model and inputs (tensor-core convolutions on GPUs)")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (compilation happens in the first steps, outside the timing)")
+
+
 def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.local_rank is not None and "LOCAL_RANK" not in os.environ:

@@ -204,6 +204,8 @@ class TrainingRun:
             "epoch_complete": self.step_in_epoch >= self.steps_per_epoch,
             **train, **eval_metrics, **timing,
             "lr": self.optimizer.param_groups[0]["lr"],
+            "peak_memory_mb": (torch.cuda.max_memory_allocated(self.env.device) / 2**20
+                               if self.env.device.type == "cuda" else None),
             "world_size": self.env.world_size, "global_batch": self.args.batch_size,
             "strategy": self.strategy, "device": device_name(self.env.device), **self.extra_record,
         }

@@ -1,0 +1,196 @@
+"""Train a CIFAR ResNet with nn.DataParallel: one process drives all the GPUs.
+
+At every step DataParallel copies the model to each GPU, splits the batch over
+them, runs the copies in parallel threads and gathers the outputs on the first
+GPU. It is the shortest way to use several GPUs and the slowest (see "why
+DistributedDataParallel is faster" below). Without GPUs the plain module trains
+on the CPU.
+
+    # all visible GPUs (or the CPU)
+    python dataparallel.py --dataset synthetic --epochs 1
+
+    # GPUs 0 to 3, mixed precision in bfloat16
+    python dataparallel.py --gpus 0,1,2,3 --batch-size 512 --amp bf16
+
+--batch-size is the global batch: the one process loads all of it and
+DataParallel hands each of the N GPUs batch-size / N.
+"""
+import argparse
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models import build_model
+from utils import cli, data, distributed as dist_utils, metrics, schedule
+from utils.run import TrainingRun
+
+# --- why DistributedDataParallel is faster --------------------------------------------
+# DataParallel is one Python process. At every step it
+#   - copies the weights and buffers from the first GPU to every other GPU (the copies
+#     live for one forward pass only);
+#   - launches every GPU's kernels from threads of that one process, which take turns
+#     holding the GIL: one CPU core has to keep all the GPUs fed;
+#   - gathers the outputs on the first GPU, computes the loss there and, in backward,
+#     sums every gradient there too; the first GPU does more work and holds more memory
+#     than the others, and runs the optimizer step alone;
+#   - keeps batch-norm running statistics from the first GPU's copy only; the others'
+#     updates are thrown away with the copies.
+# DistributedDataParallel (distributed.py) runs one process per GPU: the weights are
+# copied once at the start, gradients are all-reduced in buckets while backward is still
+# running, and every GPU does the same work.
+
+AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def main(argv=None):
+    # --- arguments --------------------------------------------------------------------
+    parser = cli.build_parser(__doc__)
+    g = parser.add_argument_group("dataparallel")
+    g.add_argument("--gpus", "--gpu", type=gpu_list, default=None, metavar="IDS",
+                   help="GPU ids separated by commas, e.g. 0,1,2,3; without it, every visible GPU")
+    g.add_argument("--amp", choices=sorted(AMP_DTYPES), default=None,
+                   help="mixed precision with torch.amp autocast; without it, float32")
+    args = cli.parse_args(parser, argv)
+
+    # --- devices ----------------------------------------------------------------------
+    # One process and no process group: DataParallel threads the GPUs of this process.
+    device_ids = pick_gpus(args.gpus)
+    device = torch.device("cuda", device_ids[0]) if device_ids else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # the replicas are copied from, and gathered on, this GPU
+    env = dist_utils.DistEnv(0, 0, 1, 1, device, distributed=False)
+    amp_dtype = check_amp(args.amp, device)
+    per_process_batch = cli.split_batch(args.batch_size, 1)  # all of it: DataParallel splits it
+    train(args, env, per_process_batch, device_ids, amp_dtype)
+
+
+def train(args, env, per_process_batch, device_ids, amp_dtype):
+    dist_utils.seed_everything(args.seed)
+    # The input shape never changes: cudnn times its convolution algorithms once, keeps the fastest.
+    torch.backends.cudnn.benchmark = env.device.type == "cuda"
+
+    # --- data -------------------------------------------------------------------------
+    train_set, test_set = data.build_datasets(args, env)
+    train_loader = data.train_loader(train_set, per_process_batch, args.batch_size, env, args)
+    test_loader = data.eval_loader(test_set, 2 * per_process_batch, env, args)
+    steps_per_epoch = data.steps_per_epoch(len(train_set), args.batch_size)
+
+    # --- model ------------------------------------------------------------------------
+    model = build_model(args.model, data.NUM_CLASSES).to(env.device)
+    forward_model = AutocastForward(model, env.device.type, amp_dtype) if amp_dtype else model
+    if device_ids:
+        # Every forward: scatter the batch over device_ids, copy the model to each GPU,
+        # run the copies in threads, gather the outputs on device_ids[0].
+        dp_model = nn.DataParallel(forward_model, device_ids=device_ids)
+    else:
+        dist_utils.print0("no GPU visible: training the plain module on the CPU (DataParallel needs GPUs)")
+        dp_model = forward_model
+
+    # --- optimizer --------------------------------------------------------------------
+    # fused on GPUs: one kernel updates every parameter instead of a few per tensor.
+    optimizer = torch.optim.SGD(model.parameters(), lr=schedule.scaled_lr(args), momentum=args.momentum,
+                                nesterov=args.nesterov, weight_decay=args.weight_decay,
+                                fused=True if env.device.type == "cuda" else None)
+    scheduler = schedule.warmup_multistep(optimizer, args, steps_per_epoch)
+    # float16 gradients can underflow to zero: the scaler multiplies the loss before backward
+    # and divides the gradients before the step. bfloat16 has float32's range: no scaler.
+    scaler = torch.amp.GradScaler(env.device.type, enabled=amp_dtype == torch.float16)
+    run = TrainingRun(args, env, model, optimizer, scheduler, steps_per_epoch=steps_per_epoch,
+                      strategy="dataparallel", scaler=scaler,  # resumes here with --resume
+                      extra_record={"gpus": len(device_ids), "amp": args.amp or "fp32"})
+    # Evaluation runs the unwrapped model in this thread: autocast is entered here.
+    eval_autocast = (lambda: torch.amp.autocast(env.device.type, dtype=amp_dtype)) if amp_dtype else None
+
+    # --- training loop ----------------------------------------------------------------
+    for epoch in run.epochs():
+        # A new shuffle every epoch; without set_epoch every epoch repeats the first order.
+        train_loader.sampler.set_epoch(epoch, start_step=run.step_in_epoch)
+        dp_model.train()
+        for images, targets in run.progress(train_loader):
+            images = images.to(env.device, non_blocking=True)
+            targets = targets.to(env.device, non_blocking=True)
+            logits = dp_model(images)  # gathered on the first GPU
+            loss = F.cross_entropy(logits.float(), targets)  # float32 loss, as autocast would
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()  # gradients of every copy are summed on the first GPU
+            scaler.step(optimizer)  # skipped if float16 gradients overflowed
+            scaler.update()
+            scheduler.step()
+            run.meter.update(loss.detach(), logits.detach(), targets)
+            if run.step_done():  # counts the step, checkpoints when due; True at --max-steps
+                break
+        # Evaluate the unwrapped model on the first GPU: exact, see metrics.evaluate.
+        run.end_epoch(metrics.evaluate(model, test_loader, env.device, autocast=eval_autocast))
+    run.finish()
+
+
+# --- helpers --------------------------------------------------------------------------
+
+class AutocastForward(nn.Module):
+    """Runs the wrapped module's forward under torch.amp.autocast.
+
+    Autocast is thread-local, and DataParallel runs each GPU's copy of the model in a
+    thread of its own. It carries over only whether autocast is on, not the dtype, so an
+    autocast(dtype=bfloat16) around dp_model(images) would leave the copies running in
+    float16 (and older PyTorch carried over nothing: float32). Entering autocast inside
+    forward applies it in whichever thread runs the copy, with the dtype we asked for.
+    """
+
+    def __init__(self, module: nn.Module, device_type: str, dtype: torch.dtype):
+        super().__init__()
+        self.module, self.device_type, self.dtype = module, device_type, dtype
+
+    def forward(self, images):
+        with torch.amp.autocast(self.device_type, dtype=self.dtype):
+            return self.module(images)
+
+
+def gpu_list(text):
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GPU ids separated by commas, like 0,1,2,3; "
+                                         f"got {text!r}") from None
+
+
+def pick_gpus(requested):
+    """The GPU ids to use (all visible ones by default); [] without CUDA."""
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if requested is None:
+        return list(range(visible))
+    if visible == 0:
+        raise cli.UsageError(f"--gpus {','.join(map(str, requested))} asks for GPUs but none is visible; "
+                             "leave out --gpus to train on the CPU")
+    if len(set(requested)) != len(requested):
+        raise cli.UsageError(f"--gpus {','.join(map(str, requested))} names a GPU more than once")
+    missing = [i for i in requested if not 0 <= i < visible]
+    if missing:
+        raise cli.UsageError(f"--gpus: no GPU {missing[0]}; the visible ones are 0 to {visible - 1}")
+    return requested
+
+
+def check_amp(amp, device):
+    """The autocast dtype for --amp, or None for float32."""
+    if amp is None:
+        return None
+    dtype = AMP_DTYPES[amp]
+    if device.type == "cpu":
+        # CPU autocast supports float16 only in recent builds; older ones warn and run float32.
+        try:
+            with torch.amp.autocast("cpu", dtype=dtype):
+                probe = F.conv2d(torch.ones(1, 1, 3, 3), torch.ones(1, 1, 1, 1))
+            supported = probe.dtype == dtype
+        except (RuntimeError, TypeError):
+            supported = False
+        if not supported:
+            raise cli.UsageError(f"--amp {amp}: this PyTorch build cannot autocast to {dtype} on the "
+                                 "CPU; use --amp bf16, or leave --amp out")
+    elif dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise cli.UsageError("--amp bf16: this GPU has no bfloat16 support (it needs Ampere or newer); "
+                             "use --amp fp16")
+    return dtype
+
+
+if __name__ == "__main__":
+    cli.run_main(main)

@@ -1,0 +1,144 @@
+"""dataparallel.py: DataParallel takes the plain module's step, autocast reaches the
+replicas' threads, and the script runs end to end through plain `python`."""
+import os
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import dataparallel
+from conftest import SMALL, read_metrics, run_script, subprocess_env
+from models import build_model
+
+
+def _one_step(model, forward, images, targets):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+    loss = F.cross_entropy(forward(images), targets)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return {name: p.detach().cpu() for name, p in model.named_parameters()}
+
+
+def test_dataparallel_takes_the_plain_modules_step():
+    torch.manual_seed(0)
+    images, targets = torch.randn(16, 3, 32, 32), torch.randint(0, 100, (16,))
+    torch.manual_seed(1)
+    plain = build_model("resnet_tiny", 100)
+    wrapped = build_model("resnet_tiny", 100)
+    wrapped.load_state_dict(plain.state_dict())
+    before = {name: p.detach().clone() for name, p in plain.named_parameters()}
+
+    expected = _one_step(plain, plain, images, targets)
+    got = _one_step(wrapped, nn.DataParallel(wrapped), images, targets)
+
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+    assert not torch.equal(expected["fc.weight"], before["fc.weight"])  # the step did something
+
+
+@pytest.mark.gpu
+def test_dataparallel_on_two_gpus_takes_the_plain_modules_step():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    torch.manual_seed(0)
+    images = torch.randn(64, 3, 32, 32, device="cuda:0")
+    targets = torch.randint(0, 100, (64,), device="cuda:0")
+    torch.manual_seed(1)
+    plain = build_model("resnet_tiny", 100).cuda(0)
+    wrapped = build_model("resnet_tiny", 100).cuda(0)
+    wrapped.load_state_dict(plain.state_dict())
+    # Eval mode: in training mode batch norm normalises each GPU's half of the batch with
+    # that half's statistics, a different (and intended) computation, not a rounding error.
+    plain.eval(), wrapped.eval()
+
+    expected = _one_step(plain, plain, images, targets)
+    got = _one_step(wrapped, nn.DataParallel(wrapped, device_ids=[0, 1]), images, targets)
+
+    for name in expected:  # gradients summed across GPUs in another order: not bitwise
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def _in_a_thread(fn):
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("out", fn()))
+    thread.start()
+    thread.join(timeout=60)
+    return result["out"]
+
+
+def test_autocast_inside_forward_reaches_replica_threads():
+    """DataParallel runs replicas in threads; autocast is thread-local."""
+    model = nn.Linear(8, 4)
+    x = torch.randn(2, 8)
+    # Entered in the calling thread, autocast does not apply in a replica's thread...
+    with torch.amp.autocast("cpu", dtype=torch.bfloat16):
+        assert model(x).dtype == torch.bfloat16
+        assert _in_a_thread(lambda: model(x)).dtype == torch.float32
+    # ...entered inside forward, it does, with the dtype asked for.
+    wrapped = dataparallel.AutocastForward(model, "cpu", torch.bfloat16)
+    assert _in_a_thread(lambda: wrapped(x)).dtype == torch.bfloat16
+    assert set(dict(wrapped.module.named_parameters())) == {"weight", "bias"}
+
+
+def test_end_to_end_on_the_cpu(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    proc = run_script(["dataparallel.py", *SMALL, "--metrics", metrics])  # CUDA hidden: the CPU path
+    assert "no GPU visible: training the plain module on the CPU" in proc.stdout
+    records = read_metrics(metrics)
+    assert [r["event"] for r in records] == ["epoch", "end"]
+    end = records[-1]
+    assert end["world_size"] == 1 and end["strategy"] == "dataparallel"
+    assert end["test_samples"] == 100 and end["global_batch"] == 32 and end["step"] == 256 // 32
+    assert end["amp"] == "fp32" and end["gpus"] == 0 and end["device"] == "cpu"
+    for field in ("epoch", "train_loss", "train_acc1", "test_loss", "test_acc1", "test_acc5",
+                  "epoch_seconds", "images_per_second", "device"):
+        assert field in end, field
+
+
+def test_bf16_autocast_on_the_cpu(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    run_script(["dataparallel.py", *SMALL, "--amp", "bf16", "--max-steps", "3", "--metrics", metrics,
+                "--checkpoint-dir", tmp_path / "ckpt"])
+    end = read_metrics(metrics)[-1]
+    assert end["amp"] == "bf16" and end["step"] == 3 and end["test_samples"] == 100
+    assert end["train_loss"] == pytest.approx(4.6, abs=0.3)  # about ln(100): finite, not diverged
+    state = torch.load(tmp_path / "ckpt" / "checkpoint.pt", map_location="cpu", weights_only=True)
+    assert not state["scaler"]  # bfloat16 needs no loss scaling
+    assert state["model"]["fc.weight"].dtype == torch.float32  # autocast keeps float32 weights
+
+
+def test_gpus_without_gpus_is_one_line_and_exit_2():
+    proc = run_script(["dataparallel.py", *SMALL, "--gpus", "0,1"], check=False, timeout=60)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--gpus 0,1" in lines[0] and "none is visible" in lines[0]
+
+
+def test_gpu_list_rejects_duplicates_and_unknown_ids(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert dataparallel.pick_gpus(None) == [0, 1, 2, 3]
+    assert dataparallel.pick_gpus([2, 0]) == [2, 0]
+    with pytest.raises(dataparallel.cli.UsageError, match="more than once"):
+        dataparallel.pick_gpus([0, 0])
+    with pytest.raises(dataparallel.cli.UsageError, match="no GPU 4"):
+        dataparallel.pick_gpus([0, 4])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("amp", ["fp16", "bf16"])
+def test_end_to_end_on_every_gpu(tmp_path, amp):
+    count = torch.cuda.device_count()
+    env = subprocess_env(CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES",
+                                                             ",".join(map(str, range(count)))))
+    metrics = tmp_path / "metrics.jsonl"
+    run_script(["dataparallel.py", *SMALL, "--amp", amp, "--metrics", metrics,
+                "--checkpoint-dir", tmp_path / "ckpt"], env=env)
+    end = read_metrics(metrics)[-1]
+    assert end["gpus"] == count and end["amp"] == amp and end["test_samples"] == 100
+    state = torch.load(tmp_path / "ckpt" / "checkpoint.pt", map_location="cpu", weights_only=True)
+    assert bool(state["scaler"]) == (amp == "fp16")  # the loss scale is checkpointed

@@ -1,0 +1,184 @@
+"""distributed_mp.py: processes started by mp.spawn, on one node or two simulated on
+localhost, TCP or shared-file rendezvous; bad input stops in the parent, before any
+process starts, with one line and exit status 2."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import distributed_mp
+from conftest import ROOT, SMALL, free_port, read_metrics, run_script, subprocess_env
+
+
+def _one_error_line(proc):
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+def test_two_processes_on_one_node_through_a_shared_file(tmp_path):
+    # The default tcp:// rendezvous is exercised by the tests below; this one meets through
+    # a file, as on a shared file system.
+    metrics = tmp_path / "metrics.jsonl"
+    rendezvous = tmp_path / "rdzv"
+    # 101 test images: shards of 51 and 50, each counted once.
+    proc = run_script(["distributed_mp.py", *SMALL, "--nproc-per-node", "2", "--test-samples", "101",
+                       "--init-method", f"file://{rendezvous}", "--metrics", metrics, "--verify-sync"])
+    assert ("starting 2 processes on node 0 of 1 (world size 2), "
+            f"rendezvous at file://{rendezvous}") in proc.stdout
+    assert proc.stdout.count("done:") == 1  # only global rank 0 prints
+    end = read_metrics(metrics)[-1]
+    assert end["event"] == "end" and end["strategy"] == "ddp-spawn"
+    assert end["world_size"] == 2 and end["global_batch"] == 32
+    assert end["test_samples"] == 101 and end["step"] == 256 // 32
+    # DDP keeps the parameters identical; only batch-norm statistics differ without --sync-bn.
+    assert "running statistics differ unless --sync-bn" in proc.stdout
+    # The store may leave its file behind; a stale one would break the next run, so it is removed.
+    assert not rendezvous.exists()
+
+
+def test_two_nodes_on_localhost(tmp_path):
+    port = free_port()
+    procs = []
+    try:
+        for node_rank in (0, 1):
+            procs.append(subprocess.Popen(
+                [sys.executable, "distributed_mp.py", *SMALL, "--max-steps", "2", "--nodes", "2",
+                 "--node-rank", str(node_rank), "--nproc-per-node", "1", "--ip", "127.0.0.1",
+                 "--port", str(port), "--metrics", tmp_path / f"node{node_rank}.jsonl"],
+                cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        outputs = [p.communicate(timeout=240) for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outputs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+    end = read_metrics(tmp_path / "node0.jsonl")[-1]
+    assert end["world_size"] == 2 and end["step"] == 2 and end["test_samples"] == 100
+    assert not (tmp_path / "node1.jsonl").exists()  # global rank 1 writes nothing
+    assert outputs[1][0] == ""  # ...and prints nothing
+
+
+def _run_in_process(argv, capsys, monkeypatch, gpus=0):
+    """main() as the command line runs it, in this process; no worker may start."""
+    def no_spawn(*args, **kwargs):
+        raise AssertionError("a process was started")
+    monkeypatch.setattr(distributed_mp.mp, "spawn", no_spawn)
+    monkeypatch.setattr(distributed_mp.torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(distributed_mp.torch.cuda, "device_count", lambda: gpus)
+    with pytest.raises(SystemExit) as exit_info:
+        distributed_mp.cli.run_main(distributed_mp.main, argv)
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
+@pytest.mark.parametrize("flags, expected", [
+    (["--nproc-per-node", "2", "--batch-size", "33"],
+     "batch size 33 is not divisible by 2 processes (33 / 2 = 16.5); choose a multiple of 2"),
+    (["--nproc-per-node", "1", "--nodes", "2"], "--nodes 2 needs --port"),
+    (["--nproc-per-node", "1", "--nodes", "2", "--node-rank", "2", "--port", "29500"],
+     "--node-rank 2 with --nodes 2: node ranks go from 0 to 1"),
+    (["--init-method", "http://127.0.0.1:29500"], "use tcp://HOST:PORT or file:///PATH"),
+])
+def test_bad_launch_flags_stop_in_the_parent(flags, expected, capsys, monkeypatch):
+    assert expected in _run_in_process([*SMALL, *flags], capsys, monkeypatch)
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+def test_more_processes_than_gpus_is_refused(capsys, monkeypatch):
+    line = _run_in_process([*SMALL, "--nproc-per-node", "4"], capsys, monkeypatch, gpus=2)
+    assert "--nproc-per-node 4 but only 2 GPUs visible" in line
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+def test_a_stale_rendezvous_file_is_refused(tmp_path, capsys, monkeypatch):
+    stale = tmp_path / "rdzv"
+    stale.write_text("left by a run that crashed")
+    line = _run_in_process([*SMALL, "--init-method", f"file://{stale}"], capsys, monkeypatch)
+    assert "the file exists" in line and str(stale) in line
+    assert stale.read_text() == "left by a run that crashed"  # refused, not deleted
+
+
+def test_port_in_use_is_one_line_and_exit_2():
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        proc = run_script(["distributed_mp.py", *SMALL, "--port", str(port)], check=False, timeout=120)
+    line = _one_error_line(proc)
+    assert f"port {port} on 127.0.0.1 is already in use" in line and "--port" in line.split("use;")[1]
+    assert "starting" not in proc.stdout  # nothing was started
+
+
+def test_bad_input_seen_by_the_workers_is_one_line_and_exit_2(tmp_path):
+    missing = tmp_path / "nothing.pt"
+    proc = run_script(["distributed_mp.py", *SMALL, "--nproc-per-node", "2", "--resume", missing],
+                      check=False, timeout=180)
+    assert _one_error_line(proc) == f"distributed_mp.py: error: no checkpoint at {missing}"
+
+
+def test_a_bug_in_a_worker_shows_its_traceback(tmp_path):
+    # A copy of the script whose rank 0 fails as a bug would, before training.
+    source = (ROOT / "distributed_mp.py").read_text()
+    marker = "    dist_utils.seed_everything(args.seed)\n"
+    assert marker in source
+    buggy = tmp_path / "buggy_mp.py"
+    buggy.write_text(source.replace(marker, marker + "    raise RuntimeError('a bug in rank %d' % env.rank)\n"))
+    proc = run_script([buggy, *SMALL, "--nproc-per-node", "1"], check=False, timeout=180)
+    assert proc.returncode == 1
+    assert "Traceback" in proc.stderr and "RuntimeError: a bug in rank 0" in proc.stderr
+    assert "(in global rank 0)" in proc.stderr
+
+
+def test_sigterm_to_the_parent_checkpoints_and_exits_0(tmp_path):
+    """Like torchrun, the parent forwards SIGTERM: the worker saves, stops and exits 0."""
+    proc = subprocess.Popen(
+        [sys.executable, "distributed_mp.py", *SMALL, "--nproc-per-node", "1", "--epochs", "100",
+         "--checkpoint-dir", tmp_path],
+        cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    watchdog = threading.Timer(240, proc.kill)  # bounds the wait for output below
+    watchdog.start()
+    try:
+        lines = []
+        for line in proc.stdout:  # wait until training is under way
+            lines.append(line)
+            if line.startswith("epoch 1/100"):
+                break
+        assert lines and lines[-1].startswith("epoch 1/100"), "".join(lines)
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode == 0, "".join(lines) + rest
+    assert "on SIGTERM: checkpoint saved" in rest and rest.count("stopping at step") == 1
+    stopped_at = int(rest.split("stopping at step ")[1].split(":")[0].split()[0])
+    state = torch.load(tmp_path / "checkpoint.pt", map_location="cpu", weights_only=True)
+    assert state["global_step"] == stopped_at > 256 // 32  # saved where it stopped, in epoch 2
+
+
+@pytest.mark.gpu
+def test_one_process_per_gpu(tmp_path):
+    count = torch.cuda.device_count()
+    env = subprocess_env(CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES",
+                                                             ",".join(map(str, range(count)))))
+    metrics = tmp_path / "metrics.jsonl"
+    batch = 32 * count
+    proc = run_script(["distributed_mp.py", *SMALL, "--batch-size", batch, "--train-samples", 4 * batch,
+                       "--metrics", metrics], env=env)  # --nproc-per-node defaults to the GPU count
+    assert f"starting {count} process" in proc.stdout
+    end = read_metrics(metrics)[-1]
+    assert end["world_size"] == count and end["test_samples"] == 100 and end["device"] != "cpu"
