@@ -1,13 +1,15 @@
 """Data: CIFAR-100 through torchvision, an offline synthetic stand-in, the
 per-rank training sampler and the exact evaluation sampler.
 
-Augmentation is seeded per sample. The training sampler hands the dataset
-(index, seed) pairs, the seed derived from (--seed, epoch, index); the random crop
-and flip are drawn from that seed alone. So a sample gets the same augmentation
-whatever the number of processes, loader workers, or whether the run was resumed
-in the middle of an epoch: that is what makes runs comparable across strategies
-and resumes exact. torchvision's RandomCrop/RandomHorizontalFlip draw from the
-global RNG of whichever worker happens to load the sample, which is neither.
+Augmentation is planned by the sampler, not drawn inside loader workers. At the
+start of each epoch the sampler draws, from (--seed, epoch) alone, one crop
+offset and one flip per sample of the data set, and hands the dataset
+(index, dy, dx, flip) keys. So a sample gets the same augmentation whatever the
+number of processes or loader workers, whether the run was resumed in the middle
+of an epoch, and whether the images are augmented by workers or on the GPU
+(--data-on-gpu): that is what makes runs comparable across strategies and
+resumes exact. torchvision's RandomCrop/RandomHorizontalFlip draw from the global
+RNG of whichever worker happens to load the sample, which is none of these.
 """
 import math
 
@@ -135,17 +137,36 @@ def _normalize(pixels: torch.Tensor) -> torch.Tensor:
     return (pixels.float() / 255 - mean) / std
 
 
-def augment(pixels: torch.Tensor, seed: int) -> torch.Tensor:
-    """Random crop (4-pixel zero padding) and horizontal flip, drawn from `seed`."""
-    g = torch.Generator().manual_seed(seed)
-    dy, dx, flip = torch.randint(0, 2 * PAD + 1, (3,), generator=g).tolist()
+def crop_flip(pixels: torch.Tensor, dy: int, dx: int, flip: int) -> torch.Tensor:
+    """One CHW uint8 image: crop 32x32 at (dy, dx) of the zero-padded image, flip if asked."""
     padded = torch.nn.functional.pad(pixels, (PAD, PAD, PAD, PAD))
     crop = padded[:, dy:dy + 32, dx:dx + 32]
-    return crop.flip(2) if flip % 2 else crop
+    return crop.flip(2) if flip else crop
+
+
+def crop_flip_batch(padded: torch.Tensor, dy, dx, flip) -> torch.Tensor:
+    """The same for a batch of already padded B x C x 40 x 40 images (two gathers and a
+    select, on whatever device they live): bitwise what crop_flip gives image by image."""
+    b, c = padded.shape[:2]
+    window = torch.arange(32, device=padded.device)
+    rows = (dy.view(b, 1) + window).view(b, 1, 32, 1).expand(b, c, 32, padded.shape[3])
+    out = padded.gather(2, rows)
+    cols = (dx.view(b, 1) + window).view(b, 1, 1, 32).expand(b, c, 32, 32)
+    out = out.gather(3, cols)
+    return torch.where(flip.view(b, 1, 1, 1).bool(), out.flip(3), out)
+
+
+def augmentation_plan(seed: int, epoch: int, num_samples: int) -> torch.Tensor:
+    """num_samples x 3 int64: crop offsets dy, dx in 0..8 and flip in {0, 1} for every
+    sample index, drawn from (seed, epoch) only."""
+    g = torch.Generator().manual_seed((seed * 1_000_003 + epoch) & 0x7FFF_FFFF_FFFF_FFFF)
+    shifts = torch.randint(0, 2 * PAD + 1, (num_samples, 2), generator=g)
+    flips = torch.randint(0, 2, (num_samples, 1), generator=g)
+    return torch.cat([shifts, flips], dim=1)
 
 
 class TrainImages(Dataset):
-    """Training view: keys are (index, augmentation seed) from TrainSampler."""
+    """Training view: keys are (index, dy, dx, flip) from TrainSampler."""
 
     def __init__(self, base):
         self.base = base
@@ -154,9 +175,9 @@ class TrainImages(Dataset):
         return len(self.base)
 
     def __getitem__(self, key):
-        index, seed = key
+        index, dy, dx, flip = key
         image, target = self.base[index]
-        return _normalize(augment(_to_uint8_chw(image), seed)), target
+        return _normalize(crop_flip(_to_uint8_chw(image), dy, dx, flip)), target
 
 
 class TestImages(Dataset):
@@ -188,7 +209,8 @@ class TrainSampler(Sampler):
 
     Step s of the epoch uses permutation positions [s*B, (s+1)*B) of the global
     batch B, split over the ranks, so N processes see exactly the samples that one
-    process sees with the same global batch. Yields (index, augmentation seed).
+    process sees with the same global batch. Yields (index, dy, dx, flip): the
+    sample and its augmentation (see augmentation_plan).
     """
 
     def __init__(self, num_samples: int, global_batch: int, rank: int, world_size: int, seed: int):
@@ -211,18 +233,17 @@ class TrainSampler(Sampler):
     def __len__(self):
         return self._per_rank() - self.start_step * self.global_batch // self.world_size
 
-    def __iter__(self):
+    def epoch_plan(self) -> torch.Tensor:
+        """This rank's remaining samples of the epoch: rows of (index, dy, dx, flip)."""
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         order = torch.randperm(self.num_samples, generator=g)
         mine = order[self.rank::self.world_size][:self._per_rank()]
         mine = mine[self.start_step * self.global_batch // self.world_size:]
-        for index in mine.tolist():
-            yield index, sample_seed(self.seed, self.epoch, index)
+        plan = augmentation_plan(self.seed, self.epoch, self.num_samples)
+        return torch.cat([mine.unsqueeze(1), plan[mine]], dim=1)
 
-
-def sample_seed(seed: int, epoch: int, index: int) -> int:
-    # Any injective-enough mix works; this keeps seeds distinct across epochs.
-    return ((seed * 1_000_003 + epoch) * 10_000_019 + index) & 0x7FFF_FFFF_FFFF_FFFF
+    def __iter__(self):
+        return iter(map(tuple, self.epoch_plan().tolist()))
 
 
 class ShardSampler(Sampler):

@@ -49,8 +49,8 @@ class DeviceTrainLoader:
         return len(self.sampler) // self.batch
 
     def __iter__(self):
-        # The sampler's (index, dy, dx, flip) tuples for the rest of this epoch, as one tensor.
-        plan = torch.tensor(list(self.sampler), dtype=torch.int64).view(-1, 4).to(self.device)
+        # The sampler's (index, dy, dx, flip) rows for the rest of this epoch, as one tensor.
+        plan = self.sampler.epoch_plan().to(self.device)
         for start in range(0, len(plan) - self.batch + 1, self.batch):
             index, dy, dx, flip = plan[start:start + self.batch].unbind(1)
             crops = data.crop_flip_batch(self.padded[index], dy, dx, flip)
