@@ -28,7 +28,12 @@ def atomic_save(obj, path: str):
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    umask = os.umask(0)
+    os.umask(umask)
     try:
+        # mkstemp makes the file private (0600); give it the mode any new file gets, so
+        # that colleagues sharing the directory can read and resume it.
+        os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
             f.flush()

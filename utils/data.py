@@ -83,29 +83,38 @@ def _cifar100(data_dir: str, train: bool, download: bool):
         test_list = [[name, None] for name, _ in torchvision.datasets.CIFAR100.test_list]
         meta = dict(torchvision.datasets.CIFAR100.meta, md5=None)
 
+        def __getitem__(self, index):
+            # The HWC uint8 array as stored; torchvision would make a PIL image of it
+            # only for us to turn it back into an array.
+            return self.data[index], self.targets[index]
+
     return CIFAR100(data_dir, train=train, download=download)
 
 
 def _load_cifar100(args, env: DistEnv):
     """CIFAR-100 from --data-dir; downloaded once per node, by local rank 0 only."""
-    error = None
-    if env.local_rank == 0:
+    def attempt(download):
         try:
-            train = _cifar100(args.data_dir, True, download=True)
-            test = _cifar100(args.data_dir, False, download=True)
-        except Exception as exc:  # no network, disk full, corrupt archive, ...
-            error = exc
-    # Every rank learns whether local rank 0 succeeded: a plain barrier would leave
-    # the others waiting forever if it failed.
-    if not all_ranks_ok(error is None, env.device):
-        detail = f" ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})" if error else ""
+            return (_cifar100(args.data_dir, True, download), _cifar100(args.data_dir, False, download)), None
+        except Exception as exc:  # no network, disk full, corrupt archive, unreadable file, ...
+            return None, exc
+
+    def fail(error):
+        detail = f" ({type(error).__name__}: {(str(error).splitlines() or [''])[0]})" if error else ""
         raise UsageError(
             f"CIFAR-100 is not in --data-dir {args.data_dir} and could not be downloaded{detail}; "
             "put cifar-100-python/ there or use --dataset synthetic for an offline run")
+
+    # Local rank 0 first, the others after it. Every rank learns whether each stage
+    # worked: a plain barrier would leave the others waiting forever if it failed.
+    splits, error = attempt(download=True) if env.local_rank == 0 else (None, None)
+    if not all_ranks_ok(error is None, env.device):
+        fail(error)
     if env.local_rank != 0:
-        train = _cifar100(args.data_dir, True, download=False)
-        test = _cifar100(args.data_dir, False, download=False)
-    return train, test
+        splits, error = attempt(download=False)
+    if not all_ranks_ok(error is None, env.device):
+        fail(error)
+    return splits
 
 
 def _first(dataset, n):
@@ -126,8 +135,8 @@ def build_datasets(args, env: DistEnv):
 
 
 def _to_uint8_chw(image) -> torch.Tensor:
-    if not isinstance(image, np.ndarray):  # a PIL image from torchvision's CIFAR100
-        image = np.asarray(image)
+    if not isinstance(image, np.ndarray):  # a PIL image from another torchvision data set
+        image = np.array(image)  # a writable copy: np.asarray of a PIL image is read-only
     return torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)
 
 

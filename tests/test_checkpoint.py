@@ -1,0 +1,218 @@
+"""Checkpoints: atomic writes, weights_only reads, and one-line errors for files
+that are not ours."""
+import os
+import random
+import signal
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import SMALL, run_script
+from models import build_model
+from utils import checkpoint, cli, schedule
+from utils.distributed import DistEnv
+from utils.run import TrainingRun
+
+ONE_CPU_PROCESS = DistEnv(0, 0, 1, 1, torch.device("cpu"), False)
+
+
+def state(value: float) -> dict:
+    return {"format": checkpoint.FORMAT, "model": {"w": torch.full((64, 64), value)}, "epoch": 1}
+
+
+# --- atomic writes ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("crash", [RuntimeError("No space left on device"), KeyboardInterrupt()])
+def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch, crash):
+    path = tmp_path / "checkpoint.pt"
+    checkpoint.atomic_save(state(1.0), str(path))
+    real_save = torch.save
+    during = {}
+
+    def half_then_crash(obj, f, *args, **kwargs):
+        real_save(obj, f, *args, **kwargs)
+        f.truncate(100)  # what a full disk or a kill leaves behind
+        during["files"] = sorted(os.listdir(tmp_path))
+        raise crash
+
+    monkeypatch.setattr(torch, "save", half_then_crash)
+    with pytest.raises(type(crash)):
+        checkpoint.atomic_save(state(2.0), str(path))
+    monkeypatch.undo()
+
+    # The new bytes went to a temporary file beside the checkpoint, never into it ...
+    assert len(during["files"]) == 2 and "checkpoint.pt" in during["files"]
+    # ... which is gone, and the previous checkpoint is whole.
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint.pt"]
+    loaded = checkpoint.load(str(path))
+    assert torch.equal(loaded["model"]["w"], torch.full((64, 64), 1.0))
+
+
+def test_save_replaces_the_previous_checkpoint(tmp_path):
+    path = tmp_path / "sub" / "checkpoint.pt"  # the directory is created
+    checkpoint.atomic_save(state(1.0), str(path))
+    checkpoint.atomic_save(state(3.0), str(path))
+    assert os.listdir(path.parent) == ["checkpoint.pt"]
+    assert torch.equal(checkpoint.load(str(path))["model"]["w"], torch.full((64, 64), 3.0))
+
+
+def test_checkpoint_gets_the_permissions_of_any_new_file(tmp_path):
+    # A checkpoint in a shared project folder must be readable by whoever may resume
+    # the run, as torch.save(obj, path) would leave it: the umask decides, not the
+    # private 0600 of a temporary file.
+    umask = os.umask(0o022)
+    try:
+        checkpoint.atomic_save(state(1.0), str(tmp_path / "checkpoint.pt"))
+        torch.save(state(1.0), tmp_path / "plain.pt")
+    finally:
+        os.umask(umask)
+    mode = os.stat(tmp_path / "checkpoint.pt").st_mode & 0o777
+    assert mode == os.stat(tmp_path / "plain.pt").st_mode & 0o777 == 0o644
+
+
+# --- reading files that are not checkpoints -----------------------------------------------
+
+def _write_bytes(path, raw):
+    path.write_bytes(raw)
+    return path
+
+
+class NotATensor:
+    pass
+
+
+@pytest.mark.parametrize("make, fragment", [
+    (lambda p: _write_bytes(p, os.urandom(4096)), "corrupt"),
+    (lambda p: _write_bytes(p, b""), "corrupt"),
+    (lambda p: (checkpoint.atomic_save(state(1.0), str(p)),
+                _write_bytes(p, p.read_bytes()[:len(p.read_bytes()) // 2]))[1], "corrupt"),
+    (lambda p: torch.save({"w": torch.zeros(3)}, p), "not a checkpoint written by these scripts"),
+    (lambda p: torch.save(torch.zeros(3), p), "not a checkpoint written by these scripts"),
+    (lambda p: torch.save({"format": "someone-else/1"}, p), "not a checkpoint written by these scripts"),
+    # Pickled code: weights_only refuses to run it, and so do we.
+    (lambda p: torch.save({"format": checkpoint.FORMAT, "x": NotATensor()}, p), "corrupt or not a PyTorch"),
+])
+def test_unreadable_files_are_a_usage_error(tmp_path, make, fragment):
+    path = tmp_path / "model.pt"
+    make(path)
+    with pytest.raises(cli.UsageError) as excinfo:
+        checkpoint.load(str(path))
+    message = str(excinfo.value)
+    assert fragment in message and str(path) in message
+    assert "\n" not in message and len(message) < 400
+
+
+def test_missing_checkpoint_is_a_usage_error(tmp_path):
+    with pytest.raises(cli.UsageError, match="no checkpoint at"):
+        checkpoint.load(str(tmp_path / "nope.pt"))
+
+
+# --- a real checkpoint ----------------------------------------------------------------------
+
+@pytest.fixture
+def keep_signal_handlers():
+    # TrainingRun installs SIGTERM/SIGUSR1 handlers (clean stop); give pytest its own back.
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def args_for(*argv):
+    return cli.parse_args(cli.build_parser(""), [*SMALL, *map(str, argv)])
+
+
+def make_run(args, model_name="resnet_tiny"):
+    torch.manual_seed(0)
+    model = build_model(model_name, 100)
+    optimizer = torch.optim.SGD(model.parameters(), lr=schedule.scaled_lr(args), momentum=args.momentum,
+                                weight_decay=args.weight_decay)
+    scheduler = schedule.warmup_multistep(optimizer, args, 8)
+    run = TrainingRun(args, ONE_CPU_PROCESS, model, optimizer, scheduler, steps_per_epoch=8, strategy="test")
+    return run, model, optimizer
+
+
+def take_one_step(run, model, optimizer):
+    epochs = run.epochs()
+    next(epochs)
+    images, targets = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
+    logits = model(images)
+    loss = F.cross_entropy(logits, targets)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    run.scheduler.step()
+    run.meter.update(loss.detach(), logits.detach(), targets)
+    run.step_done()
+    run.save()
+
+
+def test_checkpoint_reads_with_weights_only_and_resumes(tmp_path, keep_signal_handlers):
+    directory = tmp_path / "run"
+    run, model, optimizer = make_run(args_for("--checkpoint-dir", directory))
+    take_one_step(run, model, optimizer)
+    path = directory / "checkpoint.pt"
+    assert sorted(os.listdir(directory)) == ["checkpoint.pt", "config.json"]
+
+    saved = torch.load(path, map_location="cpu", weights_only=True)  # no pickled code needed
+    assert saved["format"] == checkpoint.FORMAT
+    assert {"model", "optimizer", "scheduler", "scaler", "epoch", "step_in_epoch", "global_step",
+            "train_sums", "rng", "config"} <= set(saved)
+    assert (saved["epoch"], saved["step_in_epoch"], saved["global_step"]) == (0, 1, 1)
+    assert saved["train_sums"][2] == 4  # the four images of the step
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(saved["model"][name], tensor), name
+    assert all("momentum_buffer" in s for s in saved["optimizer"]["state"].values())
+    assert saved["config"]["batch_size"] == 32 and saved["config"]["model"] == "resnet_tiny"
+
+    resumed, model2, optimizer2 = make_run(args_for("--checkpoint-dir", directory, "--resume"))
+    assert (resumed.epoch, resumed.step_in_epoch, resumed.global_step) == (0, 1, 1)
+    for (name, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert resumed.scheduler.last_epoch == run.scheduler.last_epoch == 1
+    assert optimizer2.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
+
+
+def test_resume_refuses_another_model(tmp_path, keep_signal_handlers):
+    directory = tmp_path / "run"
+    run, model, optimizer = make_run(args_for("--checkpoint-dir", directory))
+    take_one_step(run, model, optimizer)
+    args = args_for("--resume", directory / "checkpoint.pt")
+    args.model = "resnet18"
+    with pytest.raises(cli.UsageError, match="--model resnet_tiny"):
+        make_run(args, "resnet18")
+
+
+def test_fresh_run_does_not_overwrite_a_checkpoint(tmp_path, keep_signal_handlers):
+    directory = tmp_path / "run"
+    run, model, optimizer = make_run(args_for("--checkpoint-dir", directory))
+    take_one_step(run, model, optimizer)
+    before = (directory / "checkpoint.pt").read_bytes()
+    with pytest.raises(cli.UsageError, match="--resume"):
+        make_run(args_for("--checkpoint-dir", directory))
+    assert (directory / "checkpoint.pt").read_bytes() == before
+
+
+def test_rng_state_round_trip():
+    checkpoint.set_rng_state(checkpoint.rng_state())  # exercises the numpy/python conversions
+    saved = checkpoint.rng_state()
+    expected = (torch.rand(3), np.random.rand(3), random.random())
+    torch.rand(5), np.random.rand(5), random.random()
+    checkpoint.set_rng_state(saved)
+    again = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(expected[0], again[0])
+    assert np.array_equal(expected[1], again[1]) and expected[2] == again[2]
+
+
+def test_script_with_a_corrupt_checkpoint_is_one_line(tmp_path):
+    bad = tmp_path / "checkpoint.pt"
+    bad.write_bytes(b"PK\x03\x04 not really a zip archive" + os.urandom(512))
+    proc = run_script(["distributed.py", *SMALL, "--resume", bad], timeout=120, check=False)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert str(bad) in lines[0] and "checkpoint" in lines[0]
+    assert bad.stat().st_size > 512  # left as it was

@@ -1,0 +1,209 @@
+"""The shared command line: defaults, the seed repositories' aliases, batch
+splitting and the one-line error contract."""
+import json
+import os
+
+import pytest
+
+from utils import cli
+
+
+def parse(argv):
+    return cli.parse_args(cli.build_parser(__doc__), argv)
+
+
+@pytest.fixture
+def no_local_rank(monkeypatch):
+    """LOCAL_RANK absent for the test and restored afterwards (parse_args may set it)."""
+    monkeypatch.setenv("LOCAL_RANK", "unset")  # records the original value for the undo
+    monkeypatch.delenv("LOCAL_RANK")
+
+
+def assert_one_line_usage_error(excinfo, capsys, *fragments):
+    assert excinfo.value.code == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert "Traceback" not in captured.err
+    assert "usage:" not in captured.err  # argparse's usage block is replaced by one line
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    assert captured.out == ""
+    return lines[0]
+
+
+# --- defaults and aliases ---------------------------------------------------------------
+
+def test_defaults_reproduce_the_published_recipe(no_local_rank):
+    args = parse([])
+    assert args.dataset == "cifar100" and args.data_dir == "./data"
+    assert args.train_samples is None and args.test_samples is None
+    assert args.model == "resnet18"
+    assert args.epochs == 200 and args.batch_size == 128
+    assert args.lr == 0.1 and args.momentum == 0.9 and args.weight_decay == 5e-4
+    assert args.warmup_epochs == 1.0 and args.nesterov is True
+    assert args.seed == 0 and args.workers == 4
+    assert args.max_steps is None and args.checkpoint_dir is None and args.checkpoint_every is None
+    assert args.resume is None and args.metrics is None and args.local_rank is None
+    assert "LOCAL_RANK" not in os.environ
+
+
+def test_kebab_case_flags(no_local_rank):
+    args = parse(["--dataset", "synthetic", "--data-dir", "/d", "--train-samples", "7", "--test-samples", "5",
+                  "--model", "resnet_tiny", "--epochs", "3", "--batch-size", "64", "--lr", "0.05",
+                  "--weight-decay", "0", "--max-steps", "9", "--checkpoint-dir", "ck", "--checkpoint-every", "2",
+                  "--resume", "--metrics", "m.jsonl", "--workers", "0"])
+    assert (args.dataset, args.data_dir, args.train_samples, args.test_samples) == ("synthetic", "/d", 7, 5)
+    assert (args.model, args.epochs, args.batch_size, args.lr) == ("resnet_tiny", 3, 64, 0.05)
+    assert (args.weight_decay, args.max_steps, args.workers) == (0.0, 9, 0)
+    assert (args.checkpoint_dir, args.checkpoint_every, args.resume, args.metrics) == ("ck", 2, "auto", "m.jsonl")
+
+
+def test_nesterov_can_be_switched_off(no_local_rank):
+    assert parse(["--no-nesterov"]).nesterov is False
+
+
+def test_resume_takes_an_optional_path(no_local_rank):
+    assert parse(["--resume", "run/checkpoint.pt"]).resume == "run/checkpoint.pt"
+
+
+@pytest.mark.parametrize("argv, dest, value", [
+    (["--batch_size", "256"], "batch_size", 256),
+    (["--data_dir", "/x"], "data_dir", "/x"),
+    (["--weight_decay", "0.001"], "weight_decay", 0.001),
+])
+def test_seed_repository_aliases(no_local_rank, argv, dest, value):
+    assert getattr(parse(argv), dest) == value
+
+
+@pytest.mark.parametrize("argv", [["--local_rank", "3"], ["--local-rank", "3"], ["--local-rank=3"]])
+def test_local_rank_from_the_old_launcher_sets_the_environment(no_local_rank, argv):
+    args = parse(argv)
+    assert args.local_rank == 3
+    assert os.environ["LOCAL_RANK"] == "3"
+
+
+def test_local_rank_flag_does_not_override_the_launchers_environment(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    args = parse(["--local_rank", "3"])
+    assert args.local_rank == 3
+    assert os.environ["LOCAL_RANK"] == "1"
+
+
+def test_local_rank_is_not_advertised_in_help(capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser(__doc__).parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert "--local-rank" not in out and "--batch-size" in out
+
+
+# --- batch splitting --------------------------------------------------------------------
+
+@pytest.mark.parametrize("global_batch, world_size, accum_steps, per_device", [
+    (128, 1, 1, 128), (128, 4, 1, 32), (128, 2, 4, 16), (96, 3, 1, 32), (8, 8, 1, 1),
+])
+def test_split_batch_divides_the_global_batch(global_batch, world_size, accum_steps, per_device):
+    assert cli.split_batch(global_batch, world_size, accum_steps) == per_device
+    assert per_device * world_size * accum_steps == global_batch
+
+
+def test_split_batch_shows_the_arithmetic():
+    with pytest.raises(cli.UsageError) as excinfo:
+        cli.split_batch(100, 3)
+    message = str(excinfo.value)
+    assert "\n" not in message
+    assert "batch size 100" in message and "3 processes" in message
+    assert "100 / 3 = 33.3333" in message
+    assert "e.g. 99" in message  # the nearest multiple below
+
+
+def test_split_batch_with_accumulation_names_both_factors():
+    with pytest.raises(cli.UsageError) as excinfo:
+        cli.split_batch(100, 3, accum_steps=2)
+    message = str(excinfo.value)
+    assert "3 processes x 2 accumulation steps" in message
+    assert "100 / 6 = 16.6667" in message and "e.g. 96" in message
+
+
+def test_split_batch_smaller_than_the_world():
+    with pytest.raises(cli.UsageError) as excinfo:
+        cli.split_batch(2, 4)
+    assert "2 / 4 = 0.5" in str(excinfo.value) and "e.g. 4" in str(excinfo.value)
+
+
+def test_split_batch_one_process_is_singular():
+    assert "by 1 process " in _message(lambda: cli.split_batch(5, 1, accum_steps=2))
+
+
+def _message(call):
+    with pytest.raises(cli.UsageError) as excinfo:
+        call()
+    return str(excinfo.value)
+
+
+# --- bad input: one line, exit status 2 -----------------------------------------------
+
+@pytest.mark.parametrize("flag", ["--epochs", "--max-steps", "--batch-size", "--batch_size",
+                                  "--train-samples", "--checkpoint-every"])
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_non_positive_counts_are_refused_in_one_line(capsys, no_local_rank, flag, value):
+    with pytest.raises(SystemExit) as excinfo:
+        parse([flag, value, "--checkpoint-dir", "ck"])
+    line = assert_one_line_usage_error(excinfo, capsys, flag.split("_")[0], value, "at least 1")
+    assert line.endswith("(see --help)")
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--epochs", "two"], "'two'"),
+    (["--lr", "0"], "--lr"),
+    (["--momentum", "-0.1"], "--momentum"),
+    (["--workers", "-1"], "--workers"),
+    (["--model", "resnet19"], "resnet19"),
+    (["--dataset", "imagenet"], "imagenet"),
+    (["--no-such-flag"], "--no-such-flag"),
+    (["--resume"], "--checkpoint-dir"),
+    (["--checkpoint-every", "5"], "--checkpoint-dir"),
+])
+def test_other_bad_flags_are_one_line(capsys, no_local_rank, argv, fragment):
+    with pytest.raises(SystemExit) as excinfo:
+        parse(argv)
+    assert_one_line_usage_error(excinfo, capsys, fragment)
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+def test_run_main_turns_usage_error_into_one_line_and_status_2(capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+
+    def main(argv):
+        cli.split_batch(100, 3)
+
+    with pytest.raises(SystemExit) as excinfo:
+        cli.run_main(main, [])
+    line = assert_one_line_usage_error(excinfo, capsys, "error:", "batch size 100", "3 processes")
+    assert line.split(": error: ")[1].startswith("batch size 100")
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+def test_run_main_prints_only_on_global_rank_0(capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+
+    def main(argv):
+        raise cli.UsageError("the same bad input on every rank")
+
+    with pytest.raises(SystemExit) as excinfo:
+        cli.run_main(main, [])
+    assert excinfo.value.code == 2
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+def test_run_main_returns_normally_on_success():
+    seen = []
+    cli.run_main(seen.append, ["--x"])
+    assert seen == [["--x"]]
+
+
+def test_resolved_config_is_plain_json(no_local_rank):
+    config = cli.plain_config(parse(["--dataset", "synthetic"]))
+    assert json.loads(json.dumps(config)) == config
+    assert config["batch_size"] == 128 and config["dataset"] == "synthetic"

@@ -1,0 +1,148 @@
+"""DistributedDataParallel on CPU processes (gloo), started with torch.multiprocessing:
+N processes train the same problem as one process on the global batch, and
+evaluation counts every test sample exactly once whatever the world size."""
+import os
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+from conftest import free_port
+from models import build_model
+from utils import data, metrics
+from utils import distributed as dist_utils
+from utils.distributed import DistEnv
+
+STEPS, GLOBAL_BATCH, LR, MOMENTUM, WEIGHT_DECAY = 3, 8, 0.1, 0.9, 5e-4
+TEST_SAMPLES, EVAL_BATCH = 101, 11  # 101 over 3 ranks: shards of 34, 34, 33; 4, 4 and 3 batches
+
+
+def spawn(worker, nprocs, args, timeout=180):
+    """mp.spawn with a deadline: a hung collective fails the test instead of the suite."""
+    context = mp.spawn(worker, args=args, nprocs=nprocs, join=False)
+    deadline = time.monotonic() + timeout
+    try:
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{nprocs} processes still running after {timeout} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+
+
+def join_group(rank, world_size, port):
+    # CPU tests: gloo even on a machine with GPUs (one GPU could not host two ranks).
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    torch.set_num_threads(1)
+    env = dist_utils.setup(rank, world_size, rank, world_size, f"tcp://127.0.0.1:{port}", timeout_s=120)
+    assert env.device.type == "cpu" and torch.distributed.get_backend() == "gloo"
+    return env
+
+
+def global_batches():
+    g = torch.Generator().manual_seed(42)
+    return [(torch.randn(GLOBAL_BATCH, 3, 32, 32, generator=g), torch.randint(0, 100, (GLOBAL_BATCH,), generator=g))
+            for _ in range(STEPS)]
+
+
+def new_model_and_optimizer():
+    torch.manual_seed(0)
+    model = build_model("resnet_tiny", 100, norm="group")  # no batch statistics to depend on the split
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
+    return model, optimizer
+
+
+def train(model, optimizer, batches, rank=0, world_size=1):
+    per_device = GLOBAL_BATCH // world_size
+    for images, targets in batches:
+        mine = slice(rank * per_device, (rank + 1) * per_device)
+        loss = F.cross_entropy(model(images[mine]), targets[mine])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+
+def _ddp_worker(rank, world_size, port, out_dir):
+    env = join_group(rank, world_size, port)
+    try:
+        model, optimizer = new_model_and_optimizer()
+        ddp_model = nn.parallel.DistributedDataParallel(model)
+        train(ddp_model, optimizer, global_batches(), rank, world_size)
+        torch.save(model.state_dict(), os.path.join(out_dir, f"rank{env.rank}.pt"))
+    finally:
+        dist_utils.cleanup()
+
+
+def test_ddp_two_processes_equal_one_process_on_the_global_batch(tmp_path):
+    spawn(_ddp_worker, 2, (2, free_port(), str(tmp_path)))
+
+    model, optimizer = new_model_and_optimizer()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    train(model, optimizer, global_batches())
+    single = model.state_dict()
+
+    rank0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    rank1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
+    assert rank0.keys() == single.keys()
+    for name, expected in single.items():
+        assert torch.equal(rank0[name], rank1[name]), f"replicas differ in {name}"
+        assert torch.allclose(rank0[name], expected, rtol=0, atol=1e-6), \
+            f"{name}: max difference {(rank0[name] - expected).abs().max():.3g}"
+    # The steps moved the weights far more than the tolerance: the comparison means something.
+    moved = max((single[k] - initial[k]).abs().max().item() for k in single)
+    assert moved > 1e-3
+
+
+# --- exact evaluation ---------------------------------------------------------------------
+
+def exemplar_classifier(test_set) -> nn.Module:
+    """A linear classifier whose row c is the test image of class c for c < 50: about
+    half the test set is classified right, so accuracy equality is not 0 == 0."""
+    images = torch.stack([test_set[i][0] for i in range(50)]).flatten(1)
+    linear = nn.Linear(images.shape[1], 100)
+    with torch.no_grad():
+        linear.weight.zero_()
+        linear.weight[:50] = images
+        linear.bias.zero_()
+    return nn.Sequential(nn.Flatten(), linear)
+
+
+def evaluate_all(env):
+    """(resnet_tiny, exemplar classifier) metrics on the first 101 synthetic test images."""
+    test_set = data.TestImages(data.SyntheticCIFAR(False, TEST_SAMPLES))
+    args = type("Args", (), {"workers": 0})()
+    loader = data.eval_loader(test_set, EVAL_BATCH, env, args)
+    torch.manual_seed(0)
+    resnet = build_model("resnet_tiny", 100)
+    return [metrics.evaluate(model, loader, env.device) for model in (resnet, exemplar_classifier(test_set))]
+
+
+def _eval_worker(rank, world_size, port, out_dir):
+    env = join_group(rank, world_size, port)
+    try:
+        local_batches = len(data.eval_loader(data.TestImages(data.SyntheticCIFAR(False, TEST_SAMPLES)),
+                                             EVAL_BATCH, env, type("Args", (), {"workers": 0})()))
+        torch.save({"results": evaluate_all(env), "local_batches": local_batches},
+                   os.path.join(out_dir, f"eval{rank}.pt"))
+    finally:
+        dist_utils.cleanup()
+
+
+def test_evaluation_over_three_processes_is_exact(tmp_path):
+    spawn(_eval_worker, 3, (3, free_port(), str(tmp_path)))
+    single = evaluate_all(DistEnv(0, 0, 1, 1, torch.device("cpu"), False))
+    assert [r["test_samples"] for r in single] == [TEST_SAMPLES, TEST_SAMPLES]
+    assert 30 <= single[1]["test_acc1"] < 100  # the exemplar model is right about half the time
+
+    per_rank = [torch.load(tmp_path / f"eval{rank}.pt", weights_only=True) for rank in range(3)]
+    assert [r["local_batches"] for r in per_rank] == [4, 4, 3]  # uneven shards did not hang
+    for rank in per_rank:
+        for got, expected in zip(rank["results"], single):
+            assert got["test_samples"] == TEST_SAMPLES  # 34 + 34 + 33, no padding duplicates
+            assert got["test_acc1"] == expected["test_acc1"]
+            assert got["test_acc5"] == expected["test_acc5"]
+            assert got["test_loss"] == pytest.approx(expected["test_loss"], rel=1e-6, abs=1e-6)

@@ -1,0 +1,229 @@
+"""distributed.py end to end through its real launchers: torchrun with two CPU
+processes, plain `python`, exact resume, and the one-line errors for bad input."""
+import math
+import sys
+
+import pytest
+import torch
+
+from conftest import SMALL, free_port, read_metrics, run_script, subprocess_env, torchrun
+from utils import cli
+from utils import distributed as dist_utils
+
+# Every field DESIGN.md promises in each --metrics record.
+RECORD_FIELDS = ("epoch", "step", "train_loss", "train_acc1", "test_loss", "test_acc1", "test_acc5",
+                 "test_samples", "epoch_seconds", "images_per_second", "world_size", "global_batch",
+                 "strategy", "device")
+
+
+def cpu_python(args, timeout=180, check=True, **env):
+    # subprocess_env keeps these runs on the CPU (gloo) on a GPU machine too.
+    return run_script(["distributed.py", *args], timeout=timeout, check=check, env=subprocess_env(**env))
+
+
+def with_flag(argv, flag, value):
+    """SMALL with one flag's value replaced."""
+    argv = list(argv)
+    argv[argv.index(flag) + 1] = str(value)
+    return argv
+
+
+def assert_one_line_error(proc, *fragments):
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+# --- torchrun, two processes ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory):
+    """One epoch of SMALL over 2 processes, checkpointing into ck/."""
+    out = tmp_path_factory.mktemp("torchrun")
+    proc = torchrun(2, "distributed.py", [*SMALL, "--metrics", out / "metrics.jsonl", "--checkpoint-dir", out / "ck"])
+    return proc, out
+
+
+def test_torchrun_two_processes_writes_complete_metrics(two_process_run):
+    proc, out = two_process_run
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["event"] for r in records] == ["epoch", "end"]
+    for record in records:
+        missing = [f for f in RECORD_FIELDS if f not in record]
+        assert not missing, f"{record['event']} record lacks {missing}"
+        assert record["epoch"] == 1 and record["step"] == 8  # 256 images / 32 per step
+        assert record["world_size"] == 2 and record["global_batch"] == 32
+        assert record["test_samples"] == 100
+        assert record["device"] == "cpu" and record["strategy"].startswith("ddp")
+        assert 0 <= record["train_acc1"] <= 100 and 0 <= record["test_acc1"] <= record["test_acc5"] <= 100
+        # Untrained on 100 classes the loss starts near ln(100) = 4.6: finite and in that region.
+        assert 3.0 < record["train_loss"] < 7.0 and math.isfinite(record["test_loss"])
+        assert record["epoch_seconds"] > 0 and record["images_per_second"] > 0
+    assert records[1]["total_seconds"] >= records[0]["epoch_seconds"]
+
+
+def test_only_rank_0_prints(two_process_run):
+    proc, _ = two_process_run
+    epoch_lines = [line for line in proc.stdout.splitlines() if line.startswith("epoch 1/1")]
+    assert len(epoch_lines) == 1, proc.stdout
+    assert "(100 images)" in epoch_lines[0]
+    assert sum(line.startswith("done:") for line in proc.stdout.splitlines()) == 1
+    assert "Traceback" not in proc.stderr
+
+
+def test_torchrun_resume_after_checkpoint_every_step(two_process_run, tmp_path):
+    # Stop at step 3 of 8 with a checkpoint after every step, resume to the end of the
+    # epoch: the same weights and optimizer state as the uninterrupted two-process run.
+    _, straight = two_process_run
+    ck = tmp_path / "ck"
+    torchrun(2, "distributed.py", [*SMALL, "--checkpoint-dir", ck, "--checkpoint-every", "1", "--max-steps", "3"])
+    saved = torch.load(ck / "checkpoint.pt", weights_only=True)
+    assert (saved["epoch"], saved["step_in_epoch"], saved["global_step"]) == (0, 3, 3)
+    proc = torchrun(2, "distributed.py", [*SMALL, "--checkpoint-dir", ck, "--resume"])
+    assert proc.stdout.count("resumed from") == 1
+    assert_same_training_state(straight / "ck" / "checkpoint.pt", ck / "checkpoint.pt", global_step=8)
+
+
+# --- exact resume, one process ----------------------------------------------------------------
+
+def assert_same_training_state(path_a, path_b, global_step):
+    a = torch.load(path_a, weights_only=True)
+    b = torch.load(path_b, weights_only=True)
+    assert a["global_step"] == b["global_step"] == global_step
+    assert (a["epoch"], a["step_in_epoch"]) == (b["epoch"], b["step_in_epoch"])
+    assert a["model"].keys() == b["model"].keys()
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), f"model {name} differs"
+    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
+    assert a["optimizer"]["state"].keys() == b["optimizer"]["state"].keys() and a["optimizer"]["state"]
+    for key, state in a["optimizer"]["state"].items():
+        for name, value in state.items():
+            other = b["optimizer"]["state"][key][name]
+            same = torch.equal(value, other) if torch.is_tensor(value) else value == other
+            assert same, f"optimizer state {key}.{name} differs"
+    assert a["scheduler"] == b["scheduler"]
+    assert a["train_sums"] == pytest.approx(b["train_sums"], rel=1e-12)
+
+
+@pytest.fixture(scope="module")
+def straight_four_steps(tmp_path_factory):
+    """4 steps in one go: 96 images, batch 32, so 3 steps per epoch; --epochs 2."""
+    out = tmp_path_factory.mktemp("straight")
+    cpu_python([*RESUME_ARGS, "--max-steps", "4", "--checkpoint-dir", out / "ck", "--metrics", out / "m.jsonl"])
+    return out
+
+
+RESUME_ARGS = [*with_flag(with_flag(SMALL, "--train-samples", 96), "--epochs", 2), "--test-samples", "20"]
+
+
+@pytest.mark.parametrize("first_leg", [2, 3], ids=["mid-epoch", "epoch-boundary"])
+def test_resume_continues_exactly(straight_four_steps, tmp_path, first_leg):
+    ck = tmp_path / "ck"
+    cpu_python([*RESUME_ARGS, "--max-steps", first_leg, "--checkpoint-dir", ck])
+    saved = torch.load(ck / "checkpoint.pt", weights_only=True)
+    assert (saved["epoch"], saved["step_in_epoch"]) == (0, first_leg)  # stopped where intended
+    proc = cpu_python([*RESUME_ARGS, "--max-steps", "4", "--checkpoint-dir", ck, "--resume",
+                       "--metrics", tmp_path / "m.jsonl"])
+    expected_epoch, expected_step = (1, 2) if first_leg == 2 else (2, 0)
+    assert f"resumed from {ck / 'checkpoint.pt'}: epoch {expected_epoch}, step {expected_step} of 3" in proc.stdout
+
+    assert_same_training_state(straight_four_steps / "ck" / "checkpoint.pt", ck / "checkpoint.pt", global_step=4)
+    # What the resumed run reports (the rest of the interrupted epoch included) is what
+    # the uninterrupted run reported for the same steps.
+    straight = [r for r in read_metrics(straight_four_steps / "m.jsonl") if r["step"] > first_leg]
+    resumed = read_metrics(tmp_path / "m.jsonl")
+    keys = ("event", "epoch", "step", "epoch_complete", "train_loss", "train_acc1", "test_loss", "test_acc1",
+            "test_acc5", "test_samples")
+    assert [r["event"] for r in resumed] == [r["event"] for r in straight]
+    for a, b in zip(straight, resumed):
+        for key in keys:
+            expected = pytest.approx(a[key], rel=1e-9, abs=1e-9) if isinstance(a[key], float) else a[key]
+            assert b[key] == expected, (key, a["event"], a["epoch"])
+
+
+# --- bad input: one line on stderr, exit status 2 -----------------------------------------------
+
+def test_indivisible_batch_under_a_launcher_is_one_line():
+    proc = cpu_python(with_flag(SMALL, "--batch-size", 100), check=False, timeout=120, RANK=0, WORLD_SIZE=3,
+                      LOCAL_RANK=0, LOCAL_WORLD_SIZE=3, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
+    line = assert_one_line_error(proc, "batch size 100", "3 processes", "100 / 3")
+    assert line.startswith("distributed.py: error:")
+    assert proc.stdout == ""
+
+
+def test_zero_epochs_is_one_line():
+    proc = cpu_python(with_flag(SMALL, "--epochs", 0), check=False, timeout=120)
+    assert_one_line_error(proc, "--epochs", "0")
+
+
+@pytest.fixture
+def in_process(monkeypatch, capsys):
+    """distributed.py's main behind cli.run_main, as `python distributed.py` would run it."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(sys, "argv", ["distributed.py"])
+    import distributed
+
+    def run(argv):
+        with pytest.raises(SystemExit) as excinfo:
+            cli.run_main(distributed.main, [str(a) for a in argv])
+        captured = capsys.readouterr()
+        assert excinfo.value.code == 2, captured.err
+        lines = [line for line in captured.err.splitlines() if line.strip()]
+        assert len(lines) == 1, captured.err
+        assert "Traceback" not in captured.err + captured.out
+        return lines[0]
+    return run
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+@pytest.mark.parametrize("flag, value", [("--epochs", -1), ("--max-steps", 0), ("--max-steps", -2),
+                                         ("--batch-size", 0), ("--batch-size", -32)])
+def test_non_positive_counts_are_one_line(in_process, flag, value):
+    argv = [*SMALL, flag, value] if flag == "--max-steps" else with_flag(SMALL, flag, value)
+    line = in_process(argv)
+    assert flag in line and str(value) in line and "at least 1" in line
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+def test_corrupt_checkpoint_is_one_line(in_process, tmp_path):
+    bad = tmp_path / "checkpoint.pt"
+    bad.write_bytes(b"\x00" * 1000)
+    line = in_process([*SMALL, "--resume", bad])
+    assert str(bad) in line and "checkpoint" in line
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+def test_missing_offline_dataset_is_one_line(in_process, tmp_path):
+    line = in_process(["--dataset", "cifar100", "--data-dir", tmp_path, "--model", "resnet_tiny",
+                       "--workers", "0", "--epochs", "1"])
+    assert str(tmp_path) in line and "--data-dir" in line and "--dataset synthetic" in line
+
+
+# --- more processes per node than GPUs --------------------------------------------------------
+
+def fake_gpus(monkeypatch, count):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+@pytest.mark.parametrize("gpus, processes, fragment", [(2, 4, "only 2 GPUs"), (1, 2, "only 1 GPU ")])
+def test_more_processes_than_gpus_is_a_usage_error(monkeypatch, gpus, processes, fragment):
+    fake_gpus(monkeypatch, gpus)
+    with pytest.raises(cli.UsageError) as excinfo:
+        dist_utils.pick_device(0, processes)
+    message = str(excinfo.value)
+    assert f"{processes} processes per node" in message and fragment in message
+    assert f"--nproc_per_node={gpus}" in message
+
+
+def test_one_process_per_gpu_picks_its_own_gpu(monkeypatch):
+    fake_gpus(monkeypatch, 4)
+    assert dist_utils.pick_device(2, 4) == torch.device("cuda", 2)
+    fake_gpus(monkeypatch, 0)
+    assert dist_utils.pick_device(0, 8) == torch.device("cpu")  # CPU processes: any number
+
