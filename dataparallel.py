@@ -1,4 +1,4 @@
-"""Train a CIFAR ResNet with nn.DataParallel: one process drives all the GPUs.
+r"""Train a CIFAR ResNet with nn.DataParallel: one process drives all the GPUs.
 
 At every step DataParallel copies the model to each GPU, splits the batch over
 them, runs the copies in parallel threads and gathers the outputs on the first

@@ -1,4 +1,4 @@
-"""Train a CIFAR ResNet with DistributedDataParallel and gradient accumulation, launched by torchrun.
+r"""Train a CIFAR ResNet with DistributedDataParallel and gradient accumulation, launched by torchrun.
 
 Each optimizer step sums the gradients of k micro-batches per process before it
 updates the weights, so a global batch too large for the GPUs' memory still

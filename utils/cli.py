@@ -126,7 +126,7 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
 
 
 def add_fast_path_flags(parser):
-    """Opt-in speed (distributed.py, distributed_apex.py); the default path stays plain."""
+    """Opt-in speed (the DDP scripts but accumulation); the default path stays plain."""
     g = parser.add_argument_group("fast path")
     g.add_argument("--data-on-gpu", action="store_true",
                    help="keep the uint8 training set in device memory and augment it there (no loader workers)")
