@@ -18,10 +18,10 @@ run on the CPU (gloo), in bfloat16 by default.
     torchrun --standalone --nproc_per_node=4 distributed_apex.py --batch-size 512 --amp bf16
     torchrun --standalone --nproc_per_node=4 distributed_apex.py --batch-size 512 --amp fp16
 
-    # two nodes with 8 GPUs each: run on both, with --node_rank=1 on the second
-    torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 --rdzv-backend=c10d \
+    # two nodes with 8 GPUs each: the same command on both (c10d assigns the node ranks)
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \
         --rdzv-endpoint=HOST_OF_NODE_0:29500 distributed_apex.py --batch-size 1024 --amp bf16
-    torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 --rdzv-backend=c10d \
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \
         --rdzv-endpoint=HOST_OF_NODE_0:29500 distributed_apex.py --batch-size 1024 --amp fp16
 
 --batch-size is the global batch: each of the N processes gets batch-size / N.

@@ -13,8 +13,8 @@ the processes run on the CPU (gloo).
     torchrun --standalone --nproc_per_node=4 distributed_gradient_accumulation.py \
         --batch-size 512 --accum-steps 2
 
-    # two nodes with 8 GPUs each: run on both, with --node_rank=1 on the second
-    torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 \
+    # two nodes with 8 GPUs each: the same command on both (c10d assigns the node ranks)
+    torchrun --nnodes=2 --nproc_per_node=8 \
         --rdzv-backend=c10d --rdzv-endpoint=HOST_OF_NODE_0:29500 distributed_gradient_accumulation.py \
         --batch-size 4096 --accum-steps 4
 

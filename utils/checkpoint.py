@@ -45,6 +45,18 @@ def atomic_save(obj, path: str):
         raise
 
 
+def remove_stale_temporaries(path: str):
+    """Delete the half-written temporaries that a crash during atomic_save left beside path."""
+    directory, name = os.path.split(os.path.abspath(path))
+    if os.path.isdir(directory):
+        for entry in os.listdir(directory):
+            if entry.startswith("." + name + ".") and entry.endswith(".tmp"):
+                try:
+                    os.unlink(os.path.join(directory, entry))
+                except FileNotFoundError:
+                    pass
+
+
 def rng_state() -> dict:
     np_state = np.random.get_state()
     state = {

@@ -20,7 +20,9 @@ class _Parser(argparse.ArgumentParser):
     # argparse prints the whole usage block before the error; a wrong flag deserves
     # one line that names it, and --help for the rest.
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        # Every rank of a job parses the same arguments: one copy of the line is enough.
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n"
+                  if int(os.environ.get("RANK", "0") or 0) == 0 else None)
 
 
 def _positive_int(text):

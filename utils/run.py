@@ -52,6 +52,7 @@ class TrainingRun:
         self._partial_sums = None
         self._stop = False
         self._bar = None
+        self._timing = None
         self.log = MetricsLog(args.metrics)
         self.started = time.perf_counter()
 
@@ -63,6 +64,7 @@ class TrainingRun:
             self._resume(resume_from)
         self.stop_signal = StopSignal(env.distributed)
         if args.checkpoint_dir and env.is_main:
+            checkpoint.remove_stale_temporaries(self.checkpoint_path)
             # The resolved configuration beside the checkpoint, for whoever finds it later.
             os.makedirs(args.checkpoint_dir, exist_ok=True)
             with open(os.path.join(args.checkpoint_dir, "config.json"), "w") as f:
@@ -81,15 +83,22 @@ class TrainingRun:
         args = self.args
         if args.resume not in (None, "auto"):
             return args.resume
-        exists = all_ranks_ok(bool(self.checkpoint_path) and os.path.isfile(self.checkpoint_path),
-                              self.env.device)
+        here = bool(self.checkpoint_path) and os.path.isfile(self.checkpoint_path)
+        exists = all_ranks_ok(here, self.env.device)
+        if not exists and not all_ranks_ok(not here, self.env.device):
+            raise UsageError(f"{self.checkpoint_path} exists for some ranks but not others: "
+                             "--checkpoint-dir must be on a file system that every node sees")
+        # Each torchrun agent counts only its own restarts: when a worker dies on one node,
+        # the healthy nodes' workers restart with a count of 0. Any rank restarted means
+        # the whole group was.
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        restarted = not all_ranks_ok(restarts == 0, self.env.device)
         if args.resume == "auto":
             if not exists:
                 print0(f"--resume: no checkpoint in {args.checkpoint_dir} yet, starting from scratch")
             return self.checkpoint_path if exists else None
-        if exists and restarts > 0:
-            print0(f"torchrun restart {restarts}: resuming from {self.checkpoint_path}")
+        if exists and restarted:
+            print0(f"torchrun restart: resuming from {self.checkpoint_path}")
             return self.checkpoint_path
         if exists:
             raise UsageError(f"--checkpoint-dir {args.checkpoint_dir} already holds a checkpoint: add --resume "
@@ -182,6 +191,10 @@ class TrainingRun:
         self.step_in_epoch += 1
         self.global_step += 1
         self.timer.step()
+        if self.step_in_epoch >= self.steps_per_epoch or self.done():
+            # The epoch's training ends here: stop the clock before the evaluation that
+            # the script runs next, so that images/s measures training alone.
+            self._timing = self.timer.stop()
         if self._bar is not None and self.global_step % self.args.log_every == 0:
             self._bar.set_postfix(loss=f"{self.meter.local_loss():.3f}")  # one device sync
         every = self.args.checkpoint_every
@@ -196,7 +209,8 @@ class TrainingRun:
 
     def end_epoch(self, eval_metrics: dict):
         """After the epoch (or at --max-steps): summary, metrics record, checkpoint."""
-        timing = self.timer.stop()
+        timing = self._timing or self.timer.stop()
+        self._timing = None
         train = self.meter.summary()
         self.last_eval = eval_metrics
         record = {

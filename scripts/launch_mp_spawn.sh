@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# distributed_mp.py starts its own processes (torch.multiprocessing.spawn), one per GPU:
+# no torchrun. Pick how they meet with MODE:
+#
+#   bash scripts/launch_mp_spawn.sh                         # MODE=single: this machine only
+#   MODE=multi NODE_RANK=0 bash scripts/launch_mp_spawn.sh  # on node 0, then on node 1 with
+#   MODE=multi NODE_RANK=1 bash scripts/launch_mp_spawn.sh  #   NODE_RANK=1 (TCP at HEAD:PORT)
+#   MODE=file  NODE_RANK=0 bash scripts/launch_mp_spawn.sh  # the same, meeting through a file
+#
+# Extra flags go to the script and win over SCRIPT_ARGS.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# --- edit here -------------------------------------------------------------------------
+MODE=${MODE:-single}                # single | multi | file
+NPROC_PER_NODE=${NPROC_PER_NODE:-}  # empty: one per visible GPU, or 2 on the CPU
+NODES=${NODES:-2}                   # multi, file: nodes in the job
+NODE_RANK=${NODE_RANK:-0}           # multi, file: 0 on the first node, 1 on the next, ...
+HEAD=${HEAD:-node0.example.com}     # multi: node 0's address, reachable from every node
+PORT=${PORT:-29500}                 # multi: a free TCP port on node 0
+JOB_ID=${JOB_ID:-cifar100-ddp}      # file: a new id for every job (see below)
+RDZV_FILE=${RDZV_FILE:-/shared/path/rdzv.$JOB_ID}  # file: on a file system all nodes see
+SCRIPT_ARGS=(--batch-size 128 --epochs 200 --checkpoint-dir checkpoints/mp_spawn
+             --checkpoint-every 1000 --resume)   # --batch-size is the GLOBAL batch
+# ---------------------------------------------------------------------------------------
+
+PYTHON=${PYTHON:-$(test -x .venv/bin/python && echo .venv/bin/python || echo python3)}
+
+procs=()
+if [ -n "$NPROC_PER_NODE" ]; then procs=(--nproc-per-node "$NPROC_PER_NODE"); fi
+
+case "$MODE" in
+  single)
+    # One node: the processes meet at a free port on 127.0.0.1.
+    rendezvous=() ;;
+  multi)
+    # Node 0's first process hosts the rendezvous (a TCP store) at HEAD:PORT; every
+    # process of every node connects to it. Ranks: node_rank * nproc_per_node + local rank.
+    rendezvous=(--nodes "$NODES" --node-rank "$NODE_RANK" --ip "$HEAD" --port "$PORT") ;;
+  file)
+    # No open port needed: the processes meet in a file on a shared file system (NFS,
+    # Lustre). The file must not exist yet: one left by an earlier job would mix the two
+    # jobs, hence a name per job; delete it once the job is over.
+    rendezvous=(--nodes "$NODES" --node-rank "$NODE_RANK" --init-method "file://$RDZV_FILE") ;;
+  *)
+    echo "MODE must be single, multi or file, not '$MODE'" >&2
+    exit 2 ;;
+esac
+
+set -x
+exec "$PYTHON" distributed_mp.py "${procs[@]}" "${rendezvous[@]}" "${SCRIPT_ARGS[@]}" "$@"

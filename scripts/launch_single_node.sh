@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One machine, all its GPUs: torchrun starts one DDP process per GPU. Without a GPU it
+# starts 2 processes on the CPU (gloo), enough to see the whole thing work on a laptop.
+#
+#   bash scripts/launch_single_node.sh                        # the settings below
+#   bash scripts/launch_single_node.sh --epochs 1 --lr 0.2    # extra flags go to the script
+#   SCRIPT=distributed_gradient_accumulation.py bash scripts/launch_single_node.sh --accum-steps 4
+#
+# Flags given on the command line come after SCRIPT_ARGS, so they win (argparse keeps
+# the last value). Run it again after an interruption and it continues the run: --resume
+# picks up --checkpoint-dir/checkpoint.pt, or starts fresh when there is none yet.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# --- edit here -------------------------------------------------------------------------
+SCRIPT=${SCRIPT:-distributed.py}   # a script that torchrun launches (not distributed_mp.py)
+NPROC=${NPROC:-auto}               # processes; auto = one per visible GPU, or 2 on the CPU
+MAX_RESTARTS=${MAX_RESTARTS:-0}    # restart every worker up to N times after a crash
+SCRIPT_ARGS=(--batch-size 128 --epochs 200 --checkpoint-dir checkpoints/single_node
+             --checkpoint-every 1000 --resume)   # --batch-size is the GLOBAL batch
+# ---------------------------------------------------------------------------------------
+
+# The repository's virtual environment (make venv) when there is one.
+PYTHON=${PYTHON:-$(test -x .venv/bin/python && echo .venv/bin/python || echo python3)}
+
+if [ "$NPROC" = auto ]; then
+  NPROC=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null ||
+          { nvidia-smi --list-gpus 2>/dev/null || true; } | wc -l)
+  if [ "$NPROC" -eq 0 ]; then
+    NPROC=2
+    echo "no GPU found: $NPROC processes on the CPU (gloo)"
+  fi
+fi
+
+# torchrun (torch 2.5 and later) lends its own rendezvous store to the workers and keeps
+# it across restarts: a restarted rank can then read a peer's address from the attempt
+# before and fail to connect (pytorch/pytorch#135712). This gives each attempt a new store.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+
+# --standalone: a private rendezvous on a free local port, so two jobs on one machine
+# never collide. `python -m torch.distributed.run` is `torchrun`, run by this Python.
+set -x
+exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" \
+  --max-restarts="$MAX_RESTARTS" "$SCRIPT" "${SCRIPT_ARGS[@]}" "$@"

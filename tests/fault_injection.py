@@ -1,0 +1,158 @@
+"""Test-only: run a training script with one fault injected at a chosen step.
+
+    python tests/fault_injection.py --fault KIND [--rank R] [--step S] [--save N]
+                                    [--once | --once-file PATH] -- SCRIPT [ARGS...]
+
+It patches the shared bookkeeping (utils.run.TrainingRun.step_done, or the
+torch.save that utils.checkpoint calls), then runs SCRIPT as `__main__` with
+sys.argv = [SCRIPT, *ARGS], so the script cannot tell it is being tested. It
+works as torchrun's entry point too: every worker runs the wrapper, and only
+global rank R acts. This is a test fixture, not something a training job uses.
+
+Faults, when global step S completes on global rank R:
+
+    kill            SIGKILL this process (a crashed GPU, an OOM kill). Only on the
+                    first attempt (as with --once): a restarted worker must survive.
+    raise           raise RuntimeError("injected failure on rank R") (a bug).
+    sigterm-self    SIGTERM to this process (a preemption notice).
+    sigterm-parent  SIGTERM to the parent, i.e. torchrun's agent, which forwards
+                    it to every worker (what SLURM or Kubernetes does to the job).
+    kill-during-save
+                    the N-th checkpoint write (--save N) writes half of the file,
+                    then SIGKILLs the process: a crash in the middle of a save.
+
+kill and raise act after the step's bookkeeping (a checkpoint due at step S is
+written first). The signals are sent just before it, so that the run's own stop
+check at that same step boundary can already see them.
+
+--once: act only on the first attempt (TORCHELASTIC_RESTART_COUNT unset or 0).
+--once-file PATH: act at most once among all the processes given the same PATH, whatever
+their restart count (on several nodes each torchrun counts only its own restarts).
+"""
+import argparse
+import io
+import os
+import runpy
+import signal
+import sys
+import time
+
+FAULTS = ("kill", "raise", "sigterm-self", "sigterm-parent", "kill-during-save")
+
+
+def _first_attempt() -> bool:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0
+
+
+def _claim(once_file) -> bool:
+    """True for the first process to create once_file (O_EXCL: atomic), or without one."""
+    if once_file is None:
+        return True
+    try:
+        os.close(os.open(once_file, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
+def _announce(message: str):
+    print(f"fault_injection: {message}", file=sys.stderr, flush=True)
+
+
+def _fire(kind: str, rank: int, step: int):
+    _announce(f"{kind} on rank {rank} at step {step} (pid {os.getpid()}, time {time.time():.3f})")
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "raise":
+        raise RuntimeError(f"injected failure on rank {rank}")
+    elif kind == "sigterm-self":
+        os.kill(os.getpid(), signal.SIGTERM)  # os.kill runs the Python handler before returning
+    elif kind == "sigterm-parent":
+        os.kill(os.getppid(), signal.SIGTERM)
+
+
+def patch_step_done(kind: str, rank: int, step: int, once: bool, once_file=None):
+    from utils.run import TrainingRun
+
+    original = TrainingRun.step_done
+    before = kind.startswith("sigterm")
+
+    def step_done(self):
+        due = (self.env.rank == rank and self.global_step + 1 == step
+               and (_first_attempt() or not once) and _claim(once_file))
+        if due and before:
+            _fire(kind, rank, step)
+        stop = original(self)
+        if due and not before:
+            _fire(kind, rank, step)
+        return stop
+
+    TrainingRun.step_done = step_done
+
+
+def patch_checkpoint_save(nth_save: int):
+    """utils.checkpoint sees a torch whose save() crashes halfway through the N-th file."""
+    import utils.checkpoint as checkpoint
+
+    real_torch = checkpoint.torch
+    saves = 0
+
+    class TorchWithCrashingSave:
+        def __getattr__(self, name):
+            return getattr(real_torch, name)
+
+        @staticmethod
+        def save(obj, f, *args, **kwargs):
+            nonlocal saves
+            saves += 1
+            if saves != nth_save:
+                return real_torch.save(obj, f, *args, **kwargs)
+            buffer = io.BytesIO()
+            real_torch.save(obj, buffer, *args, **kwargs)
+            data = buffer.getvalue()
+            f.write(data[: len(data) // 2])
+            f.flush()
+            os.fsync(f.fileno())
+            _announce(f"kill-during-save: wrote {len(data) // 2} of {len(data)} bytes of save {saves}, "
+                      f"killing pid {os.getpid()}")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    checkpoint.torch = TorchWithCrashingSave()
+
+
+def main():
+    argv = sys.argv[1:]
+    if "--" not in argv:
+        sys.exit("usage: fault_injection.py --fault KIND [--rank R] [--step S] [--save N] "
+                 "[--once | --once-file PATH] -- SCRIPT [ARGS...]")
+    split = argv.index("--")
+    parser = argparse.ArgumentParser(prog="fault_injection.py")
+    parser.add_argument("--fault", choices=FAULTS, required=True)
+    parser.add_argument("--rank", type=int, default=0, help="global rank that fails")
+    parser.add_argument("--step", type=int, default=1, help="global step after which it fails")
+    parser.add_argument("--save", type=int, default=2, help="kill-during-save: which save crashes")
+    parser.add_argument("--once", action="store_true", help="only on the first attempt")
+    parser.add_argument("--once-file", default=None, help="at most once among processes sharing this file")
+    opts = parser.parse_args(argv[:split])
+    script, script_args = argv[split + 1], argv[split + 2:]
+    if opts.fault == "sigterm-parent" and "TORCHELASTIC_RUN_ID" not in os.environ:
+        sys.exit("fault_injection.py: sigterm-parent needs torchrun as the parent (it would signal "
+                 "whatever started this process)")
+
+    # The script's own directory first, as `python SCRIPT` would have it (models/, utils/).
+    script_dir = os.path.dirname(os.path.abspath(script))
+    sys.path.insert(0, script_dir)
+
+    if opts.fault == "kill-during-save":
+        if _first_attempt():
+            patch_checkpoint_save(opts.save)
+    else:
+        patch_step_done(opts.fault, opts.rank, opts.step, once=opts.once or opts.fault == "kill",
+                        once_file=opts.once_file)
+
+    sys.argv = [script, *script_args]
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

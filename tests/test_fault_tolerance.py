@@ -1,0 +1,315 @@
+"""Failures on purpose, through the real launchers: workers killed, SIGTERM, a rank that
+raises, a crash in the middle of a checkpoint write, two nodes on one machine.
+
+Every fault comes from tests/fault_injection.py, which runs the unchanged script with
+one hook patched. Runs are tiny (resnet_tiny, 512 synthetic images, 16 steps of 32) on
+CPU/gloo and 127.0.0.1; each is bounded by a timeout, and everything a test started is
+SIGKILLed afterwards, including workers that torchrun put in sessions of their own.
+
+"The same weights" means bitwise: torch.equal on every tensor of the model and of the
+optimizer state, against an uninterrupted run with the same flags.
+"""
+import hashlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import pytest
+import torch
+
+from conftest import ROOT, free_port, read_metrics, run_script, subprocess_env
+from utils import checkpoint
+
+FAULTS = "tests/fault_injection.py"
+STEPS = 16  # 512 images / 32 per step
+TINY = ["--dataset", "synthetic", "--model", "resnet_tiny", "--train-samples", "512",
+        "--test-samples", "64", "--batch-size", "32", "--workers", "0", "--epochs", "1",
+        "--checkpoint-every", "2", "--dist-timeout", "120"]
+# Every launcher in scripts/ sets this: torchrun's shared rendezvous store otherwise hands
+# restarted workers their peers' addresses from the attempt before (pytorch/pytorch#135712).
+FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+TAG = "FAULT_TOLERANCE_TEST_TAG"
+
+
+# --- processes ---------------------------------------------------------------------------
+
+def _kill_tagged(tag):
+    """SIGKILL every process started with TAG=tag in its environment. torchrun starts its
+    workers in new sessions, so killing the launcher's process group would miss them."""
+    needle = f"{TAG}={tag}".encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                tagged = needle in f.read().split(b"\0")
+            if tagged:
+                os.kill(int(entry), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
+
+
+class Proc:
+    """A command (a list, `python` by default) started in the repo root; stdout and stderr
+    together in one file (a pipe would keep the reader waiting on any orphaned worker that
+    still holds it)."""
+
+    def __init__(self, args, program=(sys.executable,), **env):
+        self.args = [*program, *map(str, args)]
+        self.tag = uuid.uuid4().hex
+        self.log = tempfile.TemporaryFile("w+")
+        self.started = time.time()
+        self.popen = subprocess.Popen(self.args, cwd=ROOT,
+                                      env=subprocess_env(**{TAG: self.tag}, **env),
+                                      stdout=self.log, stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True)
+
+    def wait(self, timeout):
+        try:
+            self.rc = self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"{' '.join(self.args)} still running after {timeout} s\n"
+                                 f"{self.output()}") from None
+        self.ended = time.time()
+        self.kill()  # whatever it left behind
+        return self
+
+    def output(self):
+        self.log.seek(0)
+        return self.log.read()
+
+    def kill(self):
+        _kill_tagged(self.tag)
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait()
+
+
+def run(args, timeout=240, **env) -> Proc:
+    proc = Proc(args, **env)
+    try:
+        return proc.wait(timeout)
+    finally:
+        proc.kill()
+
+
+def torchrun(args, nproc=2, extra=(), timeout=300) -> Proc:
+    return run(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                *extra, *args], timeout=timeout, **FRESH_STORE)
+
+
+def expect(proc, rc=0):
+    assert proc.rc == rc, (f"{' '.join(proc.args)} exited {proc.rc}, expected {rc}\n"
+                           f"{proc.output()}")
+    return proc.output()
+
+
+# --- checkpoints ---------------------------------------------------------------------------
+
+def assert_same_training_state(path, reference):
+    got, want = checkpoint.load(path), checkpoint.load(reference)
+    assert got["global_step"] == want["global_step"] == STEPS
+    assert got["model"].keys() == want["model"].keys()
+    for name, tensor in want["model"].items():
+        assert torch.equal(got["model"][name], tensor), f"model {name} differs from the uninterrupted run"
+    got_opt, want_opt = got["optimizer"], want["optimizer"]
+    assert want_opt["state"] and got_opt["state"].keys() == want_opt["state"].keys()
+    for index, state in want_opt["state"].items():
+        for name, value in state.items():
+            assert torch.equal(got_opt["state"][index][name], value), f"optimizer state {index}.{name} differs"
+    assert got_opt["param_groups"] == want_opt["param_groups"]
+    assert got["scheduler"] == want["scheduler"]
+    assert got["train_sums"] == pytest.approx(want["train_sums"], rel=1e-6)
+
+
+def sha256(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+# --- the uninterrupted runs to compare with --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def python_reference(tmp_path_factory):
+    """One process, start to end. --resume on an empty --checkpoint-dir: a fresh start."""
+    ckpt_dir = tmp_path_factory.mktemp("python_reference")
+    proc = run(["distributed.py", *TINY, "--checkpoint-dir", ckpt_dir, "--resume"])
+    return ckpt_dir, expect(proc)
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(tmp_path_factory):
+    """torchrun, 2 processes, start to end."""
+    ckpt_dir = tmp_path_factory.mktemp("ddp_reference")
+    expect(torchrun(["distributed.py", *TINY, "--checkpoint-dir", ckpt_dir]))
+    return ckpt_dir / "checkpoint.pt"
+
+
+# --- resume and its guard ------------------------------------------------------------------
+
+def test_resume_with_an_empty_checkpoint_dir_starts_fresh(python_reference):
+    ckpt_dir, output = python_reference
+    assert f"--resume: no checkpoint in {ckpt_dir} yet, starting from scratch" in output
+    assert checkpoint.load(ckpt_dir / "checkpoint.pt")["global_step"] == STEPS
+
+
+def test_fresh_run_refuses_to_overwrite_a_checkpoint(python_reference):
+    ckpt_dir, _ = python_reference
+    before = sha256(ckpt_dir / "checkpoint.pt")
+    proc = run_script(["distributed.py", *TINY, "--checkpoint-dir", ckpt_dir], check=False, timeout=180)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "already holds a checkpoint" in lines[0] and "--resume" in lines[0], proc.stderr
+    assert sha256(ckpt_dir / "checkpoint.pt") == before
+
+
+# --- SIGTERM: checkpoint, exit 0, resume -----------------------------------------------------
+
+def test_sigterm_checkpoints_and_resume_ends_with_the_same_weights(python_reference, tmp_path):
+    reference_dir, _ = python_reference
+    ckpt = tmp_path / "checkpoint.pt"
+    stopped = run([FAULTS, "--fault", "sigterm-self", "--step", "3", "--",
+                   "distributed.py", *TINY, "--checkpoint-dir", tmp_path])
+    output = expect(stopped, rc=0)
+    # One process checks for a signal after every step: it stops at the step it came in.
+    assert (f"stopping at step 3 on SIGTERM: checkpoint saved to {ckpt}; continue with --resume"
+            in output), output
+    assert checkpoint.load(ckpt)["global_step"] == 3
+
+    resumed = expect(run(["distributed.py", *TINY, "--checkpoint-dir", tmp_path, "--resume"]))
+    assert "3 steps in all" in resumed
+    assert_same_training_state(ckpt, reference_dir / "checkpoint.pt")
+
+
+def test_sigterm_to_torchrun_checkpoints_on_rank_0_and_workers_exit_cleanly(ddp_reference, tmp_path):
+    ckpt = tmp_path / "checkpoint.pt"
+    # SIGTERM to torchrun's agent (what a scheduler does): it forwards SIGTERM to both
+    # workers, which agree on a stop step (they compare every 10 steps) and checkpoint.
+    stopped = torchrun([FAULTS, "--fault", "sigterm-parent", "--rank", "0", "--step", "3", "--",
+                        "distributed.py", *TINY, "--checkpoint-dir", tmp_path])
+    output = stopped.output()
+    assert "stopping at step 10 on SIGTERM" in output, output
+    assert checkpoint.load(ckpt)["global_step"] == 10
+    # The workers exit 0 without a traceback. torchrun itself re-raises the signal as a
+    # SignalException after its workers are gone: its own traceback, and exit status 1.
+    assert stopped.rc == 1, output
+    assert not re.search(r"^\[rank\d+\]:", output, re.M), output
+    assert output.count("Traceback") == 1 and "SignalException" in output, output
+    assert "Root Cause" not in output, output  # no worker failed
+
+    resumed = expect(torchrun(["distributed.py", *TINY, "--checkpoint-dir", tmp_path, "--resume"]))
+    assert "10 steps in all" in resumed
+    assert_same_training_state(ckpt, ddp_reference)
+
+
+# --- crashes ------------------------------------------------------------------------------
+
+def test_killed_worker_is_restarted_and_ends_with_the_same_weights(ddp_reference, tmp_path):
+    ckpt = tmp_path / "checkpoint.pt"
+    proc = torchrun([FAULTS, "--fault", "kill", "--rank", "1", "--step", "5", "--",
+                     "distributed.py", *TINY, "--checkpoint-dir", tmp_path],
+                    extra=["--max-restarts=1"])
+    output = expect(proc)
+    assert "fault_injection: kill on rank 1 at step 5" in output
+    # Both workers start again (restart 1) and continue from the checkpoint of step 4.
+    assert "torchrun restart" in output and f"resuming from {ckpt}" in output, output
+    assert f"resumed from {ckpt}: epoch 1, step 4 of {STEPS} in it, 4 steps in all" in output, output
+    assert_same_training_state(ckpt, ddp_reference)
+
+
+def test_crash_during_a_checkpoint_write_keeps_the_previous_checkpoint(python_reference, tmp_path):
+    reference_dir, _ = python_reference
+    ckpt = tmp_path / "checkpoint.pt"
+    crashed = run([FAULTS, "--fault", "kill-during-save", "--save", "2", "--",
+                   "distributed.py", *TINY, "--checkpoint-dir", tmp_path])
+    expect(crashed, rc=-signal.SIGKILL)
+    # Save 1 (step 2) is intact; save 2 (step 4) died half-written in its temporary file.
+    assert checkpoint.load(ckpt)["global_step"] == 2
+    leftovers = list(tmp_path.glob(".checkpoint.pt.*.tmp"))
+    assert len(leftovers) == 1, sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(Exception):
+        torch.load(leftovers[0], weights_only=True)
+
+    resumed = expect(run(["distributed.py", *TINY, "--checkpoint-dir", tmp_path, "--resume"]))
+    assert f"resumed from {ckpt}: epoch 1, step 2 of {STEPS} in it, 2 steps in all" in resumed, resumed
+    assert_same_training_state(ckpt, reference_dir / "checkpoint.pt")
+
+
+def test_a_rank_that_raises_fails_the_job_quickly_and_is_reported_first(tmp_path):
+    proc = torchrun([FAULTS, "--fault", "raise", "--rank", "1", "--step", "2", "--",
+                     "distributed.py", *TINY, "--checkpoint-dir", tmp_path, "--dist-timeout", "20"],
+                    timeout=240)
+    output = proc.output()
+    assert proc.rc != 0, output
+    fired = re.search(r"fault_injection: raise on rank 1 at step 2 \(pid \d+, time ([\d.]+)\)", output)
+    assert fired, output
+    # Rank 0 learns at once (its peer's socket closes), not after --dist-timeout.
+    seconds = proc.ended - float(fired.group(1))
+    assert seconds < 60, f"{seconds:.0f} s from the failure to the end of the job"
+    # The root cause torchrun reports (read from the @record error file) is rank 1's error...
+    root_cause = output.split("Root Cause (first observed failure):", 1)[1]
+    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", root_cause), output
+    assert "RuntimeError: injected failure on rank 1" in root_cause, output
+    # ... and it comes before whatever rank 0 then says about the lost peer.
+    first_error = output.index("RuntimeError: injected failure on rank 1")
+    for symptom in ("Connection closed by peer", "Connection reset by peer", "timed out", "Timeout"):
+        if symptom in output:
+            assert first_error < output.index(symptom), output
+
+
+# --- two nodes on one machine ------------------------------------------------------------------
+
+def start_node(port, job, args, extra=()):
+    """One node's torchrun: same command on each, meeting through the c10d rendezvous.
+    On one machine both match 127.0.0.1; the first to bind hosts the store, the other
+    connects to it (torch's c10d backend falls back to client by itself)."""
+    return Proc(["-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
+                 "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job}",
+                 *extra, *args], **FRESH_STORE)
+
+
+def run_two_nodes(args, extra=(), timeout=420):
+    port, job = free_port(), uuid.uuid4().hex[:8]
+    nodes = [start_node(port, job, args, extra) for _ in range(2)]
+    try:
+        deadline = time.time() + timeout
+        for node in nodes:
+            node.wait(max(1, deadline - time.time()))
+        return nodes
+    finally:
+        for node in nodes:
+            node.kill()
+
+
+def test_two_nodes_train_together(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    nodes = run_two_nodes(["distributed.py", *TINY, "--max-steps", "4", "--metrics", metrics,
+                           "--checkpoint-dir", tmp_path / "ckpt"])
+    outputs = [expect(node) for node in nodes]
+    final = read_metrics(metrics)[-1]  # written by global rank 0 only, on whichever node
+    assert (final["event"], final["world_size"], final["step"], final["global_batch"]) == ("end", 4, 4, 32)
+    assert sum(out.count("done: 4 steps") for out in outputs) == 1
+
+
+def test_two_nodes_survive_a_killed_worker(tmp_path):
+    metrics, ckpt_dir = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
+    # Rank 3 dies once; only its node's torchrun counts a failure (restart 1), the other
+    # node restarts its healthy workers as part of the new rendezvous round.
+    nodes = run_two_nodes([FAULTS, "--fault", "kill", "--rank", "3", "--step", "3",
+                           "--once-file", tmp_path / "fired", "--",
+                           "distributed.py", *TINY, "--max-steps", "8", "--metrics", metrics,
+                           "--checkpoint-dir", ckpt_dir], extra=["--max-restarts=1"])
+    outputs = "\n".join(expect(node) for node in nodes)
+    assert "fault_injection: kill on rank 3 at step 3" in outputs
+    assert "resuming from" in outputs and "2 steps in all" in outputs, outputs
+    # Every rank of the new round resumes: none refuses the checkpoint as if fresh.
+    assert "already holds a checkpoint" not in outputs and "exitcode: 2" not in outputs, outputs
+    final = read_metrics(metrics)[-1]
+    assert (final["event"], final["world_size"], final["step"]) == ("end", 4, 8)
+    assert checkpoint.load(ckpt_dir / "checkpoint.pt")["global_step"] == 8

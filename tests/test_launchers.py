@@ -1,0 +1,254 @@
+"""The launchers in scripts/: syntax, one real run, and what the others would run.
+
+launch_single_node.sh runs for real (torchrun, 2 CPU processes). The multi-node, SLURM
+and mp.spawn launchers need machines we do not have, so they run against stand-ins on
+PATH (python, srun, scontrol, scancel) that record their command line instead; the
+training script's own parser then checks every flag they pass. The SLURM test also
+walks the time-limit path: SIGUSR1 to the batch shell -> SIGTERM to the job step ->
+wait for it -> requeue.
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import ROOT, read_metrics
+from test_fault_tolerance import Proc, expect
+
+LAUNCHERS = ["scripts/launch_single_node.sh", "scripts/launch_multi_node.sh",
+             "scripts/slurm.sbatch", "scripts/launch_mp_spawn.sh"]
+TINY = ["--dataset", "synthetic", "--model", "resnet_tiny", "--train-samples", "256",
+        "--test-samples", "64", "--batch-size", "32", "--workers", "0", "--epochs", "1"]
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_bash_syntax(launcher):
+    proc = subprocess.run(["bash", "-n", launcher], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_single_node_launcher_trains_with_the_flags_passed_through(tmp_path):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("the CPU fallback is what this checks; see the gpu test below")
+    metrics = tmp_path / "metrics.jsonl"
+    proc = Proc(["scripts/launch_single_node.sh", *TINY, "--max-steps", "2",
+                 "--checkpoint-dir", tmp_path / "ckpt", "--metrics", metrics],
+                program=["bash"], SCRIPT="distributed.py", PYTHON=sys.executable)
+    output = expect(proc.wait(300))
+    assert "no GPU found: 2 processes on the CPU (gloo)" in output
+    # The defaults of SCRIPT_ARGS were accepted; --resume on an empty directory starts fresh.
+    assert "starting from scratch" in output
+    final = read_metrics(metrics)[-1]
+    assert (final["world_size"], final["step"], final["global_batch"]) == (2, 2, 32)
+
+
+@pytest.mark.gpu
+def test_single_node_launcher_uses_every_gpu(tmp_path):
+    import torch
+    metrics = tmp_path / "metrics.jsonl"
+    gpus = torch.cuda.device_count()
+    proc = Proc(["scripts/launch_single_node.sh", *TINY, "--batch-size", str(32 * gpus),
+                 "--max-steps", "2", "--checkpoint-dir", tmp_path / "ckpt", "--metrics", metrics],
+                program=["bash"], PYTHON=sys.executable)
+    expect(proc.wait(600))
+    assert read_metrics(metrics)[-1]["world_size"] == gpus
+
+
+# --- stand-ins for the commands of other machines -----------------------------------------
+
+STUB = textwrap.dedent("""\
+    #!{python}
+    # Stand-in for `{name}`: records its command line (and one variable) as a JSON line.
+    import json, os, signal, sys, time
+    name, argv = {name!r}, sys.argv[1:]
+    with open(os.environ["STUB_LOG"], "a") as log:
+        log.write(json.dumps({{"cmd": name, "argv": argv,
+                              "fresh_store": os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")}}) + "\\n")
+    if name == "scontrol" and argv[:2] == ["show", "hostnames"]:
+        print("gpu01\\ngpu02")
+    if name == "srun" and os.environ.get("STUB_SRUN") == "until-signalled":
+        # Like the job step: runs until SLURM signals it; torchrun then exits 1.
+        with open(os.environ["STUB_LOG"] + ".srun_pid", "w") as f:
+            f.write(str(os.getpid()))
+        def ended(*_):
+            with open(os.environ["STUB_LOG"], "a") as log:
+                log.write(json.dumps({{"cmd": "srun ended", "argv": [], "fresh_store": None}}) + "\\n")
+            sys.exit(1)
+        signal.signal(signal.SIGTERM, ended)
+        time.sleep(60)
+        sys.exit(3)
+    if name == "scancel":
+        # What `scancel --signal=TERM JOB` does to the step: SIGTERM to its processes.
+        with open(os.environ["STUB_LOG"] + ".srun_pid") as f:
+            os.kill(int(f.read()), signal.SIGTERM)
+""")
+
+
+@pytest.fixture
+def stubs(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("python", "srun", "scontrol", "scancel"):
+        path = bin_dir / name
+        path.write_text(STUB.format(python=sys.executable, name=name))
+        path.chmod(0o755)
+    log = tmp_path / "calls.jsonl"
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=str(bin_dir / "python"),
+               STUB_LOG=str(log))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
+        env.pop(key, None)
+
+    def calls():
+        if not log.exists():
+            return []
+        return [json.loads(line) for line in log.read_text().splitlines()]
+
+    return env, calls
+
+
+def launch(launcher, env, *args, timeout=30, **extra):
+    proc = subprocess.run(["bash", launcher, *args], cwd=ROOT, env=dict(env, **extra),
+                          capture_output=True, text=True, timeout=timeout)
+    return proc
+
+
+def script_and_args(argv):
+    """Split `python [-m torch.distributed.run OPTIONS] SCRIPT ARGS` at the script."""
+    index = next(i for i, token in enumerate(argv) if token.endswith(".py"))
+    return argv[:index], argv[index], argv[index + 1:]
+
+
+@pytest.fixture(scope="module")
+def script_help():
+    """--help of each launched script, from one Python process (one torch import)."""
+    code = textwrap.dedent("""\
+        import runpy, sys
+        for script in sys.argv[1:]:
+            print(f"=== {script}", flush=True)
+            sys.argv = [script, "--help"]
+            try:
+                runpy.run_path(script, run_name="__main__")
+            except SystemExit:
+                pass
+    """)
+    scripts = ["distributed.py", "distributed_mp.py"]
+    proc = subprocess.run([sys.executable, "-c", code, *scripts], cwd=ROOT, capture_output=True,
+                          text=True, timeout=180, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stderr
+    parts = re.split(r"^=== (\S+)\n", proc.stdout, flags=re.M)[1:]
+    return dict(zip(parts[::2], parts[1::2]))
+
+
+def assert_flags_accepted(script, args, script_help):
+    for flag in {token.split("=")[0] for token in args if token.startswith("--")}:
+        assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", script_help[script]), \
+            f"{flag} is passed to {script}, whose parser does not know it"
+
+
+# --- multi-node torchrun ---------------------------------------------------------------------
+
+def test_multi_node_launcher_command(stubs, script_help):
+    env, calls = stubs
+    proc = launch("scripts/launch_multi_node.sh", env, "--epochs", "3", RDZV_HOST="10.1.2.3")
+    assert proc.returncode == 0, proc.stderr
+    [call] = calls()
+    launcher, script, args = script_and_args(call["argv"])
+    assert launcher[:2] == ["-m", "torch.distributed.run"]
+    for option in ("--nnodes=2", "--nproc_per_node=8", "--rdzv-backend=c10d",
+                   "--rdzv-endpoint=10.1.2.3:29500", "--rdzv-id=cifar100-ddp", "--max-restarts=3"):
+        assert option in launcher, launcher
+    assert not any(o.startswith("--node_rank") for o in launcher)  # c10d numbers the nodes
+    assert script == "distributed.py" and args[-2:] == ["--epochs", "3"] and "--resume" in args
+    assert call["fresh_store"] == "1"
+    assert_flags_accepted(script, args, script_help)
+
+
+# --- SLURM ---------------------------------------------------------------------------------
+
+SLURM_ENV = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "cifar", "SLURM_JOB_NODELIST": "gpu[01-02]",
+             "SLURM_NNODES": "2", "SLURM_SUBMIT_DIR": str(ROOT)}
+
+
+def test_slurm_batch_script_directives():
+    text = (ROOT / "scripts/slurm.sbatch").read_text()
+    directives = re.findall(r"^#SBATCH\s+(\S+)", text, re.M)
+    for wanted in ("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=8", "--signal=B:USR1@120",
+                   "--requeue", "--open-mode=append"):
+        assert wanted in directives, directives
+    # sbatch reads #SBATCH lines only up to the first command.
+    lines = text.splitlines()
+    first_command = next(i for i, line in enumerate(lines) if line.strip() and not line.startswith("#"))
+    assert max(i for i, line in enumerate(lines) if line.startswith("#SBATCH")) < first_command
+
+
+def test_slurm_batch_script_command(stubs, script_help):
+    env, calls = stubs
+    proc = launch("scripts/slurm.sbatch", env, "--epochs", "3", **SLURM_ENV)
+    assert proc.returncode == 0, proc.stderr
+    srun = [c for c in calls() if c["cmd"] == "srun"]
+    assert [c["cmd"] for c in calls()] == ["scontrol", "srun"]  # no scancel, no requeue
+    launcher, script, args = script_and_args(srun[0]["argv"])
+    for option in ("--nnodes=2", "--nproc_per_node=8", "--rdzv-backend=c10d",
+                   "--rdzv-endpoint=gpu01:29500", "--rdzv-id=4242", "--max-restarts=3"):
+        assert option in launcher, launcher
+    assert script == "distributed.py" and args[-3:] == ["--resume", "--epochs", "3"], args
+    assert args[args.index("--checkpoint-dir") + 1] == "checkpoints/cifar"
+    assert srun[0]["fresh_store"] == "1"
+    assert_flags_accepted(script, args, script_help)
+
+
+def test_slurm_time_limit_signal_checkpoints_then_requeues(stubs):
+    env, calls = stubs
+    batch = subprocess.Popen(["bash", "scripts/slurm.sbatch"], cwd=ROOT,
+                             env=dict(env, STUB_SRUN="until-signalled", **SLURM_ENV),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        pid_file = env["STUB_LOG"] + ".srun_pid"
+        deadline = time.time() + 30
+        while not os.path.exists(pid_file) and time.time() < deadline:
+            time.sleep(0.1)
+        assert os.path.exists(pid_file), "srun never started"
+        batch.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@120 does
+        output, _ = batch.communicate(timeout=30)
+    finally:
+        batch.kill()
+    assert batch.returncode == 0, output
+    assert "time limit near" in output
+    # The step gets SIGTERM (not srun, which would SIGKILL it); once it has ended, the requeue.
+    assert [(c["cmd"], c["argv"]) for c in calls()][2:] == [
+        ("scancel", ["--signal=TERM", "4242"]), ("srun ended", []), ("scontrol", ["requeue", "4242"])]
+
+
+# --- mp.spawn --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode, expected", [
+    ("single", []),
+    ("multi", ["--nodes", "2", "--node-rank", "1", "--ip", "10.1.2.3", "--port", "29500"]),
+    ("file", ["--nodes", "2", "--node-rank", "1", "--init-method", "file:///shared/path/rdzv.cifar100-ddp"]),
+])
+def test_mp_spawn_launcher_command(stubs, script_help, mode, expected):
+    env, calls = stubs
+    proc = launch("scripts/launch_mp_spawn.sh", env, "--epochs", "3", MODE=mode, NODE_RANK="1",
+                  HEAD="10.1.2.3", NPROC_PER_NODE="4")
+    assert proc.returncode == 0, proc.stderr
+    [call] = calls()
+    launcher, script, args = script_and_args(call["argv"])
+    assert launcher == [] and script == "distributed_mp.py"
+    assert args[:2] == ["--nproc-per-node", "4"] and args[2:2 + len(expected)] == expected, args
+    assert args[-2:] == ["--epochs", "3"]
+    assert_flags_accepted(script, args, script_help)
+
+
+def test_mp_spawn_launcher_rejects_an_unknown_mode(stubs):
+    env, calls = stubs
+    proc = launch("scripts/launch_mp_spawn.sh", env, MODE="ssh")
+    assert proc.returncode == 2 and "MODE must be single, multi or file" in proc.stderr
+    assert calls() == []
