@@ -118,7 +118,21 @@ def evaluate_all(env):
     loader = data.eval_loader(test_set, EVAL_BATCH, env, args)
     torch.manual_seed(0)
     resnet = build_model("resnet_tiny", 100)
-    return [metrics.evaluate(model, loader, env.device) for model in (resnet, exemplar_classifier(test_set))]
+    # As after DDP training: same weights everywhere, but batch-norm running statistics
+    # that each rank updated from its own slice. Evaluation must use rank 0's.
+    drifted = build_model("resnet_tiny", 100)
+    drifted.load_state_dict(resnet.state_dict())
+    own = {}
+    for name, buffer in drifted.named_buffers():
+        if name.endswith("running_mean"):
+            buffer.add_(0.5 * env.rank + 0.1)
+            own[name] = buffer.clone()
+    results = [metrics.evaluate(model, loader, env.device)
+               for model in (resnet, exemplar_classifier(test_set), drifted)]
+    for name, buffer in drifted.named_buffers():  # evaluation left the rank's own buffers alone
+        if name in own:
+            assert torch.equal(buffer, own[name]), name
+    return results
 
 
 def _eval_worker(rank, world_size, port, out_dir):
@@ -135,7 +149,7 @@ def _eval_worker(rank, world_size, port, out_dir):
 def test_evaluation_over_three_processes_is_exact(tmp_path):
     spawn(_eval_worker, 3, (3, free_port(), str(tmp_path)))
     single = evaluate_all(DistEnv(0, 0, 1, 1, torch.device("cpu"), False))
-    assert [r["test_samples"] for r in single] == [TEST_SAMPLES, TEST_SAMPLES]
+    assert [r["test_samples"] for r in single] == [TEST_SAMPLES] * 3
     assert 30 <= single[1]["test_acc1"] < 100  # the exemplar model is right about half the time
 
     per_rank = [torch.load(tmp_path / f"eval{rank}.pt", weights_only=True) for rank in range(3)]

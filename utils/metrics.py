@@ -10,6 +10,7 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from .distributed import all_reduce_sum, is_main
@@ -60,7 +61,19 @@ def evaluate(model: torch.nn.Module, loader, device, autocast=None) -> dict:
     rank has a batch more than another). Each rank sums loss and correct counts
     over its shard; one all-reduce of the sums and counts gives the same numbers as
     a single process evaluating the whole test set.
+
+    Every rank evaluates with rank 0's buffers: DDP keeps parameters identical, but
+    each rank's last training forward updated its batch-norm running statistics
+    from its own slice of the batch. Without the copy each shard would be scored by
+    a slightly different model; with it, the result is that of the model rank 0
+    checkpoints. The rank's own buffers are put back afterwards, so evaluation
+    changes nothing (--verify-sync still shows what DDP left).
     """
+    own_buffers = None
+    if dist.is_available() and dist.is_initialized():
+        own_buffers = [b.detach().clone() for b in model.buffers()]
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
     was_training = model.training
     model.eval()
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, top1, top5, count
@@ -78,6 +91,9 @@ def evaluate(model: torch.nn.Module, loader, device, autocast=None) -> dict:
                              torch.tensor(targets.numel(), dtype=torch.float64, device=device)])
     loss_sum, top1, top5, count = all_reduce_sum(sums).tolist()
     model.train(was_training)
+    if own_buffers is not None:
+        for buffer, own in zip(model.buffers(), own_buffers):
+            buffer.copy_(own)
     count_safe = max(count, 1)
     return {"test_loss": loss_sum / count_safe, "test_acc1": 100.0 * top1 / count_safe,
             "test_acc5": 100.0 * top5 / count_safe, "test_samples": int(count)}

@@ -1,0 +1,476 @@
+"""The documentation keeps its promises: README.md and tutorials/*.md.
+
+- every command that runs a project script uses only flags that script (and
+  torchrun) accepts;
+- every ```python snippet runs (unless its first line is `# not run`);
+- every code block introduced by "From `FILE`:" is a verbatim quote of FILE;
+- every script is linked from a lesson, the README links the tutorials, the
+  index links every lesson, and every relative link points to a file.
+
+The flags a script accepts come from its own argparse parser: a helper process
+runs each script as `__main__` with parsing patched to hand the parser back
+instead of parsing, so nothing trains and nothing is duplicated here.
+The snippet tests are the slow part: `-k "not snippet"` leaves them out.
+"""
+import json
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import textwrap
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, subprocess_env
+
+TUTORIALS = ROOT / "tutorials"
+LESSONS = ["00-basic-theory.md", "01-gradient-accumulation.md", "02-ddp-in-detail.md",
+           "03-ddp-training-tricks.md", "04-mixed-precision.md", "05-dp-and-ddp-source.md",
+           "06-beyond-one-machine.md", "07-collectives.md"]
+TRAINING_SCRIPTS = ["distributed.py", "distributed_mp.py", "dataparallel.py", "distributed_apex.py",
+                    "distributed_gradient_accumulation.py"]
+TOOLS = ["scripts/collectives.py", "scripts/compare_models.py"]
+TORCHRUN = "torchrun"  # key of torchrun's own parser in the option table
+SNIPPET_TIMEOUT = 240
+
+
+def doc_files():
+    return [ROOT / "README.md", *sorted(TUTORIALS.glob("*.md"))]
+
+
+def lesson_files():
+    return [p for p in sorted(TUTORIALS.glob("*.md")) if p.name != "README.md"]
+
+
+def launchers():
+    return sorted([*ROOT.glob("scripts/*.sh"), *ROOT.glob("scripts/*.sbatch")])
+
+
+def rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+# --- markdown parsing ------------------------------------------------------------------------
+
+FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)\s*$")
+FROM_LINE = re.compile(r"^From `([^`]+)`.*:\s*$")
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)|!\[[^\]]*\]\(([^)\s]+)\)")
+
+
+class Block:
+    def __init__(self, path, lang, line, lines, intro):
+        self.path, self.lang, self.line, self.lines, self.intro = path, lang, line, lines, intro
+
+    @property
+    def text(self):
+        return "\n".join(self.lines)
+
+    @property
+    def where(self):
+        return f"{rel(self.path)}:{self.line}"
+
+
+@lru_cache(maxsize=None)
+def blocks_of(path: Path):
+    """Fenced code blocks, each with the last non-blank line of prose before it."""
+    blocks, lines = [], path.read_text().splitlines()
+    i, last_prose = 0, ""
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            if lines[i].strip():
+                last_prose = lines[i].strip()
+            i += 1
+            continue
+        indent, fence, lang = m.groups()
+        start, body = i + 1, []
+        i += 1
+        while i < len(lines) and not (lines[i].strip().startswith(fence[0] * len(fence))
+                                      and lines[i].strip().strip(fence[0]) == ""):
+            body.append(lines[i][len(indent):] if lines[i].startswith(indent) else lines[i])
+            i += 1
+        blocks.append(Block(path, lang.lower(), start, body, last_prose))
+        last_prose = ""
+        i += 1  # the closing fence
+    return blocks
+
+
+def prose_of(path: Path) -> str:
+    """The text outside code blocks (links in code are not links)."""
+    out, inside, fence = [], False, ""
+    for line in path.read_text().splitlines():
+        m = FENCE.match(line)
+        if m and (not inside or line.strip().startswith(fence)):
+            inside, fence = (not inside), m.group(2)[0] * 3
+            continue
+        if not inside:
+            out.append(line)
+    return "\n".join(out)
+
+
+def links_of(path: Path):
+    """Relative link targets (no URLs, no pure #anchors), anchors stripped."""
+    targets = []
+    for m in LINK.finditer(prose_of(path)):
+        target = m.group(1) or m.group(2)
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+            continue
+        targets.append(target.split("#")[0])
+    return targets
+
+
+# --- commands --------------------------------------------------------------------------------
+
+def shell_commands(block: Block):
+    """Logical command lines of a bash block: continuations joined, prompts and comments off."""
+    commands, pending = [], ""
+    for raw in block.lines:
+        line = raw.rstrip()
+        if pending:
+            line = pending + " " + line.strip()
+            pending = ""
+        if line.endswith("\\"):
+            pending = line[:-1].rstrip()
+            continue
+        stripped = line.strip()
+        if stripped.startswith("$ "):
+            stripped = stripped[2:]
+        if stripped and not stripped.startswith("#"):
+            commands.append(stripped)
+    if pending:
+        commands.append(pending.strip())
+    return commands
+
+
+def segments(command: str):
+    """Simple commands of a command line, split at ; && || | & (shlex, comments dropped)."""
+    lexer = shlex.shlex(command, posix=True, punctuation_chars=";&|<>()")
+    lexer.whitespace_split = True
+    lexer.commenters = "#"
+    current, out, skip_next = [], [], False
+    for token in lexer:
+        if token and set(token) <= set(";&|<>()"):
+            if "<" in token or ">" in token:
+                skip_next = True  # a redirection: its target is not an argument
+                continue
+            if current:
+                out.append(current)
+            current = []
+            continue
+        if skip_next:
+            skip_next = False
+            continue
+        current.append(token)
+    if current:
+        out.append(current)
+    return out
+
+
+def is_python(token: str) -> bool:
+    return re.fullmatch(r"(\S*/)?python(3(\.\d+)?)?", token) is not None
+
+
+def is_torchrun(token: str) -> bool:
+    return re.fullmatch(r"(\S*/)?torchrun", token) is not None
+
+
+def launcher_target(launcher: Path, env_assignments: dict):
+    """The training script a launcher hands its extra flags to, or None."""
+    if "SCRIPT" in env_assignments:
+        return env_assignments["SCRIPT"]
+    text = launcher.read_text()
+    m = re.search(r"^SCRIPT=(?:\$\{SCRIPT:-([^}]+)\}|([\w./-]+\.py))", text, re.M)
+    if m:
+        return m.group(1) or m.group(2)
+    exec_lines = [line for line in text.splitlines() if re.match(r"\s*(exec|srun)\b", line)]
+    found = {s for line in exec_lines for s in re.findall(r"[\w./-]+\.py", line) if (ROOT / s).is_file()}
+    return found.pop() if len(found) == 1 else None
+
+
+def script_invocations(tokens):
+    """(kind, script, args) for the project-script run in one simple command, or None.
+
+    kind: "torchrun" (args start with torchrun's own flags), "python", or "launcher"."""
+    env, i = {}, 0
+    while i < len(tokens) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", tokens[i]):
+        key, value = tokens[i].split("=", 1)
+        env[key] = value
+        i += 1
+    for j in range(i, len(tokens)):
+        token = tokens[j]
+        rest = tokens[j + 1:]
+        if is_torchrun(token):
+            return "torchrun", None, rest, env
+        if is_python(token):
+            k = 0
+            while k < len(rest) and rest[k].startswith("-") and rest[k] not in ("-m", "-c"):
+                k += 1  # interpreter flags such as -u
+            if k < len(rest) and rest[k] == "-m":
+                if k + 1 < len(rest) and rest[k + 1] == "torch.distributed.run":
+                    return "torchrun", None, rest[k + 2:], env
+                return None  # pytest and other modules: not a project script
+            if k < len(rest) and rest[k].endswith(".py"):
+                return "python", rest[k], rest[k + 1:], env
+            return None
+        if token in ("bash", "sh", "sbatch") or re.fullmatch(r"\.?/?scripts/\S+\.(sh|sbatch)", token):
+            target = rest[0] if token in ("bash", "sh", "sbatch") and rest else token
+            rest = rest[1:] if token in ("bash", "sh", "sbatch") else rest
+            if token == "sbatch":  # sbatch's own options come before the file
+                while rest and target.startswith("-"):
+                    target, rest = rest[0], rest[1:]
+            if target.endswith((".sh", ".sbatch")):
+                return "launcher", target, rest, env
+            return None
+    return None
+
+
+def scripts_the_docs_run():
+    """Every .py a documented command runs (after python, torchrun, or a `--`), plus the known ones."""
+    found = {*TRAINING_SCRIPTS, *TOOLS}
+    for _, kind, script, args, _ in project_commands():
+        if kind == "python":
+            found.add(script)
+        found.update(a for a in args if a.endswith(".py") and not a.startswith("-"))
+    return sorted(s for s in found if (ROOT / s).is_file())
+
+
+@lru_cache(maxsize=None)
+def option_table():
+    """{script or "torchrun": {option string: takes a value}} from the real parsers."""
+    scripts = scripts_the_docs_run()
+    proc = subprocess.run([sys.executable, "-c", CAPTURE_PARSERS, TORCHRUN, *scripts], cwd=ROOT,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, f"capturing the parsers failed:\n{proc.stdout}\n{proc.stderr}"
+    table = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, entry in table.items():
+        assert "options" in entry, f"no parser from {name}: {entry.get('error')}"
+    return {name: entry["options"] for name, entry in table.items()}
+
+
+# Runs each script as __main__ with sys.argv = [script, "--", "distributed.py"]; its first parse_known_args call
+# (which parse_args makes) raises Captured with the parser instead of parsing.
+CAPTURE_PARSERS = r"""
+import argparse, json, runpy, sys
+
+class Captured(BaseException):  # not an Exception: passes through the scripts' handlers
+    def __init__(self, parser):
+        self.parser = parser
+
+def capture(self, args=None, namespace=None):
+    raise Captured(self)
+
+argparse.ArgumentParser.parse_known_args = capture
+argparse.ArgumentParser.parse_known_intermixed_args = capture
+table = {}
+for name in sys.argv[1:]:
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    try:
+        if name == "torchrun":
+            sys.argv = ["torchrun"]
+            runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [name, "--", "distributed.py"]  # a wrapper like fault_injection.py wants "--"
+            sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(name)))
+            runpy.run_path(name, run_name="__main__")
+        table[name] = {"error": "it never parsed its arguments"}
+    except Captured as c:
+        table[name] = {"options": {s: a.nargs != 0 for a in c.parser._actions for s in a.option_strings}}
+    except BaseException as e:
+        table[name] = {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        sys.argv[:], sys.path[:] = saved_argv, saved_path
+print(json.dumps(table))
+"""
+
+
+def check_script_flags(script: str, args, where: str):
+    """Every --flag in args is an option of script; `--` hands the rest to another script."""
+    problems = []
+    path = ROOT / script
+    if not path.is_file():
+        return [f"{where}: {script} does not exist"]
+    options = option_table().get(script)
+    if options is None:
+        return [f"{where}: {script} is not a script whose flags this test knows"]
+    for k, token in enumerate(args):
+        if token == "--":  # e.g. tests/fault_injection.py ... -- distributed.py ARGS
+            if k + 1 < len(args):
+                problems += check_script_flags(args[k + 1], args[k + 2:], where)
+            break
+        if token.startswith("--"):
+            name = token.split("=", 1)[0]
+            if name not in options:
+                problems.append(f"{where}: {script} has no option {name}")
+    return problems
+
+
+def check_torchrun(args, where: str):
+    options = option_table()[TORCHRUN]
+    k = 0
+    while k < len(args) and args[k].startswith("-"):
+        name, has_value = args[k].split("=", 1)[0], "=" in args[k]
+        if name not in options:
+            return [f"{where}: torchrun has no option {name}"]
+        k += 2 if options[name] and not has_value else 1
+    if k >= len(args):
+        return [f"{where}: torchrun without a script"]
+    if args[k].endswith(".py"):
+        return check_script_flags(args[k], args[k + 1:], where)
+    return [f"{where}: torchrun runs {args[k]}, not a .py script of this project"]
+
+
+def all_command_blocks():
+    return [b for path in doc_files() for b in blocks_of(path) if b.lang in ("bash", "sh", "shell", "console")]
+
+
+def project_commands():
+    """(where, kind, script, args, env) for every command that runs a project script."""
+    found = []
+    for block in all_command_blocks():
+        for n, command in enumerate(shell_commands(block)):
+            for tokens in segments(command):
+                hit = script_invocations(tokens)
+                if hit:
+                    found.append((f"{block.where} (command {n + 1}: {command[:70]})", *hit))
+    return found
+
+
+# --- the checks ------------------------------------------------------------------------------
+
+def test_the_lessons_and_the_index_exist():
+    missing = [name for name in ["README.md", *LESSONS] if not (TUTORIALS / name).is_file()]
+    assert not missing, f"missing in tutorials/: {missing}"
+
+
+def test_commands_use_only_flags_their_scripts_accept():
+    commands = project_commands()
+    assert len(commands) >= 20, f"expected the docs to hold many runnable commands, found {len(commands)}"
+    problems = []
+    for where, kind, script, args, env in commands:
+        if kind == "torchrun":
+            problems += check_torchrun(args, where)
+        elif kind == "python":
+            problems += check_script_flags(script, args, where)
+        else:
+            launcher = ROOT / script.lstrip("./") if script.startswith("./") else ROOT / script
+            if not launcher.is_file():
+                problems.append(f"{where}: launcher {script} does not exist")
+                continue
+            target = launcher_target(launcher, env)
+            flags = [a for a in args if a.startswith("--")]
+            if flags and target:  # extra flags go on to the training script
+                problems += check_script_flags(target, args, where)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_flag_checker_catches_a_wrong_flag():
+    # The checker itself: a misspelt flag, an unknown torchrun flag and a missing script fail.
+    assert check_script_flags("distributed.py", ["--batch-size", "64", "--epochs=1"], "x") == []
+    assert check_script_flags("distributed.py", ["--batch-sise", "64"], "x")
+    assert check_script_flags("distributed_mp.py", ["--nproc-per-node", "2", "--accum-steps", "2"], "x")
+    assert check_torchrun(["--standalone", "--nproc_per_node", "2", "distributed.py", "--epochs", "1"], "x") == []
+    assert check_torchrun(["--nproc_per_nodes=2", "distributed.py"], "x")
+    assert check_torchrun(["--standalone", "nosuch.py"], "x")
+    hit = script_invocations(next(iter(segments("OMP_NUM_THREADS=1 .venv/bin/python -m torch.distributed.run "
+                                                "--standalone --nproc_per_node=2 distributed.py --epochs 1"))))
+    assert hit[0] == "torchrun" and hit[2][-3:] == ["distributed.py", "--epochs", "1"]
+
+
+def quoted_blocks():
+    return [b for path in doc_files() for b in blocks_of(path) if FROM_LINE.match(b.intro)]
+
+
+def appears_verbatim(quote_lines, source_lines) -> bool:
+    """The quote, dedented and stripped at its ends, equals a run of source lines dedented alike."""
+    quote = textwrap.dedent("\n".join(quote_lines)).strip("\n").splitlines()
+    quote = [line.rstrip() for line in quote]
+    if not quote:
+        return False
+    n = len(quote)
+    for start in range(len(source_lines) - n + 1):
+        if source_lines[start].strip() != quote[0].strip():
+            continue
+        window = textwrap.dedent("\n".join(source_lines[start:start + n])).splitlines()
+        if [line.rstrip() for line in window] == quote:
+            return True
+    return False
+
+
+def test_quoted_code_is_verbatim_from_the_named_file():
+    blocks = quoted_blocks()
+    assert len(blocks) >= 12, f"expected the lessons to quote their scripts, found {len(blocks)} quotes"
+    problems = []
+    for block in blocks:
+        name = FROM_LINE.match(block.intro).group(1)
+        source = ROOT / name
+        if not source.is_file():
+            problems.append(f"{block.where}: quotes {name}, which does not exist")
+        elif not appears_verbatim(block.lines, source.read_text().splitlines()):
+            problems.append(f"{block.where}: this block is not verbatim in {name}")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_quote_checker_catches_an_edit():
+    source = ["def f():", "    x = 1", "    return x"]
+    assert appears_verbatim(["x = 1", "return x"], source)
+    assert appears_verbatim(["  def f():", "      x = 1"], source)
+    assert not appears_verbatim(["x = 2", "return x"], source)
+    assert not appears_verbatim(["x = 1", "", "return x"], source)
+
+
+def snippets():
+    out = []
+    for path in doc_files():
+        for block in blocks_of(path):
+            quoted = FROM_LINE.match(block.intro)  # a quote of a file, checked elsewhere
+            not_run = block.lines and block.lines[0].strip() == "# not run"
+            if block.lang in ("python", "py") and not quoted and not not_run:
+                out.append(block)
+    return out
+
+
+def test_snippet_count():
+    assert len(snippets()) >= 8, "the lessons should carry runnable snippets"
+
+
+@pytest.mark.parametrize("block", snippets(), ids=lambda b: b.where)
+def test_snippet_runs(block, tmp_path):
+    script = tmp_path / "snippet.py"
+    script.write_text(block.text + "\n")
+    try:
+        proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=subprocess_env(),
+                              capture_output=True, text=True, timeout=SNIPPET_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{block.where}: the snippet ran longer than {SNIPPET_TIMEOUT} s")
+    assert proc.returncode == 0, f"{block.where} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+
+
+def test_every_script_is_linked_from_a_lesson():
+    linked = set()
+    for lesson in lesson_files():
+        for target in links_of(lesson):
+            linked.add((lesson.parent / target).resolve())
+    wanted = [ROOT / s for s in [*TRAINING_SCRIPTS, *TOOLS]] + launchers()
+    missing = [rel(p) for p in wanted if p.resolve() not in linked]
+    assert not missing, f"not linked from any lesson in tutorials/: {missing}"
+
+
+def test_readme_links_the_tutorials_and_the_index_links_every_lesson():
+    readme_targets = [(ROOT / t).resolve() for t in links_of(ROOT / "README.md")]
+    assert any(TUTORIALS.resolve() in t.parents or t == TUTORIALS.resolve() for t in readme_targets), \
+        "README.md does not link to tutorials/"
+    index_targets = {(TUTORIALS / t).resolve() for t in links_of(TUTORIALS / "README.md")}
+    missing = [p.name for p in lesson_files() if p.resolve() not in index_targets]
+    assert not missing, f"tutorials/README.md does not link {missing}"
+
+
+def test_relative_links_point_to_existing_files():
+    problems = []
+    for path in doc_files():
+        for target in links_of(path):
+            if target and not (path.parent / target).exists():
+                problems.append(f"{rel(path)}: broken link {target}")
+    assert not problems, "\n".join(problems)
