@@ -27,14 +27,7 @@ from utils.cli import UsageError  # noqa: E402
 
 def read_state(path: str) -> dict:
     """The whole checkpoint, or {"model": state_dict} for a plain state_dict file."""
-    if not os.path.isfile(path):
-        raise UsageError(f"no file at {path}")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        first = (str(exc).strip().splitlines() or [""])[0][:200]
-        raise UsageError(f"cannot read {path}: it is corrupt or not a PyTorch file "
-                         f"({type(exc).__name__}: {first})") from None
+    state = checkpoint.read_file(path, what="file")
     if not isinstance(state, dict):
         raise UsageError(f"{path} holds a {type(state).__name__}, not a checkpoint or a state_dict")
     if state.get("format") == checkpoint.FORMAT:

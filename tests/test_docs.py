@@ -32,7 +32,7 @@ LESSONS = ["00-basic-theory.md", "01-gradient-accumulation.md", "02-ddp-in-detai
            "06-beyond-one-machine.md", "07-collectives.md"]
 TRAINING_SCRIPTS = ["distributed.py", "distributed_mp.py", "dataparallel.py", "distributed_apex.py",
                     "distributed_gradient_accumulation.py"]
-TOOLS = ["scripts/collectives.py", "scripts/compare_models.py"]
+TOOLS = ["scripts/collectives.py", "scripts/compare_models.py", "scripts/benchmark.py"]
 TORCHRUN = "torchrun"  # key of torchrun's own parser in the option table
 SNIPPET_TIMEOUT = 240
 

@@ -81,16 +81,21 @@ def set_rng_state(state: dict):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def load(path: str) -> dict:
-    """Read a checkpoint of ours, or raise UsageError with one readable line."""
+def read_file(path: str, what: str = "checkpoint"):
+    """torch.load with weights_only=True onto the CPU, or UsageError with one readable line."""
     if not os.path.isfile(path):
-        raise UsageError(f"no checkpoint at {path}")
+        raise UsageError(f"no {what} at {path}")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         first = (str(exc).strip().splitlines() or [""])[0][:200]
-        raise UsageError(f"cannot read checkpoint {path}: it is corrupt or not a PyTorch file "
+        raise UsageError(f"cannot read {what} {path}: it is corrupt or not a PyTorch file "
                          f"({type(exc).__name__}: {first})") from None
+
+
+def load(path: str) -> dict:
+    """Read a checkpoint of ours, or raise UsageError with one readable line."""
+    state = read_file(path)
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise UsageError(f"{path} is not a checkpoint written by these scripts "
                          f"(expected format {FORMAT!r})")
