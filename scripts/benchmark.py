@@ -128,8 +128,7 @@ CEILINGS = [
             "fast-bf16-compile"),
 ]
 ALL_NAMES = [row.name for row in ROWS] + [c.name for c in CEILINGS]
-QUICK_ROWS = ["ddp-1proc-noddp", "ddp-1proc", "ddp", "ddp-bf16", "ddp-accum2", "fast-fp32",
-              "ceiling-fp32", "ceiling-bf16"]
+QUICK_ROWS = ["ddp-1proc-noddp", "ddp-1proc", "ddp", "ddp-bf16", "fast-fp32", "ceiling-fp32", "ceiling-bf16"]
 
 
 # --- arithmetic -----------------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from conftest import ROOT, run_script, subprocess_env
 
 TOOL = ROOT / "scripts" / "benchmark.py"
-QUICK_SCRIPT_ROWS = ["ddp-1proc-noddp", "ddp-1proc", "ddp", "ddp-bf16", "ddp-accum2", "fast-fp32"]
+QUICK_SCRIPT_ROWS = ["ddp-1proc-noddp", "ddp-1proc", "ddp", "ddp-bf16", "fast-fp32"]
 QUICK_CEILINGS = ["ceiling-fp32", "ceiling-bf16"]
 PEAK_TFLOPS = 0.5  # given on the command line, so that the CPU run fills the % of peak column too
 
@@ -91,13 +91,12 @@ def test_every_quick_row_ran_and_its_figures_follow_from_its_epochs(quick_run):
                                               / rows["ddp"]["median_images_per_second"])
         assert row["device"] == "cpu" and row["peak_memory_mb"] is None
     # The same global batch everywhere; one-process rows take one process's share of it.
-    for name in ("ddp", "ddp-bf16", "ddp-accum2", "fast-fp32"):
+    for name in ("ddp", "ddp-bf16", "fast-fp32"):
         assert (rows[name]["processes"], rows[name]["global_batch"], rows[name]["world_size"]) == (2, 32, 2)
     for name in ("ddp-1proc-noddp", "ddp-1proc"):
         assert (rows[name]["processes"], rows[name]["global_batch"], rows[name]["world_size"]) == (1, 16, 1)
     assert rows["ddp-1proc-noddp"]["launcher"] == "python" and rows["ddp-1proc"]["launcher"] == "torchrun"
     assert rows["ddp-bf16"]["amp"] == "bf16" and rows["ddp"]["amp"] == "fp32"
-    assert rows["ddp-accum2"]["strategy"] == "ddp-accum"
 
 
 def test_ceiling_rows(quick_run):
