@@ -25,6 +25,9 @@ else
   dataset=(--dataset synthetic)
 fi
 
+# A demo: each `make train` starts afresh (the scripts refuse to overwrite a checkpoint
+# they were not told to --resume).
+rm -rf runs/quickstart runs/quickstart.jsonl
 mkdir -p runs
 set -x
 $PY -m torch.distributed.run --standalone --nproc_per_node="$nproc" distributed.py \
