@@ -612,7 +612,7 @@ def write_markdown(path: str, report: dict):
         f"({report['flops']['forward_per_image'] / 2e9:.4g} G multiply-adds), "
         f"{report['flops']['train_step_per_image'] / 1e9:.4g} GFLOP per training step (forward + backward), "
         f"counted by {report['flops']['counted_with']}",
-        f"- peak: " + (f"{report['peak']['tflops']:g} TFLOP/s per device ({report['peak']['source']})"
+        "- peak: " + (f"{report['peak']['tflops']:g} TFLOP/s per device ({report['peak']['source']})"
                        if report["peak"]["tflops"] else f"n/a ({report['peak']['source']})"),
         "",
         "| row | what runs | processes | global batch | median img/s | s per 50k images | peak MiB "

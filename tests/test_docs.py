@@ -17,7 +17,6 @@ import re
 import shlex
 import subprocess
 import sys
-import tempfile
 import textwrap
 from functools import lru_cache
 from pathlib import Path

@@ -11,7 +11,6 @@ of an epoch, and whether the images are augmented by workers or on the GPU
 resumes exact. torchvision's RandomCrop/RandomHorizontalFlip draw from the global
 RNG of whichever worker happens to load the sample, which is none of these.
 """
-import math
 
 import numpy as np
 import torch
