@@ -145,6 +145,26 @@ def test_resume_continues_exactly(straight_four_steps, tmp_path, first_leg):
             assert b[key] == expected, (key, a["event"], a["epoch"])
 
 
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+@pytest.mark.parametrize("flag, value", [("--seed", "1"), ("--train-samples", "64"), ("--epochs", "3")])
+def test_resume_refuses_flags_that_would_change_the_run(straight_four_steps, in_process, flag, value):
+    # Another seed, data set size or length would give other batches or another schedule
+    # after the resume point: not a continuation of the saved run.
+    line = in_process([*RESUME_ARGS, flag, value, "--resume", straight_four_steps / "ck" / "checkpoint.pt",
+                       "--checkpoint-dir", straight_four_steps / "other"])
+    assert flag in line and value in line and "resume with the same value" in line
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+def test_resume_from_a_path_does_not_overwrite_another_checkpoint(straight_four_steps, in_process, tmp_path):
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "checkpoint.pt").write_bytes(b"someone else's run")
+    line = in_process([*RESUME_ARGS, "--resume", straight_four_steps / "ck" / "checkpoint.pt",
+                       "--checkpoint-dir", tmp_path / "ck"])
+    assert "already holds a checkpoint" in line
+    assert (tmp_path / "ck" / "checkpoint.pt").read_bytes() == b"someone else's run"
+
+
 # --- bad input: one line on stderr, exit status 2 -----------------------------------------------
 
 def test_indivisible_batch_under_a_launcher_is_one_line():

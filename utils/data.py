@@ -36,7 +36,7 @@ class SyntheticCIFAR(Dataset):
     prototype plus pixel noise, shifted by a few pixels. A CNN learns it in a few
     hundred steps but not instantly, so loss curves and accuracies mean something.
     Samples are generated on demand from their index, so building it costs nothing.
-    Attributes mirror torchvision's CIFAR100: `.targets` and (via `array()`) `.data`.
+    Like torchvision's CIFAR100 it has `.targets`; images come from `_image(index)`.
     """
 
     def __init__(self, train: bool, size: int = None, seed: int = 1234):

@@ -33,10 +33,12 @@ class TrainMeter:
             self.sums += torch.tensor(initial, dtype=torch.float64, device=device)
 
     def update(self, loss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor):
+        # Python numbers enter as kernel arguments: a tensor made from n would be a
+        # host-to-device copy, which waits for the device every step.
         n = targets.numel()
-        correct = (logits.argmax(dim=1) == targets).sum()
-        self.sums += torch.stack([loss.double() * n, correct.double(),
-                                  torch.tensor(n, dtype=torch.float64, device=self.sums.device)])
+        self.sums[0] += loss.double() * n
+        self.sums[1] += (logits.argmax(dim=1) == targets).sum()
+        self.sums[2] += n
 
     def local_loss(self) -> float:
         """This rank's mean loss so far (one device sync; for the progress bar)."""
@@ -86,9 +88,9 @@ def evaluate(model: torch.nn.Module, loader, device, autocast=None) -> dict:
         else:
             logits = model(images)
         loss = F.cross_entropy(logits.float(), targets, reduction="sum")
-        top1, top5 = correct_topk(logits, targets)
-        sums += torch.stack([loss.double(), top1.double(), top5.double(),
-                             torch.tensor(targets.numel(), dtype=torch.float64, device=device)])
+        sums[0] += loss.double()
+        sums[1:3] += correct_topk(logits, targets)
+        sums[3] += targets.numel()
     loss_sum, top1, top5, count = all_reduce_sum(sums).tolist()
     model.train(was_training)
     if own_buffers is not None:

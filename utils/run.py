@@ -75,14 +75,13 @@ class TrainingRun:
     def _resume_path(self):
         """Which checkpoint to continue from, if any.
 
-        --resume PATH: that file. --resume: --checkpoint-dir's checkpoint if there is
-        one (a requeued SLURM job passes it every time), else a fresh start. A worker
-        restarted by torchrun --max-restarts resumes by itself. A fresh run never
-        overwrites a checkpoint it was not told to continue.
+        A worker restarted by torchrun --max-restarts resumes from --checkpoint-dir's
+        checkpoint by itself (also when the first attempt had --resume PATH: the
+        newer checkpoint wins). --resume PATH: that file. --resume: --checkpoint-dir's
+        checkpoint if there is one (a requeued SLURM job passes it every time), else a
+        fresh start. A run never overwrites a checkpoint it was not told to continue.
         """
         args = self.args
-        if args.resume not in (None, "auto"):
-            return args.resume
         here = bool(self.checkpoint_path) and os.path.isfile(self.checkpoint_path)
         exists = all_ranks_ok(here, self.env.device)
         if not exists and not all_ranks_ok(not here, self.env.device):
@@ -93,25 +92,38 @@ class TrainingRun:
         # the whole group was.
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         restarted = not all_ranks_ok(restarts == 0, self.env.device)
+        if exists and restarted:
+            print0(f"torchrun restart: resuming from {self.checkpoint_path}")
+            return self.checkpoint_path
         if args.resume == "auto":
             if not exists:
                 print0(f"--resume: no checkpoint in {args.checkpoint_dir} yet, starting from scratch")
             return self.checkpoint_path if exists else None
-        if exists and restarted:
-            print0(f"torchrun restart: resuming from {self.checkpoint_path}")
-            return self.checkpoint_path
-        if exists:
+        if exists and not (args.resume and os.path.abspath(args.resume) == os.path.abspath(self.checkpoint_path)):
             raise UsageError(f"--checkpoint-dir {args.checkpoint_dir} already holds a checkpoint: add --resume "
                              "to continue it, or choose another directory (it would be overwritten)")
-        return None
+        return args.resume
+
+    # Flags that decide which sample comes at which step and the learning rate there:
+    # a resume with other values would not continue the same run.
+    _MUST_MATCH = ("model", "batch_size", "dataset", "train_samples", "seed", "epochs", "warmup_epochs")
 
     def _resume(self, path):
-        state = checkpoint.load(path)  # every rank reads the file: no broadcast needed
+        error = state = None
+        try:
+            state = checkpoint.load(path)  # every rank reads the file: no broadcast needed
+        except UsageError as exc:
+            error = exc
+        # A file that only some ranks can read must stop all of them, not leave the
+        # others waiting in the next collective.
+        if not all_ranks_ok(error is None, self.env.device):
+            raise error or UsageError(f"checkpoint {path} could not be read on another rank")
         saved = state.get("config", {})
-        for key in ("model", "batch_size"):
-            if key in saved and saved[key] != getattr(self.args, key):
-                raise UsageError(f"checkpoint {path} was written with --{key.replace('_', '-')} "
-                                 f"{saved[key]}, this run has {getattr(self.args, key)}")
+        for key in self._MUST_MATCH:
+            if key in saved and saved[key] != getattr(self.args, key, saved[key]):
+                flag = "--" + key.replace("_", "-")
+                raise UsageError(f"checkpoint {path} was written with {flag} {saved[key]}, this run has "
+                                 f"{flag} {getattr(self.args, key)}: resume with the same value")
         try:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
@@ -201,6 +213,12 @@ class TrainingRun:
         if every and self.global_step % every == 0 and self.step_in_epoch < self.steps_per_epoch:
             self.save()
         if self.stop_signal.should_stop(self.global_step):
+            if self.step_in_epoch >= self.steps_per_epoch:
+                # The epoch is complete: let end_epoch evaluate, record and checkpoint it,
+                # then stop there (done() is now True), rather than lose its record.
+                self._stop = True
+                self.stop_signal.announce(self.global_step, self.checkpoint_path)
+                return True
             self.save()
             self.stop_signal.announce(self.global_step, self.checkpoint_path)
             self.stop_signal.close()
