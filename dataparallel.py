@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models import build_model
-from utils import cli, data, distributed as dist_utils, metrics, schedule
+from utils import cli, data, distributed as dist_utils, metrics, precision, schedule
 from utils.run import TrainingRun
 
 # --- why DistributedDataParallel is faster --------------------------------------------
@@ -40,7 +40,6 @@ from utils.run import TrainingRun
 # copied once at the start, gradients are all-reduced in buckets while backward is still
 # running, and every GPU does the same work.
 
-AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def main(argv=None):
@@ -49,7 +48,7 @@ def main(argv=None):
     g = parser.add_argument_group("dataparallel")
     g.add_argument("--gpus", "--gpu", type=gpu_list, default=None, metavar="IDS",
                    help="GPU ids separated by commas, e.g. 0,1,2,3; without it, every visible GPU")
-    g.add_argument("--amp", choices=sorted(AMP_DTYPES), default=None,
+    g.add_argument("--amp", choices=sorted(precision.AMP_DTYPES), default=None,
                    help="mixed precision with torch.amp autocast; without it, float32")
     args = cli.parse_args(parser, argv)
 
@@ -60,7 +59,7 @@ def main(argv=None):
     if device.type == "cuda":
         torch.cuda.set_device(device)  # the replicas are copied from, and gathered on, this GPU
     env = dist_utils.DistEnv(0, 0, 1, 1, device, distributed=False)
-    amp_dtype = check_amp(args.amp, device)
+    amp_dtype = precision.autocast_dtype(args.amp, device.type) if args.amp else None  # None: float32
     per_process_batch = cli.split_batch(args.batch_size, 1)  # all of it: DataParallel splits it
     train(args, env, per_process_batch, device_ids, amp_dtype)
 
@@ -168,28 +167,6 @@ def pick_gpus(requested):
     if missing:
         raise cli.UsageError(f"--gpus: no GPU {missing[0]}; the visible ones are 0 to {visible - 1}")
     return requested
-
-
-def check_amp(amp, device):
-    """The autocast dtype for --amp, or None for float32."""
-    if amp is None:
-        return None
-    dtype = AMP_DTYPES[amp]
-    if device.type == "cpu":
-        # CPU autocast supports float16 only in recent builds; older ones warn and run float32.
-        try:
-            with torch.amp.autocast("cpu", dtype=dtype):
-                probe = F.conv2d(torch.ones(1, 1, 3, 3), torch.ones(1, 1, 1, 1))
-            supported = probe.dtype == dtype
-        except (RuntimeError, TypeError):
-            supported = False
-        if not supported:
-            raise cli.UsageError(f"--amp {amp}: this PyTorch build cannot autocast to {dtype} on the "
-                                 "CPU; use --amp bf16, or leave --amp out")
-    elif dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        raise cli.UsageError("--amp bf16: this GPU has no bfloat16 support (it needs Ampere or newer); "
-                             "use --amp fp16")
-    return dtype
 
 
 if __name__ == "__main__":

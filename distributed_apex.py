@@ -37,7 +37,6 @@ installed: its FusedSGD, and apex.amp with --opt-level O0..O3 if that apex is ol
 enough to still have it. The PyPI package called `apex` is unrelated.
 """
 import importlib
-import warnings
 from typing import Any, NamedTuple
 
 import torch
@@ -46,10 +45,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from models import build_model
 from utils import cli, data, distributed as dist_utils, metrics, replicas, schedule
+from utils.precision import AMP_DTYPES, autocast_dtype
 from utils.device_data import DeviceTrainLoader
 from utils.run import TrainingRun
 
-AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def main(argv=None):
@@ -240,11 +239,8 @@ def choose_precision(args, device_type: str) -> Precision:
         name = "fp16" if device_type == "cuda" else "bf16"
         if device_type == "cpu":
             dist_utils.print0("no --amp given: using bf16 on the CPU")
-    if name == "fp16" and device_type == "cpu" and not cpu_fp16_autocast_works():
-        raise cli.UsageError("this PyTorch build has no float16 autocast on the CPU: use --amp bf16")
-    if name == "bf16" and device_type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise cli.UsageError("this GPU has no bfloat16 support (it needs Ampere or newer): use --amp fp16")
-    return Precision(name or "fp32", AMP_DTYPES.get(name), args.opt_level, fused_sgd, None)
+    dtype = autocast_dtype(name, device_type) if name else None
+    return Precision(name or "fp32", dtype, args.opt_level, fused_sgd, None)
 
 
 def find_nvidia_apex():
@@ -271,19 +267,6 @@ def find_nvidia_apex():
             "the PyPI package called `apex` is unrelated; --amp-impl torch (the default) is the "
             "upstream successor of apex.amp")
     return fused_sgd, apex_amp
-
-
-def cpu_fp16_autocast_works() -> bool:
-    """Whether this CPU build runs a convolution in float16 under autocast (older
-    builds warn and fall back to float32, or raise)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            with torch.amp.autocast("cpu", dtype=torch.float16):
-                out = F.conv2d(torch.ones(1, 1, 4, 4), torch.ones(1, 1, 3, 3))
-        except (RuntimeError, TypeError, ValueError):
-            return False
-    return out.dtype == torch.float16
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import torch
 
 from conftest import ROOT, SMALL, read_metrics, run_script, subprocess_env, torchrun
 from utils.cli import UsageError
+from utils.precision import cpu_autocast_works
 
 SCRIPT = "distributed_apex.py"
 apex_script = importlib.import_module("distributed_apex")
@@ -113,7 +114,7 @@ def test_autocast_changes_the_arithmetic(tmp_path):
         assert 1e-6 < abs(mixed[key] - fp32[key]) < 0.05, (key, mixed[key], fp32[key])
 
 
-@pytest.mark.skipif(not apex_script.cpu_fp16_autocast_works(),
+@pytest.mark.skipif(not cpu_autocast_works(torch.float16),
                     reason="this PyTorch build has no float16 autocast on the CPU")
 def test_fp16_resume_continues_with_the_same_loss_scale(tmp_path, start):
     whole, part = tmp_path / "whole", tmp_path / "part"
