@@ -63,3 +63,14 @@ def torchrun(nproc, script, args, timeout=240, check=True, extra_torchrun=(), en
 def read_metrics(path) -> list:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def assert_one_line_error(proc, *fragments):
+    """Bad input: exit status 2, one line on stderr holding each fragment, no traceback."""
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SMALL, read_metrics, run_script, torchrun
+from conftest import SMALL, assert_one_line_error, read_metrics, run_script, torchrun
 from utils import cli, data
 from utils.distributed import DistEnv
 
@@ -144,16 +144,6 @@ def test_corrupt_dataset_file_is_a_usage_error(tmp_path, small_cifar):
     with pytest.raises(cli.UsageError) as excinfo:
         data.build_datasets(args_for("--dataset", "cifar100", "--data-dir", tmp_path), ONE_CPU_PROCESS)
     assert str(tmp_path) in str(excinfo.value) and "\n" not in str(excinfo.value)
-
-
-def assert_one_line_error(proc, *fragments):
-    assert proc.returncode == 2, proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, proc.stderr
-    assert "Traceback" not in proc.stderr + proc.stdout
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    return lines[0]
 
 
 def test_distributed_py_trains_on_cifar100_files_with_two_processes(small_cifar, tmp_path):

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from conftest import SMALL, free_port, read_metrics, run_script, subprocess_env, torchrun
+from conftest import SMALL, assert_one_line_error, free_port, read_metrics, run_script, subprocess_env, torchrun
 from utils import cli
 from utils import distributed as dist_utils
 
@@ -26,16 +26,6 @@ def with_flag(argv, flag, value):
     argv = list(argv)
     argv[argv.index(flag) + 1] = str(value)
     return argv
-
-
-def assert_one_line_error(proc, *fragments):
-    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, proc.stderr
-    assert "Traceback" not in proc.stderr + proc.stdout
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    return lines[0]
 
 
 # --- torchrun, two processes ------------------------------------------------------------------
