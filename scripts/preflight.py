@@ -1,0 +1,799 @@
+r"""Pre-flight check: is this machine (or this set of nodes) ready for a long training job?
+
+A few seconds before hours of training. One node, all its local devices (one
+process per GPU, or 2 CPU processes without a GPU), started by the script itself:
+
+    python scripts/preflight.py
+    python scripts/preflight.py --workers 8 --batch-size 1024 --sample-shape 3,224,224
+
+Several nodes: launch it exactly as the training job will be launched (same
+rendezvous, same environment), so that it crosses the same network:
+
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \
+        --rdzv-endpoint=HOST_OF_NODE_0:29500 --rdzv-id=preflight scripts/preflight.py --workers 8
+
+It reports Python, PyTorch, CUDA, cuDNN and NCCL versions; the devices and their
+memory; peer-to-peer access between every pair of local GPUs (and a copy over
+each pair); a timed all-reduce of the model's gradient (ResNet-18: 44.9 MB) over
+all processes, with its bus bandwidth; /dev/shm against what the DataLoader
+workers will hold there; CPU cores per process against --workers; whether the
+rendezvous port is free; the NCCL_*/GLOO_* variables that are set. Every
+communication step is bounded by --timeout, so a broken network ends with a
+message, not a hang. Each problem is listed with its fix on one line.
+
+Give it the training job's own --batch-size (GLOBAL, as in the training
+scripts), --workers and --model. Exit status: 0 all is well, 1 problems (listed
+at the end), 2 bad arguments. Only global rank 0 prints.
+"""
+import argparse
+import datetime
+import json
+import math
+import multiprocessing
+import os
+import platform
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+# `python scripts/preflight.py` puts scripts/ on sys.path, not the repository root.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from models import MODEL_NAMES, build_model  # noqa: E402
+from utils import cli  # noqa: E402
+from utils.cli import UsageError  # noqa: E402
+
+DEFAULT_SHM = "/dev/shm"
+DEFAULT_PORT = 29500      # torchrun's and the launch scripts' default rendezvous port
+NUM_CLASSES = 100         # CIFAR-100: the classifier's size enters the gradient's size
+ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_GLOO_")
+GiB = 2**30
+
+
+# --- arguments ------------------------------------------------------------------------
+
+def sample_shape(text):
+    try:
+        shape = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected sizes separated by commas (3,32,32), got {text!r}") from None
+    if not shape or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"every size must be at least 1, got {text!r}")
+    return shape
+
+
+def tcp_port(text):
+    port = cli.positive_int(text)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 1..65535, got {port}")
+    return port
+
+
+def build_parser():
+    # utils.cli's parser: a bad flag is one line on stderr and exit status 2, printed by rank 0 only.
+    parser = cli._Parser(description=__doc__.strip().splitlines()[0],
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = parser.add_argument_group("the training job to check (pass its own values)")
+    g.add_argument("--workers", type=cli.non_negative_int, default=4,
+                   help="DataLoader worker processes per training process")
+    g.add_argument("--batch-size", type=cli.positive_int, default=128,
+                   help="GLOBAL batch, as in the training scripts: each process loads batch-size / processes")
+    g.add_argument("--prefetch-factor", type=cli.positive_int, default=2,
+                   help="batches each loader worker keeps ready (DataLoader's prefetch_factor)")
+    g.add_argument("--sample-shape", type=sample_shape, default=(3, 32, 32), metavar="C,H,W",
+                   help="shape of one float32 training sample as the loader yields it (CIFAR: 3,32,32)")
+    g.add_argument("--model", choices=MODEL_NAMES, default="resnet18",
+                   help="the all-reduce moves this model's gradient")
+    g = parser.add_argument_group("the check")
+    g.add_argument("--nproc", type=cli.positive_int, default=None,
+                   help="processes to start under plain python (default: one per local GPU, 2 on a CPU); "
+                        "under torchrun the launcher's processes are used")
+    g.add_argument("--shm-dir", default=DEFAULT_SHM,
+                   help="where the loader workers' shared memory lives")
+    g.add_argument("--port", type=tcp_port, default=None,
+                   help=f"rendezvous port the training job will use, checked on this node "
+                        f"(default {DEFAULT_PORT} under python; under torchrun its own port is already in use)")
+    g.add_argument("--timeout", type=cli.positive_float, default=30.0, metavar="SECONDS",
+                   help="limit for each communication step (start-up, joining, peer copies, all-reduce)")
+    g.add_argument("--iters", type=cli.positive_int, default=10, help="timed all-reduces, after one warm-up")
+    return parser
+
+
+@dataclass(frozen=True)
+class Role:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node: int              # node rank (torchrun's GROUP_RANK)
+    launcher: str          # "python" or "torchrun"
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def role_from_env() -> Role:
+    world_size = int(os.environ["WORLD_SIZE"])
+    return Role(int(os.environ["RANK"]), world_size, int(os.environ.get("LOCAL_RANK", 0)),
+                int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), int(os.environ.get("GROUP_RANK", 0)),
+                "torchrun")
+
+
+def accelerator():
+    """The device type torch.accelerator finds (cuda also on ROCm), or None for CPU only."""
+    acc = getattr(torch, "accelerator", None)  # torch.accelerator: PyTorch 2.6 and later
+    if acc is not None:
+        return acc.current_accelerator().type if acc.is_available() else None
+    return "cuda" if torch.cuda.is_available() else None
+
+
+def device_count(kind) -> int:
+    if kind is None:
+        return 0
+    acc = getattr(torch, "accelerator", None)
+    return acc.device_count() if acc is not None else torch.cuda.device_count()
+
+
+def rank_device(role: Role):
+    kind = accelerator()
+    if kind is None or kind == "mps":  # MPS: a single process, no collective backend
+        return torch.device("cpu")
+    return torch.device(kind, role.local_rank)
+
+
+def validate(args, torchrun: bool):
+    """Bad input that argparse cannot see: one line and exit status 2, before any process starts."""
+    if not os.path.isdir(args.shm_dir) and args.shm_dir != DEFAULT_SHM:
+        raise UsageError(f"--shm-dir {args.shm_dir} is not a directory")
+    kind = accelerator()
+    count = device_count(kind) if kind not in (None, "mps") else 0
+    if torchrun:
+        if args.nproc is not None:
+            raise UsageError("--nproc is for plain python; under torchrun use --nproc_per_node")
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        if count and local > count:
+            raise UsageError(f"{local} processes per node but only {count} {kind} device"
+                             f"{'s' if count != 1 else ''} visible: use --nproc_per_node={count} or fewer")
+    elif count and args.nproc is not None and args.nproc > count:
+        raise UsageError(f"--nproc {args.nproc} but only {count} {kind} device{'s' if count != 1 else ''} "
+                         f"visible (one process per device): use --nproc {count} or fewer")
+
+
+# --- facts: what each process finds on its own, no communication --------------------------
+
+def versions() -> dict:
+    out = {"python": platform.python_version(), "torch": torch.__version__,
+           "cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None), "cudnn": None, "nccl": None}
+    try:
+        out["cudnn"] = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    except RuntimeError:
+        pass
+    if torch.version.cuda or out["hip"]:
+        try:
+            nccl = torch.cuda.nccl.version()
+            out["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+        except (RuntimeError, AttributeError):
+            pass
+    return out
+
+
+def host_memory() -> tuple:
+    """(available, total) bytes of RAM (Linux; (None, None) elsewhere)."""
+    info = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, value = line.split(":", 1)
+                info[key] = int(value.split()[0]) * 1024
+    except (OSError, ValueError):
+        return None, None
+    return info.get("MemAvailable"), info.get("MemTotal")
+
+
+def device_memory(device) -> tuple:
+    """(free, total) bytes of this rank's device, seen by all processes on it; host RAM for the CPU."""
+    if device.type == "cpu":
+        return host_memory()
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and hasattr(acc, "get_memory_info"):  # PyTorch 2.8 and later
+        return acc.get_memory_info(device.index)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)
+    return None, None
+
+
+def device_name(kind, index) -> str:
+    module = getattr(torch, kind, None)
+    try:
+        return module.get_device_name(index)
+    except (AttributeError, RuntimeError):
+        return f"{kind}:{index}"
+
+
+def peer_access(kind, count):
+    """can[i][j]: device i can read and write device j's memory directly (None: not a CUDA/ROCm node)."""
+    if kind != "cuda" or count < 2:
+        return None
+    return [[i == j or torch.cuda.can_device_access_peer(i, j) for j in range(count)] for i in range(count)]
+
+
+def shm_facts(path) -> dict:
+    out = {"path": path, "exists": os.path.isdir(path), "free": None, "total": None, "fstype": None}
+    if not out["exists"]:
+        return out
+    st = os.statvfs(path)
+    out["free"], out["total"] = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    # The file system that holds the path: the longest mount point that contains it.
+    real, best = os.path.realpath(path), ""
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                fields = line.split()
+                mount = fields[1].replace("\\040", " ")
+                inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) >= len(best):
+                    best, out["fstype"] = mount, fields[2]
+    except OSError:
+        pass
+    return out
+
+
+def cpu_facts() -> dict:
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    quota = None
+    # A container's CPU limit (docker --cpus, Kubernetes limits) is a cgroup quota, invisible to os.cpu_count().
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:  # cgroup v2
+            limit, period = f.read().split()[:2]
+        if limit != "max":
+            quota = int(limit) / int(period)
+    except (OSError, ValueError):
+        try:  # cgroup v1
+            with open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us") as f:
+                limit = int(f.read())
+            with open("/sys/fs/cgroup/cpu/cpu.cfs_period_us") as f:
+                period = int(f.read())
+            if limit > 0:
+                quota = limit / period
+        except (OSError, ValueError):
+            pass
+    cores = min(affinity, quota) if quota else affinity
+    return {"affinity": affinity, "quota": quota, "cores": cores}
+
+
+def port_facts(port) -> dict:
+    """Can a rendezvous store listen on `port` here? (It binds all interfaces, as TCPStore does.)"""
+    for family, host in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind((host, port))
+        except OSError as err:
+            if err.errno == 98 or "in use" in str(err).lower():  # EADDRINUSE; no IPv6 here is not a problem
+                with socket.socket() as s:
+                    s.bind(("", 0))
+                    return {"port": port, "free": False, "suggest": s.getsockname()[1]}
+    return {"port": port, "free": True}
+
+
+def rank_facts(role: Role, args, device) -> dict:
+    facts = {"rank": role.rank, "node": role.node, "host": socket.gethostname(), **versions(),
+             "device": str(device), "device_name": "CPU" if device.type == "cpu" else
+             device_name(device.type, device.index)}
+    facts["mem_free"], facts["mem_total"] = device_memory(device)
+    if role.local_rank == 0:  # the node's own facts, once per node
+        kind = None if device.type == "cpu" else device.type
+        count = device_count(kind)
+        facts["node_facts"] = {
+            "local_world_size": role.local_world_size,
+            "devices": [device_name(kind, i) for i in range(count)],
+            "peer_access": peer_access(kind, count),
+            "shm": shm_facts(args.shm_dir),
+            "cpus": cpu_facts(),
+            "ram": host_memory(),
+            "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)},
+            "interfaces": sorted(name for _, name in socket.if_nameindex()) if hasattr(socket, "if_nameindex")
+            else [],
+        }
+    if role.rank == 0:
+        if role.launcher == "python" or args.port is not None:
+            facts["port"] = port_facts(args.port or DEFAULT_PORT)
+        if role.launcher == "torchrun":
+            facts["rendezvous"] = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    return facts
+
+
+# --- communication, every step bounded in time ------------------------------------------
+
+class Hung(Exception):
+    """A step did not finish within --timeout (the thread doing it is left behind)."""
+
+
+def bounded(fn, seconds, device=None):
+    """fn() in a daemon thread; its result, its exception, or Hung after `seconds`.
+
+    A collective stuck in NCCL cannot be interrupted; waiting for it in another thread
+    lets this process still report, and then leave with os._exit.
+    """
+    box = {}
+
+    def target():
+        try:
+            if device is not None and device.type != "cpu":
+                torch.accelerator.set_device_index(device.index)  # the current device is per thread
+            box["value"] = fn()
+        except BaseException as exc:  # reported, never lost in the thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise Hung(f"did not finish within {seconds:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def first_line(exc) -> str:
+    text = (str(exc).strip().splitlines() or [""])[0]
+    if text.startswith("[enforce fail at") and "] " in text:  # gloo: the source location says nothing to a user
+        text = text.split("] ", 1)[1]
+    return f"{type(exc).__name__}: {text[:300]}"
+
+
+def copy_between_peers(count):
+    """Copy 1 MB from every GPU to every other one and compare: some machines report
+    peer access but deliver wrong data or never finish (IOMMU/ACS on consumer boards)."""
+    wrong = []
+    for i in range(count):
+        source = torch.arange(2**18, dtype=torch.float32, device=f"cuda:{i}")
+        for j in range(count):
+            if i != j:
+                copied = source.to(f"cuda:{j}")
+                torch.cuda.synchronize(j)
+                if not torch.equal(copied.cpu(), source.cpu()):
+                    wrong.append([i, j])
+    return wrong
+
+
+def gradient_numel(model_name) -> int:
+    with torch.device("meta"):  # shapes only, no memory and no initialisation
+        model = build_model(model_name, NUM_CLASSES)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def time_all_reduce(numel, device, role: Role, iters) -> dict:
+    # Called by every rank: all of them must reach it (a collective).
+    t = torch.full((numel,), float(role.rank + 1), device=device)
+    dist.all_reduce(t)  # warm-up: connections and communicators are made here, not in the timing
+    expected = role.world_size * (role.world_size + 1) / 2
+    correct = bool((t == expected).all())
+    t.zero_()
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(t)
+    synchronize(device)
+    return {"status": "ok", "seconds": (time.perf_counter() - start) / iters, "correct": correct}
+
+
+def synchronize(device):
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def communicate(role: Role, args, device, node_facts) -> tuple:
+    """Join the process group, copy between peers, time the all-reduce.
+    Returns (result, hung): a hung rank must leave with os._exit."""
+    result = {}
+    backend = dist.get_default_backend_for_device(device) if hasattr(dist, "get_default_backend_for_device") \
+        else ("nccl" if device.type == "cuda" else "gloo")
+    result["backend"] = backend
+    steps = []
+    if role.world_size > 1:
+        store = dist.PrefixStore("pg", STORE)
+        # The process group's own timeout is longer than ours: NCCL's watchdog would end the
+        # process without a word, our watchdog reports first.
+        steps.append(("join", lambda: dist.init_process_group(
+            backend, store=store, rank=role.rank, world_size=role.world_size,
+            timeout=datetime.timedelta(seconds=args.timeout + 60))))
+    if node_facts and node_facts["peer_access"]:
+        steps.append(("peer_copy", lambda: copy_between_peers(len(node_facts["devices"]))))
+    if role.world_size > 1:
+        numel = gradient_numel(args.model)
+        steps.append(("all_reduce", lambda: time_all_reduce(numel, device, role, args.iters)))
+    for name, step in steps:
+        try:
+            result[name] = {"status": "ok", "value": bounded(step, args.timeout, device)}
+        except Hung as exc:
+            result[name] = {"status": "timed out", "error": str(exc)}
+            return result, True
+        except Exception as exc:  # a communication failure is a finding, not a crash
+            result[name] = {"status": "error", "error": first_line(exc)}
+            return result, False
+    return result, False
+
+
+# --- the exchange: facts and results travel through the rendezvous store ----------------
+# The store is the rendezvous connection that torchrun (or this script's parent) already
+# made; it works even when the data network the collectives use does not.
+
+STORE = None
+
+
+def post(name, rank, value):
+    STORE.set(f"{name}/{rank}", json.dumps(value))
+
+
+def collect(name, world_size, seconds) -> dict:
+    """{rank: value, or None for a rank that did not post within `seconds`}."""
+    deadline = time.monotonic() + seconds
+    out = {}
+    for rank in range(world_size):
+        key = f"{name}/{rank}"
+        try:
+            STORE.wait([key], datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.01)))
+            out[rank] = json.loads(STORE.get(key))
+        except Exception:  # the store's timeout error differs between versions
+            out[rank] = None
+    return out
+
+
+def check_this_rank(role: Role, args) -> int:
+    device = rank_device(role)
+    if device.type != "cpu":
+        torch.accelerator.set_device_index(device.index)
+    facts = rank_facts(role, args, device)
+    post("facts", role.rank, facts)
+    # Every rank waits for every rank's facts: a start-up barrier that cannot hang.
+    all_facts = collect("facts", role.world_size, args.timeout)
+    result, hung = {}, False
+    if all(all_facts.values()):
+        result, hung = communicate(role, args, device, facts.get("node_facts"))
+    post("result", role.rank, result)
+    if role.rank == 0:
+        results = collect("result", role.world_size, args.timeout + 10)
+        problems = report(all_facts, results, args, role)
+        code = 1 if problems else 0
+        post("verdict", 0, code)
+    else:
+        # Wait for rank 0 to print: under torchrun, a rank that ends first with an error
+        # would get rank 0 killed before its report.
+        verdict = collect("verdict", 1, 3 * args.timeout + 30)[0]
+        code = 1 if verdict is None else verdict
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if hung:
+        os._exit(code)  # a thread is stuck in a collective: no clean teardown is possible
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return code
+
+
+# --- the report (global rank 0) -----------------------------------------------------------
+
+def size(n) -> str:
+    if n is None:
+        return "?"
+    for unit, scale in (("TiB", 2**40), ("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def ifname_matches(value, names, prefix_match):
+    """Interfaces that NCCL_SOCKET_IFNAME (prefixes; ^ excludes, = exact) or
+    GLOO_SOCKET_IFNAME (exact names) would use."""
+    exclude = value.startswith("^")
+    exact = value.lstrip("^").startswith("=") or not prefix_match
+    items = [v for v in value.lstrip("^=").split(",") if v]
+    hit = [n for n in names if any(n == v or (not exact and n.startswith(v)) for v in items)]
+    return [n for n in names if n not in hit] if exclude else hit
+
+
+def report(all_facts, results, args, role) -> list:
+    """Print the report; return the problems as (what, fix) pairs."""
+    problems = []
+    out = print
+    world = role.world_size
+    present = {r: f for r, f in all_facts.items() if f}
+    nodes = {f["node"]: f for f in present.values() if "node_facts" in f}
+    f0 = all_facts[0]
+    launched = ("plain python: this script started them" if role.launcher == "python"
+                else f"torchrun, rendezvous {f0.get('rendezvous')}")
+    backend = (results.get(0) or {}).get("backend", "?")
+    out(f"preflight: {world} process{'es' if world != 1 else ''} on {len(nodes)} node"
+        f"{'s' if len(nodes) != 1 else ''} ({launched}), backend {backend}")
+
+    missing = [r for r, f in all_facts.items() if not f]
+    if missing:
+        problems.append((f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not "
+                         f"report within --timeout {args.timeout:g} s",
+                         "check that every node runs the same command and reaches the rendezvous host; "
+                         "a slow start (busy file system) needs a larger --timeout"))
+
+    out("\nversions")
+    for node, f in sorted(nodes.items()):
+        cuda = f"CUDA {f['cuda']}" if f["cuda"] else (f"ROCm {f['hip']}" if f["hip"] else "no CUDA build")
+        out(f"  node {node} ({f['host']}): Python {f['python']}, PyTorch {f['torch']}, {cuda}, "
+            f"cuDNN {f['cudnn'] or '-'}, NCCL {f['nccl'] or '-'}")
+    for key, what in (("torch", "PyTorch"), ("nccl", "NCCL"), ("python", "Python")):
+        seen = {f[key] for f in present.values()}
+        if len(seen) > 1:
+            problems.append((f"the processes run different {what} versions: {', '.join(sorted(map(str, seen)))}",
+                             f"install the same {what} on every node (one container image or environment)"))
+
+    out("\ndevices")
+    for node, f in sorted(nodes.items()):
+        nf = f["node_facts"]
+        names = nf["devices"]
+        out(f"  node {node}: " + (f"{len(names)} device{'s' if len(names) != 1 else ''}: "
+                                   + ", ".join(f"{i}: {n}" for i, n in enumerate(names)) if names
+                                   else "no accelerator: the CPU, with gloo"))
+    for rank, f in sorted(present.items()):
+        free, total = f["mem_free"], f["mem_total"]
+        what = "RAM available" if f["device"] == "cpu" else "free"
+        out(f"  rank {rank} (node {f['node']}): {f['device']} {f['device_name']}, "
+            f"{size(free)} {what} of {size(total)}")
+        if f["device"] != "cpu" and free is not None and total and total - free > max(GiB, 0.10 * total):
+            problems.append((f"{f['device']} on node {f['node']} already has {size(total - free)} of "
+                             f"{size(total)} in use by other processes",
+                             "find and stop them (nvidia-smi lists them; a killed job may have left some)"))
+
+    out("\npeer-to-peer (can device i read device j's memory directly?)")
+    for node, f in sorted(nodes.items()):
+        access = f["node_facts"]["peer_access"]
+        if not access:
+            gpus = len(f["node_facts"]["devices"])
+            out(f"  node {node}: {'one device' if gpus == 1 else 'no GPUs'}: nothing to check")
+            continue
+        n = len(access)
+        out(f"  node {node}:   " + " ".join(f"{j:>3}" for j in range(n)))
+        for i in range(n):
+            out(f"  {'':>9}{i:>3} " + " ".join(f"{'-' if i == j else ('yes' if access[i][j] else 'no'):>3}"
+                                           for j in range(n)))
+        no = sum(not access[i][j] for i in range(n) for j in range(n) if i != j)
+        if no:
+            out(f"  {no} pair(s) without peer access: NCCL goes through host memory there (slower, not an error)")
+        copy = (results.get(min(r for r, x in present.items() if x["node"] == node)) or {}).get("peer_copy")
+        if copy and copy["status"] == "ok" and copy["value"]:
+            problems.append((f"node {node}: a copy between GPUs returned wrong data for pairs "
+                             f"{', '.join(f'{i}->{j}' for i, j in copy['value'])}",
+                             "export NCCL_P2P_DISABLE=1 (and disable IOMMU/ACS in the BIOS for the lasting fix)"))
+        elif copy and copy["status"] != "ok":
+            problems.append((f"node {node}: copying between GPUs {copy['status']}: {copy['error']}",
+                             "export NCCL_P2P_DISABLE=1 (GPUs that report peer-to-peer but cannot use it); "
+                             "disabling IOMMU/ACS in the BIOS is the lasting fix"))
+        elif copy:
+            out("  a 1 MB copy between every pair arrived intact")
+
+    bad_ifname = []
+    for node, f in sorted(nodes.items()):
+        env, names = f["node_facts"]["env"], f["node_facts"]["interfaces"]
+        for var, prefix_match in (("NCCL_SOCKET_IFNAME", True), ("GLOO_SOCKET_IFNAME", False)):
+            if var in env and names and not ifname_matches(env[var], names, prefix_match):
+                bad_ifname.append((f"node {node}: {var}={env[var]} matches none of its interfaces "
+                                   f"({', '.join(names)})", f"export {var}=<the interface that reaches the other "
+                                                            f"nodes>, one of: {', '.join(names)}"))
+
+    out("\nall-reduce")
+    numel = gradient_numel(args.model)
+    nbytes = numel * 4
+    what = f"{nbytes / 1e6:.1f} MB ({args.model}'s gradient, {numel:,} float32)"
+    multi_node = len(nodes) > 1
+    network_fix = ("set NCCL_SOCKET_IFNAME (GLOO_SOCKET_IFNAME with gloo) to the interface that reaches the "
+                   "other nodes and open the firewall between them" if multi_node else None)
+    if world == 1:
+        out(f"  one process: nothing to all-reduce (start several: --nproc, or torchrun --nproc_per_node)")
+    else:
+        def failed_steps(res):
+            return [(step, o) for step, o in res.items() if isinstance(o, dict) and o["status"] != "ok"]
+        failed = {r: res for r, res in results.items() if res is None or failed_steps(res) or "all_reduce" not in res}
+        if not failed:
+            slowest = max(res["all_reduce"]["value"]["seconds"] for res in results.values())
+            algbw = nbytes / slowest / 1e9
+            busbw = algbw * 2 * (world - 1) / world
+            out(f"  {what} over {world} processes: {slowest * 1e3:.2f} ms (slowest rank, mean of {args.iters}), "
+                f"algbw {algbw:.2f} GB/s, bus bandwidth {busbw:.2f} GB/s")
+            out(f"  (bus bandwidth = algbw x 2(n-1)/n, the nccl-tests convention: comparable with the links' speed "
+                f"whatever the number of processes)")
+            wrong = [r for r, res in results.items() if not res["all_reduce"]["value"]["correct"]]
+            if wrong:
+                problems.append((f"the all-reduce gave a wrong sum on rank{'s' if len(wrong) > 1 else ''} "
+                                 f"{', '.join(map(str, wrong))}",
+                                 network_fix or "export NCCL_P2P_DISABLE=1 (peer-to-peer that corrupts data), "
+                                 "then look for hardware errors (nvidia-smi -q, dmesg)"))
+        else:
+            out(f"  {what} over {world} processes: FAILED")
+            for rank, res in sorted(failed.items()):
+                if res is None:
+                    out(f"  rank {rank}: no result within the timeout (stuck, or ended)")
+                elif not failed_steps(res):
+                    out(f"  rank {rank}: did not take part (not every rank had started)")
+                for step, outcome in failed_steps(res or {}):
+                    out(f"  rank {rank}: {step.replace('_', '-')} {outcome['status']}: {outcome['error']}")
+            hung = any(res is None or any(o["status"] == "timed out" for _, o in failed_steps(res))
+                       for res in failed.values())
+            gpus_with_p2p = any(f["node_facts"]["peer_access"] for f in nodes.values())
+            if bad_ifname:
+                fix = "correct the *_SOCKET_IFNAME variable named below"
+            elif network_fix:
+                fix = network_fix + " (NCCL_DEBUG=INFO shows which interface it took)"
+            elif gpus_with_p2p:
+                fix = ("export NCCL_P2P_DISABLE=1 (GPUs that hang with peer-to-peer); "
+                       "NCCL_DEBUG=INFO shows where it stops")
+            elif backend == "gloo":
+                fix = ("on one node: export GLOO_SOCKET_IFNAME=lo (gloo connects to the address the host name "
+                       "resolves to: check /etc/hosts); TORCH_DISTRIBUTED_DEBUG=DETAIL shows more")
+            else:
+                fix = "rerun with NCCL_DEBUG=INFO TORCH_DISTRIBUTED_DEBUG=DETAIL to see where it stops"
+            problems.append((f"the all-reduce over {world} processes "
+                             f"{'did not finish within ' + format(args.timeout, 'g') + ' s' if hung else 'failed'}",
+                             fix))
+
+    out("\nshared memory (what the DataLoader workers hold: workers x prefetch x batch bytes per process)")
+    sample_bytes = math.prod(args.sample_shape) * 4 + 8  # float32 sample + int64 label
+    per_process_batch = math.ceil(args.batch_size / world)
+    per_process = args.workers * args.prefetch_factor * per_process_batch * sample_bytes
+    if args.batch_size % world:
+        multiple = max(world, args.batch_size // world * world)
+        problems.append((f"--batch-size {args.batch_size} is not divisible by {world} processes "
+                         f"(the training scripts refuse it)", f"--batch-size {multiple} (a multiple of {world})"))
+    for node, f in sorted(nodes.items()):
+        shm, local = f["node_facts"]["shm"], f["node_facts"]["local_world_size"]
+        need = per_process * local
+        formula = (f"{args.workers} workers x {args.prefetch_factor} x {per_process_batch} samples x "
+                   f"{sample_bytes:,} B = {size(per_process)} per process, {size(need)} for {local} on the node")
+        if not shm["exists"]:
+            out(f"  node {node}: no {shm['path']} (not Linux?): {formula}")
+            continue
+        out(f"  node {node}: {shm['path']} ({shm['fstype'] or '?'}) {size(shm['free'])} free of "
+            f"{size(shm['total'])}; {formula}")
+        if args.workers and need > shm["free"]:
+            ram = f["node_facts"]["ram"][1]
+            lower = "lower --workers, --prefetch-factor or --batch-size"
+            if ram and need * 1.5 > ram:
+                fix = f"{lower}: {size(need)} is more than this node's memory can hold ({size(ram)} RAM)"
+            else:
+                gib = max(1, math.ceil(need * 1.5 / GiB))
+                fix = (f"in Docker: docker run --ipc=host (or --shm-size={gib}g); otherwise "
+                       f"mount -o remount,size={gib}G {shm['path']}, or {lower}")
+            problems.append((f"node {node}: {shm['path']} has {size(shm['free'])} free, the loader workers would "
+                             f"hold {size(need)} (a DataLoader worker then dies with a bus error)", fix))
+
+    out("\nCPU (each training process needs a core, and one per loader worker)")
+    for node, f in sorted(nodes.items()):
+        cpus, local = f["node_facts"]["cpus"], f["node_facts"]["local_world_size"]
+        per = cpus["cores"] / local
+        limit = f", container limit {cpus['quota']:g}" if cpus["quota"] else ""
+        out(f"  node {node}: {cpus['cores']:g} cores usable ({cpus['affinity']} in the affinity mask{limit}) "
+            f"for {local} process{'es' if local != 1 else ''}: {per:.1f} per process; "
+            f"--workers {args.workers} + 1 need {args.workers + 1}")
+        if per < 1:
+            problems.append((f"node {node}: {local} processes share {cpus['cores']:g} cores",
+                             f"start at most {math.floor(cpus['cores']) or 1} processes on this node"))
+        elif args.workers + 1 > per:
+            problems.append((f"node {node}: --workers {args.workers} needs {args.workers + 1} cores per process, "
+                             f"there are {per:.1f}", f"--workers {max(0, math.floor(per) - 1)}"))
+
+    out("\nrendezvous port")
+    port = f0.get("port")
+    if role.launcher == "torchrun":
+        out(f"  {f0.get('rendezvous')}: reached by all {len(present)} processes")
+    if port:
+        if port["free"]:
+            out(f"  {port['port']}: free on node {f0['node']} ({f0['host']})")
+        else:
+            out(f"  {port['port']}: IN USE on node {f0['node']} ({f0['host']})")
+            problems.append((f"port {port['port']} is already in use on {f0['host']} (another job, or one "
+                             f"that did not end)", f"stop it (ss -ltnp 'sport = :{port['port']}' names it) or use "
+                             f"another port, e.g. torchrun --master-port {port['suggest']} / "
+                             f"--rdzv-endpoint HOST:{port['suggest']}"))
+
+    out("\nenvironment (NCCL_*, GLOO_*, TORCH_NCCL_*)")
+    envs = {node: f["node_facts"]["env"] for node, f in nodes.items()}
+    for node, env in sorted(envs.items()):
+        out(f"  node {node}: " + (" ".join(f"{k}={v}" for k, v in env.items()) or "none set"))
+    problems += bad_ifname
+    if len({json.dumps(env, sort_keys=True) for env in envs.values()}) > 1:
+        problems.append(("the nodes have different NCCL_*/GLOO_* variables",
+                         "export the same ones on every node (in the job script, not a login shell)"))
+
+    if problems:
+        out(f"\n{len(problems)} problem{'s' if len(problems) != 1 else ''}:")
+        for i, (what, fix) in enumerate(problems, 1):
+            out(f"  {i}. {what}\n     fix: {fix}")
+    else:
+        out("\nall checks passed")
+    return problems
+
+
+# --- launching ------------------------------------------------------------------------
+
+def connect_store(addr, port, rank, world_size, timeout, host_it=False):
+    global STORE
+    store = dist.TCPStore(addr, port, world_size if host_it else None, host_it,
+                          timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+    attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
+    STORE = dist.PrefixStore(f"preflight/{attempt}", store)  # apart from the launcher's own keys
+
+
+def spawned(role: Role, args, store_port):
+    """A process started by this script under plain python."""
+    connect_store("127.0.0.1", store_port, role.rank, role.world_size, args.timeout)
+    code = check_this_rank(role, args)
+    sys.stdout.flush()
+    sys.exit(code)
+
+
+def start_local(args) -> int:
+    """Plain python: start one process per local device (2 on a CPU) and wait for rank 0's verdict."""
+    kind = accelerator()
+    count = device_count(kind) if kind not in (None, "mps") else 0
+    nproc = args.nproc or count or 2
+    # This process hosts the rendezvous store on a port the system picks: the check needs no
+    # port of its own, and --port is only examined, never taken.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        store_port = s.getsockname()[1]
+    # Without a device, fork: the processes start at once instead of importing torch again.
+    # A GPU needs spawn (CUDA cannot be used in a process forked from one that touched it).
+    method = "fork" if count == 0 and "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    context = multiprocessing.get_context(method)
+    processes = [context.Process(target=spawned, args=(Role(r, nproc, r, nproc, 0, "python"), args, store_port))
+                 for r in range(nproc)]
+    for p in processes:
+        p.start()
+    # Start-up (importing torch in every process) is not bounded by --timeout; this is the last resort.
+    limit = 120 + 4 * args.timeout
+    deadline = time.monotonic() + limit
+    try:
+        # Hosted after the processes started, so that no fork copies its server thread;
+        # they retry the connection until it is up.
+        store = dist.TCPStore("127.0.0.1", store_port, None, True,
+                              timeout=datetime.timedelta(seconds=args.timeout), wait_for_workers=False)
+        while processes[0].exitcode is None and time.monotonic() < deadline:
+            processes[0].join(0.2)
+        code = processes[0].exitcode
+        for p in processes[1:]:
+            p.join(max(0.0, min(10.0, deadline - time.monotonic())))
+        del store  # served until every process is done with it
+    finally:
+        for p in processes:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if code is None:
+        print(f"preflight: rank 0 did not finish within {limit:g} s", file=sys.stderr)
+        return 1
+    if code not in (0, 1, 2):
+        print(f"preflight: rank 0 ended with exit status {code} before its report", file=sys.stderr)
+        return 1
+    return code
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    torchrun = under_torchrun()
+    validate(args, torchrun)
+    if not torchrun:
+        sys.exit(start_local(args))
+    role = role_from_env()
+    # Under torchrun the agent hosts the rendezvous store (TORCHELASTIC_USE_AGENT_STORE);
+    # with a launcher that does not, rank 0 hosts it, as env:// initialisation would.
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    connect_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), role.rank, role.world_size,
+                  args.timeout, host_it=role.rank == 0 and not agent)
+    sys.exit(check_this_rank(role, args))
+
+
+if __name__ == "__main__":
+    cli.run_main(main)

@@ -1,0 +1,237 @@
+"""scripts/preflight.py: the real check on CPU (gloo) through plain python and torchrun,
+a machine with problems (shared memory too small, port taken, a rank that never
+reaches the all-reduce), bad arguments; the report's GPU and multi-node branches
+from recorded facts."""
+import argparse
+import os
+import re
+import socket
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, assert_one_line_error, free_port, run_script, subprocess_env, torchrun
+from scripts import preflight
+
+SCRIPT = "scripts/preflight.py"
+
+
+def assert_one_report(stdout):
+    # Only global rank 0 prints: one header line, one verdict.
+    assert stdout.count("preflight: ") == 1, stdout
+    assert len(re.findall(r"^(all checks passed|\d+ problems?:)$", stdout, re.M)) == 1, stdout
+
+
+def test_plain_python_starts_two_cpu_processes_and_passes():
+    proc = run_script([SCRIPT, "--workers", "0", "--port", free_port(), "--iters", "3"], timeout=240)
+    out = proc.stdout
+    assert "preflight: 2 processes on 1 node (plain python" in out
+    assert f"PyTorch {torch.__version__}" in out and f"Python {sys.version.split()[0]}" in out
+    assert "44.9 MB (resnet18's gradient, 11,220,132 float32) over 2 processes:" in out
+    assert "bus bandwidth = algbw x 2(n-1)/n" in out
+    assert "free on node 0" in out and "NCCL_*, GLOO_*" in out
+    assert out.rstrip().endswith("all checks passed")
+    assert_one_report(out)
+
+
+def test_under_torchrun_uses_the_launchers_processes():
+    proc = torchrun(2, SCRIPT, ["--workers", "0", "--iters", "3", "--model", "resnet_tiny"])
+    out = proc.stdout
+    assert "preflight: 2 processes on 1 node (torchrun, rendezvous" in out
+    assert "reached by all 2 processes" in out
+    assert "(resnet_tiny's gradient" in out and "bus bandwidth" in out
+    assert out.rstrip().endswith("all checks passed")
+    assert_one_report(out)
+
+
+def test_problems_are_listed_with_their_fixes_and_a_stuck_rank_times_out(tmp_path):
+    """A shared-memory folder too small for the loader workers, a rendezvous port in use,
+    more workers than cores, and rank 1 never reaching the all-reduce: exit 1 within the
+    --timeout bounds, every problem with its fix."""
+    stuck = tmp_path / "stuck_rank.py"
+    stuck.write_text(textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        from scripts import preflight
+        from utils import cli
+        real = preflight.time_all_reduce
+        def stuck(numel, device, role, iters):
+            if role.rank == 1:
+                time.sleep(3600)  # as a rank whose network never delivers
+            return real(numel, device, role, iters)
+        preflight.time_all_reduce = stuck
+        cli.run_main(preflight.main, sys.argv[1:])
+    """))
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        started = time.monotonic()
+        proc = run_script([stuck, "--shm-dir", shm, "--workers", "10000", "--batch-size", "2000000",
+                           "--sample-shape", "3,1024,1024", "--port", port, "--timeout", "4",
+                           "--model", "resnet_tiny"], check=False, timeout=240)
+        elapsed = time.monotonic() - started
+    out = proc.stdout
+    assert proc.returncode == 1, out + proc.stderr
+    assert "Traceback" not in out + proc.stderr
+    assert "rank 1: all-reduce timed out: did not finish within 4 s" in out
+    assert "the all-reduce over 2 processes did not finish within 4 s" in out
+    assert f"{shm} has" in out and "the loader workers would hold" in out
+    assert "fix: lower --workers, --prefetch-factor or --batch-size" in out
+    assert f"port {port} is already in use" in out and f"ss -ltnp 'sport = :{port}'" in out
+    assert "--workers 10000 needs 10001 cores per process" in out
+    count = int(re.search(r"^(\d+) problems:$", out, re.M).group(1))
+    assert count >= 4 and len(re.findall(r"^     fix: \S", out, re.M)) == count, out
+    assert elapsed < 200
+    assert_one_report(out)
+
+
+def test_a_bad_flag_is_one_line_and_exit_2():
+    proc = run_script([SCRIPT, "--workers", "-1"], check=False, timeout=120)
+    assert_one_line_error(proc, "--workers", "must be 0 or more")
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
+@pytest.mark.parametrize("argv, fragment", [
+    (["--shm-dir", "/no/such/folder"], "--shm-dir /no/such/folder is not a directory"),
+    (["--sample-shape", "3,x,32"], "expected sizes separated by commas"),
+    (["--port", "70000"], "a TCP port is 1..65535"),
+    (["--timeout", "0"], "must be greater than 0"),
+])
+def test_bad_arguments_exit_2_before_starting_anything(argv, fragment, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        preflight.cli.run_main(preflight.main, argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and fragment in err, err
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
+def test_nproc_under_torchrun_is_refused(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as exit_:
+        preflight.cli.run_main(preflight.main, ["--nproc", "2"])
+    assert exit_.value.code == 2
+    assert "under torchrun use --nproc_per_node" in capsys.readouterr().err
+
+
+def test_bounded_returns_raises_or_gives_up():
+    assert preflight.bounded(lambda: 42, 5) == 42
+    with pytest.raises(ZeroDivisionError):
+        preflight.bounded(lambda: 1 / 0, 5)
+    started = time.monotonic()
+    with pytest.raises(preflight.Hung, match="within 0.2 s"):
+        preflight.bounded(lambda: time.sleep(30), 0.2)
+    assert time.monotonic() - started < 5
+
+
+def test_port_in_use_is_seen():
+    with socket.socket() as held:
+        held.bind(("0.0.0.0", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        taken = preflight.port_facts(port)
+    assert taken["free"] is False and taken["suggest"] != port
+    assert preflight.port_facts(free_port())["free"] is True
+
+
+@pytest.mark.parametrize("value, prefix_match, expected", [
+    ("eth", True, ["eth0", "eth1"]),         # NCCL: a prefix
+    ("=eth", True, []),                      # NCCL: = asks for the exact name
+    ("^lo,docker", True, ["eth0", "eth1"]),  # NCCL: ^ excludes
+    ("ib0", True, []),
+    ("eth0", False, ["eth0"]),               # gloo: exact names
+    ("eth", False, []),
+])
+def test_interface_variables_match_as_nccl_and_gloo_read_them(value, prefix_match, expected):
+    names = ["docker0", "eth0", "eth1", "lo"]
+    assert preflight.ifname_matches(value, names, prefix_match) == expected
+
+
+# --- the report from recorded facts: what a GPU node or two nodes would send ------------
+
+def node_facts(devices, peer_access, shm_free, env=None, cores=16, ram=64 * 2**30):
+    return {"local_world_size": max(len(devices), 1), "devices": devices, "peer_access": peer_access,
+            "shm": {"path": "/dev/shm", "exists": True, "free": shm_free, "total": shm_free, "fstype": "tmpfs"},
+            "cpus": {"affinity": cores, "quota": None, "cores": cores}, "ram": [ram, ram],
+            "env": env or {}, "interfaces": ["eth0", "lo"]}
+
+
+def rank_facts(rank, node, torch_version="2.11.0", local=None, gpu=True):
+    facts = {"rank": rank, "node": node, "host": f"host{node}", "python": "3.11.7", "torch": torch_version,
+             "cuda": "13.0", "hip": None, "cudnn": 91002, "nccl": "2.27.7",
+             "device": f"cuda:{rank}" if gpu else "cpu", "device_name": "NVIDIA H100 80GB HBM3",
+             "mem_free": 79 * 2**30, "mem_total": 80 * 2**30}
+    if local is not None:
+        facts["node_facts"] = local
+    return facts
+
+
+def args_for(**overrides):
+    values = dict(workers=4, batch_size=256, prefetch_factor=2, sample_shape=(3, 224, 224), model="resnet18",
+                  timeout=30.0, iters=10, port=None, nproc=None, shm_dir="/dev/shm")
+    values.update(overrides)
+    return argparse.Namespace(**values)
+
+
+def test_report_two_gpus_that_hang_get_nccl_p2p_disable_and_docker_shm(capsys):
+    role = preflight.Role(0, 2, 0, 2, 0, "python")
+    facts = {0: rank_facts(0, 0, local=node_facts(["H100", "H100"], [[True, True], [True, True]],
+                                                  shm_free=64 * 2**20)),
+             1: rank_facts(1, 0)}
+    facts[0]["port"] = {"port": 29500, "free": True}
+    timed_out = {"status": "timed out", "error": "did not finish within 30 s"}
+    results = {0: {"backend": "nccl", "join": {"status": "ok", "value": None},
+                   "peer_copy": {"status": "ok", "value": []}, "all_reduce": timed_out},
+               1: {"backend": "nccl", "join": {"status": "ok", "value": None}, "all_reduce": timed_out}}
+    problems = preflight.report(facts, results, args_for(), role)
+    out = capsys.readouterr().out
+    assert "a 1 MB copy between every pair arrived intact" in out
+    assert re.search(r"^ +0 +- +yes$", out, re.M) and re.search(r"^ +1 +yes +-$", out, re.M), out
+    fixes = [fix for _, fix in problems]
+    assert any(fix.startswith("export NCCL_P2P_DISABLE=1") for fix in fixes), fixes
+    # 4 workers x 2 x 128 samples x 602 KB = 617 MB per process: Docker's default 64 MB is not enough.
+    assert any("docker run --ipc=host (or --shm-size=" in fix for fix in fixes), fixes
+    assert len(problems) == 2, problems
+
+
+def test_report_two_nodes_with_different_versions_and_variables(capsys):
+    role = preflight.Role(0, 2, 0, 1, 0, "torchrun")
+    facts = {0: rank_facts(0, 0, local=node_facts(["H100"], None, 2**34, env={"NCCL_SOCKET_IFNAME": "ib"})),
+             1: rank_facts(1, 1, torch_version="2.10.0", local=node_facts(["H100"], None, 2**34))}
+    facts[0]["rendezvous"] = "host0:29500"
+    for f in facts.values():
+        f["device"] = "cuda:0"
+    ok = {"status": "ok", "value": None}
+    results = {r: {"backend": "nccl", "join": ok,
+                   "all_reduce": {"status": "ok", "value": {"seconds": 0.002, "correct": True}}} for r in (0, 1)}
+    problems = preflight.report(facts, results, args_for(sample_shape=(3, 32, 32)), role)
+    out = capsys.readouterr().out
+    # 44.9 MB in 2 ms: 22.4 GB/s algorithm bandwidth, x 2(2-1)/2 = the same bus bandwidth.
+    assert "algbw 22.44 GB/s, bus bandwidth 22.44 GB/s" in out
+    assert "reached by all 2 processes" in out
+    whats = " | ".join(what for what, _ in problems)
+    assert "different PyTorch versions: 2.10.0, 2.11.0" in whats
+    assert "NCCL_SOCKET_IFNAME=ib matches none of its interfaces" in whats
+    assert "different NCCL_*/GLOO_* variables" in whats
+    assert len(problems) == 3, problems
+
+
+@pytest.mark.gpu
+def test_on_the_local_gpus():
+    env = subprocess_env(CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+    if not os.environ.get("CUDA_VISIBLE_DEVICES"):
+        env.pop("CUDA_VISIBLE_DEVICES")
+    proc = run_script([SCRIPT, "--workers", "0", "--port", free_port()], env=env, check=False, timeout=300)
+    out = proc.stdout
+    assert f"{torch.cuda.device_count()} process" in out, out + proc.stderr
+    assert "backend nccl" in out and "NCCL " in out
+    if torch.cuda.device_count() > 1:
+        assert "bus bandwidth" in out and "peer-to-peer" in out
+    assert proc.returncode in (0, 1), out + proc.stderr
