@@ -1,0 +1,129 @@
+"""scripts/plot_metrics.py on metrics written by real runs: a run stopped mid-epoch and
+resumed into the same file, and a run of another strategy; labels, the picture, bad input."""
+import json
+import struct
+
+import pytest
+
+from conftest import SMALL, assert_one_line_error, read_metrics, run_script
+from scripts import plot_metrics
+
+TWO_EPOCHS = [*SMALL[:-2], "--epochs", "2"]  # 256 samples, batch 32: 8 steps per epoch
+
+
+@pytest.fixture(scope="module")
+def metrics(tmp_path_factory):
+    """ddp.jsonl: distributed.py stopped at step 12 (in epoch 2), then resumed to the end,
+    appending to the same file. accum.jsonl: the accumulation script, 2 micro-batches."""
+    folder = tmp_path_factory.mktemp("metrics")
+    ddp, accum = folder / "ddp.jsonl", folder / "accum.jsonl"
+    common = [*TWO_EPOCHS, "--checkpoint-dir", folder / "ckpt", "--metrics", ddp]
+    run_script(["distributed.py", *common, "--max-steps", "12"])
+    run_script(["distributed.py", *common, "--resume"])
+    run_script(["distributed_gradient_accumulation.py", *TWO_EPOCHS, "--accum-steps", "2", "--metrics", accum])
+    return ddp, accum
+
+
+def png_size(path) -> tuple:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_a_resumed_run_is_one_curve_with_the_latest_record_of_each_epoch(metrics):
+    ddp, _ = metrics
+    records = read_metrics(ddp)
+    # What the file holds: epoch 2 twice (cut at step 12, then complete after the resume).
+    assert [(r["event"], r["epoch"], r["epoch_complete"]) for r in records] == [
+        ("epoch", 1, True), ("epoch", 2, False), ("end", 2, False), ("epoch", 2, True), ("end", 2, True)]
+    (run,) = plot_metrics.read_runs(str(ddp))
+    assert sorted(run.epochs) == [1, 2]
+    assert run.epochs[2] == records[3]
+    assert run.series("test_acc1") == [records[0]["test_acc1"], records[3]["test_acc1"]]
+
+
+def test_runs_are_plotted_and_labelled_by_strategy_and_processes(metrics, tmp_path):
+    ddp, accum = metrics
+    runs = plot_metrics.label_runs(plot_metrics.read_runs(str(ddp)) + plot_metrics.read_runs(str(accum)))
+    out = tmp_path / "curves.png"
+    legend = plot_metrics.plot(runs, str(out))
+    assert legend == ["ddp-torchrun, 1 process", "ddp-accum, 1 process"]
+    width, height = png_size(out)
+    assert 1200 <= width <= 2400 and 400 <= height <= 1200, (width, height)
+    assert out.stat().st_size > 20_000  # three panels with lines, not an empty canvas
+
+
+def test_the_command_line_writes_the_picture_and_a_summary(metrics, tmp_path):
+    ddp, accum = metrics
+    out = tmp_path / "figs" / "curves.svg"
+    proc = run_script(["scripts/plot_metrics.py", ddp, accum, ddp, "-o", out, "--title", "tiny runs"])
+    # The same file twice: the labels would collide, the file name and a number tell them apart.
+    assert "ddp-torchrun, 1 process (ddp.jsonl) " in proc.stdout
+    assert "ddp-torchrun, 1 process (ddp.jsonl) #2" in proc.stdout
+    assert "ddp-accum, 1 process " in proc.stdout
+    last = read_metrics(accum)[-1]
+    assert f"{last['test_acc1']:.2f}%" in proc.stdout
+    assert f"wrote {out} (3 runs)" in proc.stdout
+    assert out.read_text().lstrip().startswith("<?xml") and "tiny runs" in out.read_text()
+
+
+def record(epoch, **fields):
+    return {"event": "epoch", "epoch": epoch, "train_loss": 1.0, "test_loss": 1.0, "train_acc1": 50.0,
+            "test_acc1": 50.0, "images_per_second": 100.0, "world_size": 2, "global_batch": 64,
+            "strategy": "ddp-torchrun", "device": "cpu", **fields}
+
+
+def test_other_runs_appended_to_one_file_stay_apart(tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    lines = [record(1), record(2), {"event": "end"}, record(1, world_size=4), record(2, world_size=4), "",
+             record(1, global_batch=128)]
+    path.write_text("\n".join(json.dumps(x) if x else "" for x in lines))
+    runs = plot_metrics.label_runs(plot_metrics.read_runs(str(path)))
+    assert [r.label for r in runs] == ["ddp-torchrun, 2 processes, batch 64, cpu (mixed.jsonl)",
+                                       "ddp-torchrun, 4 processes",
+                                       "ddp-torchrun, 2 processes, batch 128, cpu (mixed.jsonl)"]
+    assert [sorted(r.epochs) for r in runs] == [[1, 2], [1, 2], [1]]
+
+
+def test_a_missing_field_is_a_gap_not_an_error(tmp_path):
+    path = tmp_path / "gap.jsonl"
+    path.write_text(json.dumps(record(1, train_acc1=None)) + "\n" + json.dumps(record(2)) + "\n")
+    (run,) = plot_metrics.read_runs(str(path))
+    acc = run.series("train_acc1")
+    assert acc[0] != acc[0] and acc[1] == 50.0  # NaN, then the value
+    assert plot_metrics.plot([run], str(tmp_path / "gap.png"))
+
+
+def test_a_missing_file_is_one_line_and_exit_2(tmp_path):
+    proc = run_script(["scripts/plot_metrics.py", tmp_path / "nope.jsonl", "-o", tmp_path / "x.png"], check=False)
+    assert_one_line_error(proc, "cannot read", "nope.jsonl")
+    assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
+@pytest.mark.parametrize("content, fragment", [
+    ('{"event": "epoch", "epoch": 1}\n{"event": "epo', "line 2: not JSON"),
+    ('{"event": "end", "epoch": 3}\n', "holds no epoch records"),
+    ("", "holds no epoch records"),
+    ("[1, 2]\n", "line 1: a JSON list, not a record"),
+    ('{"event": "epoch", "epoch": "one"}\n', "without a whole-number"),
+])
+def test_bad_metrics_files_exit_2_with_one_line(content, fragment, tmp_path, capsys):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(SystemExit) as exit_:
+        plot_metrics.cli.run_main(plot_metrics.main, [str(path), "-o", str(tmp_path / "x.png")])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and fragment in err and str(path) in err, err
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+def test_an_unknown_picture_format_exits_2(tmp_path, capsys):
+    path = tmp_path / "ok.jsonl"
+    path.write_text(json.dumps(record(1)) + "\n")
+    with pytest.raises(SystemExit) as exit_:
+        plot_metrics.cli.run_main(plot_metrics.main, [str(path), "-o", str(tmp_path / "curves.xyz")])
+    assert exit_.value.code == 2
+    assert "cannot write" in capsys.readouterr().err
