@@ -601,13 +601,27 @@ def find_free_port() -> int:
         return sock.getsockname()[1]
 
 
+def usage_error(message: str):
+    """Bad input: one line on stderr and exit status 2, as the training scripts do."""
+    print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def env_int(name: str, default: int | None = None) -> int:
+    value = os.environ.get(name)
+    if value is None and default is not None:
+        return default
+    if value is None or not value.strip().isdigit():
+        usage_error(f"environment variable {name}={value!r} is not a rank or size: torchrun sets it")
+    return int(value)
+
+
 def choose_backend(requested: str | None, processes_on_this_machine: int) -> str:
     """nccl needs one GPU per process on each machine; otherwise gloo on CPU."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if requested == "nccl" and gpus < processes_on_this_machine:
-        raise SystemExit(
-            f"--backend nccl needs one GPU per process: {processes_on_this_machine} processes, {gpus} GPU(s)"
-        )
+        usage_error(f"--backend nccl needs one GPU per process: {processes_on_this_machine} processes, "
+                    f"{gpus} GPU(s)")
     if requested:
         return requested
     return "nccl" if gpus >= processes_on_this_machine else "gloo"
@@ -645,11 +659,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
-        world_size = int(os.environ["WORLD_SIZE"])
-        local_rank = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
-        processes_here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        rank, world_size = env_int("RANK"), env_int("WORLD_SIZE")
+        local_rank = env_int("LOCAL_RANK", rank)
+        processes_here = env_int("LOCAL_WORLD_SIZE", world_size)
+        if not rank < world_size:
+            usage_error(f"RANK={rank} is not below WORLD_SIZE={world_size}: start the tour with torchrun")
         backend = choose_backend(args.backend, processes_here)
-        return run_worker(int(os.environ["RANK"]), world_size, backend, "env://", local_rank)
+        return run_worker(rank, world_size, backend, "env://", local_rank)
 
     if args.nproc < 1:
         parser.error("--nproc must be at least 1")

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from utils import checkpoint  # noqa: E402
-from utils.cli import UsageError  # noqa: E402
+from utils.cli import UsageError, non_negative_float  # noqa: E402
 
 
 def read_state(path: str) -> dict:
@@ -111,7 +111,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("a", metavar="A.pt")
     parser.add_argument("b", metavar="B.pt")
-    parser.add_argument("--atol", type=float, default=0.0,
+    parser.add_argument("--atol", type=non_negative_float, default=0.0,
                         help="largest absolute difference still counted as equal (default 0: bitwise)")
     parser.add_argument("--what", choices=["model", "optimizer", "all"], default="model",
                         help="compare the model weights, the optimizer state, or both (default: model)")

@@ -20,6 +20,15 @@ Faults, when global step S completes on global rank R:
     kill-during-save
                     the N-th checkpoint write (--save N) writes half of the file,
                     then SIGKILLs the process: a crash in the middle of a save.
+    signal-group    --signal SIG to this process's whole process group, as Ctrl-C in
+                    a terminal or `kill -- -PGID` deliver it (loader workers included).
+    signal-job      --signal SIG to the launcher and every process under it, as
+                    SLURM's `scancel --signal` or a preemption deliver it to a job step.
+    kill-launcher   SIGKILL torchrun's agent: its training processes must not train
+                    on as orphans.
+    signal-during-eval
+                    the first evaluation takes --eval-seconds longer, and --signal SIG
+                    reaches this process in the middle of it.
 
 kill and raise act after the step's bookkeeping (a checkpoint due at step S is
 written first). The signals are sent just before it, so that the run's own stop
@@ -37,7 +46,9 @@ import signal
 import sys
 import time
 
-FAULTS = ("kill", "raise", "sigterm-self", "sigterm-parent", "kill-during-save")
+FAULTS = ("kill", "raise", "sigterm-self", "sigterm-parent", "kill-during-save", "signal-group",
+          "signal-job", "kill-launcher", "signal-during-eval")
+SIGNAL = signal.SIGTERM  # set from --signal
 
 
 def _first_attempt() -> bool:
@@ -69,13 +80,70 @@ def _fire(kind: str, rank: int, step: int):
         os.kill(os.getpid(), signal.SIGTERM)  # os.kill runs the Python handler before returning
     elif kind == "sigterm-parent":
         os.kill(os.getppid(), signal.SIGTERM)
+    elif kind == "signal-group":
+        os.killpg(os.getpgrp(), SIGNAL)
+    elif kind == "signal-job":
+        for pid in _tree(_launcher()):
+            try:
+                os.kill(pid, SIGNAL)
+            except ProcessLookupError:
+                pass
+    elif kind == "kill-launcher":
+        os.kill(_launcher(), signal.SIGKILL)
+
+
+def _launcher() -> int:
+    """torchrun's agent; this process under plain python."""
+    return os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
+
+
+def _tree(root: int) -> list:
+    """root and all its descendants, from /proc (Linux)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def patch_evaluate(rank: int, seconds: float):
+    """The first evaluation on global rank `rank` gets the stop signal halfway through a
+    pause of `seconds` (a long evaluation, longer than a launcher's grace period)."""
+    import utils.metrics as metrics
+
+    original, fired = metrics.evaluate, []
+
+    def evaluate(model, loader, device, *args, **kwargs):
+        result = original(model, loader, device, *args, **kwargs)
+        if not fired:
+            fired.append(True)
+            import torch.distributed as dist
+            me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            time.sleep(seconds / 2)
+            if me == rank:
+                _announce(f"{SIGNAL.name} during evaluation on rank {rank} (pid {os.getpid()})")
+                os.kill(os.getpid(), SIGNAL)
+            time.sleep(seconds / 2)
+        return result
+
+    metrics.evaluate = evaluate
 
 
 def patch_step_done(kind: str, rank: int, step: int, once: bool, once_file=None):
     from utils.run import TrainingRun
 
     original = TrainingRun.step_done
-    before = kind.startswith("sigterm")
+    before = kind.startswith("sigterm") or kind.startswith("signal") or kind == "kill-launcher"
 
     def step_done(self):
         due = (self.env.rank == rank and self.global_step + 1 == step
@@ -133,7 +201,12 @@ def main():
     parser.add_argument("--save", type=int, default=2, help="kill-during-save: which save crashes")
     parser.add_argument("--once", action="store_true", help="only on the first attempt")
     parser.add_argument("--once-file", default=None, help="at most once among processes sharing this file")
+    parser.add_argument("--signal", default="TERM", choices=["TERM", "INT", "USR1"],
+                        help="signal-group, signal-job, signal-during-eval: which signal")
+    parser.add_argument("--eval-seconds", type=float, default=4.0, help="signal-during-eval: the pause")
     opts = parser.parse_args(argv[:split])
+    global SIGNAL
+    SIGNAL = getattr(signal, "SIG" + opts.signal)
     script, script_args = argv[split + 1], argv[split + 2:]
     if opts.fault == "sigterm-parent" and "TORCHELASTIC_RUN_ID" not in os.environ:
         sys.exit("fault_injection.py: sigterm-parent needs torchrun as the parent (it would signal "
@@ -146,6 +219,8 @@ def main():
     if opts.fault == "kill-during-save":
         if _first_attempt():
             patch_checkpoint_save(opts.save)
+    elif opts.fault == "signal-during-eval":
+        patch_evaluate(opts.rank, opts.eval_seconds)
     else:
         patch_step_done(opts.fault, opts.rank, opts.step, once=opts.once or opts.fault == "kill",
                         once_file=opts.once_file)

@@ -92,7 +92,7 @@ class NotATensor:
     (lambda p: torch.save(torch.zeros(3), p), "not a checkpoint written by these scripts"),
     (lambda p: torch.save({"format": "someone-else/1"}, p), "not a checkpoint written by these scripts"),
     # Pickled code: weights_only refuses to run it, and so do we.
-    (lambda p: torch.save({"format": checkpoint.FORMAT, "x": NotATensor()}, p), "corrupt or not a PyTorch"),
+    (lambda p: torch.save({"format": checkpoint.FORMAT, "x": NotATensor()}, p), "could run code"),
 ])
 def test_unreadable_files_are_a_usage_error(tmp_path, make, fragment):
     path = tmp_path / "model.pt"
@@ -113,8 +113,8 @@ def test_missing_checkpoint_is_a_usage_error(tmp_path):
 
 @pytest.fixture
 def keep_signal_handlers():
-    # TrainingRun installs SIGTERM/SIGUSR1 handlers (clean stop); give pytest its own back.
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    # TrainingRun installs SIGTERM/SIGINT/SIGUSR1 handlers (clean stop); give pytest its own back.
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
     yield
     for sig, handler in saved.items():
         signal.signal(sig, handler)
@@ -154,7 +154,8 @@ def test_checkpoint_reads_with_weights_only_and_resumes(tmp_path, keep_signal_ha
     run, model, optimizer = make_run(args_for("--checkpoint-dir", directory))
     take_one_step(run, model, optimizer)
     path = directory / "checkpoint.pt"
-    assert sorted(os.listdir(directory)) == ["checkpoint.pt", "config.json"]
+    # .lock: this run's claim on the directory (see checkpoint.lock_directory)
+    assert sorted(os.listdir(directory)) == [".lock", "checkpoint.pt", "config.json"]
 
     saved = torch.load(path, map_location="cpu", weights_only=True)  # no pickled code needed
     assert saved["format"] == checkpoint.FORMAT

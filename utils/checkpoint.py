@@ -6,8 +6,11 @@ number of optimizer steps already taken in it, the partial training sums of that
 epoch, and the RNG states. Only tensors and plain Python values go in, so
 `torch.load(path, weights_only=True)` can read it without running pickled code.
 """
+import errno
+import fcntl
 import os
 import random
+import socket
 import tempfile
 
 import numpy as np
@@ -17,6 +20,8 @@ from .cli import UsageError
 
 FORMAT = "multi-gpu-training-checkpoint/1"
 FILENAME = "checkpoint.pt"
+LOCKNAME = ".lock"
+_held_locks = []  # open descriptors of the locks this process holds, until it exits
 
 
 def atomic_save(obj, path: str):
@@ -88,6 +93,12 @@ def read_file(path: str, what: str = "checkpoint"):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
+        if "Unsupported global" in str(exc):  # weights_only met a class it will not import
+            # torch's own hint suggests weights_only=False; for a file from elsewhere that
+            # would run whatever code it holds. These scripts never write such objects.
+            raise UsageError(f"cannot read {what} {path}: it holds Python objects other than tensors "
+                             "and plain values, which are not loaded because loading them could run "
+                             "code; it was not written by these scripts") from None
         first = (str(exc).strip().splitlines() or [""])[0][:200]
         raise UsageError(f"cannot read {what} {path}: it is corrupt or not a PyTorch file "
                          f"({type(exc).__name__}: {first})") from None
@@ -100,3 +111,44 @@ def load(path: str) -> dict:
         raise UsageError(f"{path} is not a checkpoint written by these scripts "
                          f"(expected format {FORMAT!r})")
     return state
+
+
+def lock_directory(directory: str):
+    """Make `directory` this run's alone, for as long as this process lives.
+
+    The lock is a POSIX record lock (fcntl.lockf) on DIRECTORY/.lock, which the kernel
+    releases when the process ends, however it ends: a run that crashed or was killed
+    leaves no stale lock, and a worker restarted by torchrun takes it back. Unlike
+    flock(), it is not inherited by forked DataLoader workers (they would keep it after
+    the rank died) and it works on NFS through the lock manager. The file names the
+    holder, so the run that is refused can say which one it met. A second run is
+    refused with UsageError, and so is a directory that cannot be created or written.
+    """
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise UsageError(f"--checkpoint-dir {directory} is a file, not a directory") from None
+    except OSError as exc:
+        raise UsageError(f"cannot create --checkpoint-dir {directory}: {exc.strerror}") from None
+    path = os.path.join(directory, LOCKNAME)
+    try:
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, "Permission denied")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    except OSError as exc:
+        raise UsageError(f"--checkpoint-dir {directory} is not writable: {exc.strerror}") from None
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() if exc.errno in (
+            errno.EACCES, errno.EAGAIN) else None
+        os.close(fd)
+        if holder is None:  # ENOLCK and the like: a file system without locks
+            raise UsageError(f"cannot lock --checkpoint-dir {directory} ({exc.strerror}): its file system "
+                             "offers no locks; use a local or lock-capable shared directory") from None
+        raise UsageError(f"--checkpoint-dir {directory} is in use by another run "
+                         f"({holder or 'unknown holder'}): wait until it ends, or choose another "
+                         "directory") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}\n".encode(), 0)
+    _held_locks.append(fd)

@@ -12,12 +12,16 @@ resumes exact. torchvision's RandomCrop/RandomHorizontalFlip draw from the globa
 RNG of whichever worker happens to load the sample, which is none of these.
 """
 
+import os
+import pickle
+
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from .cli import UsageError
 from .distributed import DistEnv, all_ranks_ok
+from .preemption import ignore_stop_signals, stop_signals_blocked
 
 NUM_CLASSES = 100
 IMAGE_SHAPE = (3, 32, 32)
@@ -65,22 +69,83 @@ class SyntheticCIFAR(Dataset):
         return self._image(index), self.targets[index]
 
 
+class _CifarUnpickler(pickle.Unpickler):
+    """Unpickles what the CIFAR files hold, and nothing else: dicts, lists, strings,
+    bytes, numbers, and numpy arrays rebuilt from their bytes. Any other global (a
+    `__reduce__` that names os.system, say) is refused, so a crafted file in --data-dir
+    cannot run code. pickle.load would import and call whatever the file names."""
+
+    ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer"),
+        ("numpy", "ndarray"), ("numpy", "dtype"),
+        ("_codecs", "encode"),  # how Python 3 pickles bytes with protocol 2
+    }
+
+    def find_class(self, module, name):
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which a CIFAR file never holds")
+
+
+def read_cifar_file(path: str) -> dict:
+    """One file of cifar-100-python/, read safely; UsageError naming the file otherwise."""
+    try:
+        with open(path, "rb") as f:
+            entry = _CifarUnpickler(f, encoding="latin1").load()
+    except Exception as exc:  # refused global, truncated file, not a pickle at all, ...
+        detail = (str(exc).splitlines() or [""])[0][:200]
+        raise UsageError(f"cannot read CIFAR-100 file {path}: {type(exc).__name__}: {detail}") from None
+    if not isinstance(entry, dict):
+        raise UsageError(f"cannot read CIFAR-100 file {path}: it holds a {type(entry).__name__}, not a dict")
+    data = entry.get("data")
+    if data is not None and not (isinstance(data, np.ndarray) and data.dtype == np.uint8):
+        raise UsageError(f"cannot read CIFAR-100 file {path}: its 'data' is not an array of bytes")
+    return entry
+
+
 def _cifar100(data_dir: str, train: bool, download: bool):
-    """torchvision's CIFAR-100 reader, trusting files already on disk.
+    """torchvision's CIFAR-100 (its layout, its download with the archive's md5 check),
+    read with a safe unpickler, and trusting files already on disk.
 
     torchvision checks the md5 of every file at every load, which rejects any copy
     that is not byte-identical to the original release (a subset, a re-pickled
     copy, the small data sets the tests write). Here the files are checked for
-    presence only; a download is still verified against the archive's md5 by
-    torchvision, and a corrupt file fails when it is unpickled. (torchvision is
-    imported here, not at the top: it costs seconds that synthetic runs skip.)
+    presence, then read by `read_cifar_file`, which admits only what the real files
+    hold. (torchvision is imported here, not at the top: it costs seconds that
+    synthetic runs skip.)
     """
     import torchvision
 
-    class CIFAR100(torchvision.datasets.CIFAR100):
-        train_list = [[name, None] for name, _ in torchvision.datasets.CIFAR100.train_list]
-        test_list = [[name, None] for name, _ in torchvision.datasets.CIFAR100.test_list]
-        meta = dict(torchvision.datasets.CIFAR100.meta, md5=None)
+    base = torchvision.datasets.CIFAR100
+
+    class CIFAR100(base):
+        train_list = [[name, None] for name, _ in base.train_list]
+        test_list = [[name, None] for name, _ in base.test_list]
+        meta = dict(base.meta, md5=None)
+
+        def __init__(self, root, train, download):
+            torchvision.datasets.VisionDataset.__init__(self, root)
+            self.train = train
+            if download:
+                self.download()  # torchvision's: skipped when the files are there
+            folder = os.path.join(self.root, self.base_folder)
+            files = [name for name, _ in (self.train_list if train else self.test_list)]
+            missing = [name for name in [*files, self.meta["filename"]]
+                       if not os.path.isfile(os.path.join(folder, name))]
+            if missing:
+                raise FileNotFoundError(f"{os.path.join(folder, missing[0])} does not exist")
+            entries = [read_cifar_file(os.path.join(folder, name)) for name in files]
+            try:
+                self.data = np.vstack([e["data"] for e in entries]).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+                self.targets = [int(t) for e in entries for t in e["fine_labels"]]
+                self.classes = read_cifar_file(os.path.join(folder, self.meta["filename"]))[self.meta["key"]]
+            except (KeyError, ValueError, TypeError) as exc:
+                raise UsageError(f"the CIFAR-100 files in {folder} do not have the expected layout "
+                                 f"({type(exc).__name__}: {exc})") from None
+            if len(self.targets) != len(self.data):
+                raise UsageError(f"the CIFAR-100 files in {folder} hold {len(self.data)} images but "
+                                 f"{len(self.targets)} labels")
 
         def __getitem__(self, index):
             # The HWC uint8 array as stored; torchvision would make a PIL image of it
@@ -99,6 +164,8 @@ def _load_cifar100(args, env: DistEnv):
             return None, exc
 
     def fail(error):
+        if isinstance(error, UsageError):  # the files are there but cannot be read: say which
+            raise error
         detail = f" ({type(error).__name__}: {(str(error).splitlines() or [''])[0]})" if error else ""
         raise UsageError(
             f"CIFAR-100 is not in --data-dir {args.data_dir} and could not be downloaded{detail}; "
@@ -116,8 +183,11 @@ def _load_cifar100(args, env: DistEnv):
     return splits
 
 
-def _first(dataset, n):
-    if n is None or n >= len(dataset):
+def _first(dataset, n, flag):
+    if n is not None and n > len(dataset):
+        # A silently smaller run would report figures for data it never saw.
+        raise UsageError(f"{flag} {n} is more than the {len(dataset)} samples the data set has")
+    if n is None or n == len(dataset):
         return dataset
     return Subset(dataset, range(n))
 
@@ -129,7 +199,8 @@ def build_datasets(args, env: DistEnv):
         train, test = SyntheticCIFAR(True, args.train_samples), SyntheticCIFAR(False, args.test_samples)
     else:
         train, test = _load_cifar100(args, env)
-    train, test = _first(train, args.train_samples), _first(test, args.test_samples)
+    train = _first(train, args.train_samples, "--train-samples")
+    test = _first(test, args.test_samples, "--test-samples")
     return TrainImages(train), TestImages(test)
 
 
@@ -227,26 +298,30 @@ class TrainSampler(Sampler):
                              f"batch of {global_batch}: lower --batch-size or raise --train-samples")
         self.num_samples, self.global_batch = num_samples, global_batch
         self.rank, self.world_size, self.seed = rank, world_size, seed
-        self.epoch, self.start_step = 0, 0
+        self.epoch, self.start_step, self.skip = 0, 0, 0
 
     def set_epoch(self, epoch: int, start_step: int = 0):
         """Call before every epoch, as with DistributedSampler: without it every
         epoch would repeat epoch 0's order. start_step skips steps already taken
         (resume in the middle of an epoch) without loading their images."""
         self.epoch, self.start_step = epoch, start_step
+        self.skip = 0  # further samples of this rank to skip (a loader restarted mid-epoch)
 
     def _per_rank(self) -> int:
         return steps_per_epoch(self.num_samples, self.global_batch) * self.global_batch // self.world_size
 
     def __len__(self):
-        return self._per_rank() - self.start_step * self.global_batch // self.world_size
+        return self._per_rank() - self._start()
+
+    def _start(self) -> int:
+        return self.start_step * self.global_batch // self.world_size + self.skip
 
     def epoch_plan(self) -> torch.Tensor:
         """This rank's remaining samples of the epoch: rows of (index, dy, dx, flip)."""
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        g = torch.Generator().manual_seed((self.seed + self.epoch) % 2**64)  # seeds are 64-bit
         order = torch.randperm(self.num_samples, generator=g)
         mine = order[self.rank::self.world_size][:self._per_rank()]
-        mine = mine[self.start_step * self.global_batch // self.world_size:]
+        mine = mine[self._start():]
         plan = augmentation_plan(self.seed, self.epoch, self.num_samples)
         return torch.cat([mine.unsqueeze(1), plan[mine]], dim=1)
 
@@ -276,20 +351,32 @@ class ShardSampler(Sampler):
 # --- loaders -----------------------------------------------------------------------
 
 def _worker_init(_):
+    # Stop signals reach the loader workers too (sent to the whole process group or job
+    # step): their rank decides when to stop, see utils/preemption.py.
+    ignore_stop_signals()
     # Each loader worker is a process; one thread each avoids oversubscribing the CPU.
     torch.set_num_threads(1)
 
 
+class Loader(DataLoader):
+    """A DataLoader whose worker processes start with the stop signals blocked, so that a
+    signal to the whole process group cannot kill one before `_worker_init` runs."""
+
+    def __iter__(self):
+        with stop_signals_blocked():
+            return super().__iter__()
+
+
 def train_loader(train_set, per_device_batch: int, global_batch: int, env: DistEnv, args) -> DataLoader:
     sampler = TrainSampler(len(train_set), global_batch, env.rank, env.world_size, args.seed)
-    return DataLoader(train_set, batch_size=per_device_batch, sampler=sampler,
+    return Loader(train_set, batch_size=per_device_batch, sampler=sampler,
                       num_workers=args.workers, pin_memory=env.device.type == "cuda",
                       persistent_workers=args.workers > 0, worker_init_fn=_worker_init,
                       drop_last=False)  # the sampler already yields whole batches
 
 
 def eval_loader(test_set, batch_size: int, env: DistEnv, args) -> DataLoader:
-    return DataLoader(test_set, batch_size=batch_size,
+    return Loader(test_set, batch_size=batch_size,
                       sampler=ShardSampler(len(test_set), env.rank, env.world_size),
                       num_workers=args.workers, pin_memory=env.device.type == "cuda",
                       persistent_workers=args.workers > 0, worker_init_fn=_worker_init)

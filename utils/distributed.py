@@ -9,6 +9,9 @@ process group.
 import datetime
 import os
 import random
+import signal
+import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,8 +36,18 @@ class DistEnv:
 
 
 def _env_int(name, default):
+    """An integer the launcher set; anything else is a launch error, said in one line."""
     value = os.environ.get(name)
-    return default if value in (None, "") else int(value)
+    if value in (None, ""):
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise UsageError(f"environment variable {name}={value!r} is not a rank or size: the launcher "
+                         "(torchrun, srun) sets it; unset it to run one process with plain python")
+    return number
 
 
 def launched_by_torchrun() -> bool:
@@ -60,6 +73,7 @@ def setup(rank: int, world_size: int, local_rank: int, local_world_size: int,
     The timeout bounds how long a rank waits in a collective for a peer that died,
     so a failed job ends instead of hanging.
     """
+    watch_launcher()
     device = pick_device(local_rank, local_world_size)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -67,6 +81,32 @@ def setup(rank: int, world_size: int, local_rank: int, local_world_size: int,
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     return DistEnv(rank, local_rank, world_size, local_world_size, device, distributed=True)
+
+
+def watch_launcher(grace_s: float = 30.0, poll_s: float = 1.0):
+    """End this process when the process that started it (torchrun's agent, the
+    mp.spawn parent) dies, instead of training on with nobody watching: first a SIGTERM
+    to itself, which checkpoints at the next agreed step like any stop signal, then
+    SIGKILL if it is still running `grace_s` later (a peer that died with the launcher
+    never reaches the agreement).
+
+    A thread that polls the parent's pid works on Linux and macOS alike, and unlike
+    prctl(PR_SET_PDEATHSIG) it does not fire when only the thread that forked us ends.
+    """
+    parent = os.getppid()
+    if parent <= 1:
+        return None
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    thread = threading.Thread(target=watch, name="watch-launcher", daemon=True)
+    thread.start()
+    return thread
 
 
 def setup_from_env(timeout_s: float = 1800.0) -> DistEnv:
@@ -79,6 +119,9 @@ def setup_from_env(timeout_s: float = 1800.0) -> DistEnv:
     rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
     local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+    if not (world_size >= 1 and rank < world_size and local_rank < local_world_size):
+        raise UsageError(f"RANK={rank}, WORLD_SIZE={world_size}, LOCAL_RANK={local_rank}, "
+                         f"LOCAL_WORLD_SIZE={local_world_size} do not fit together: start the job with torchrun")
     return setup(rank, world_size, local_rank, local_world_size, "env://", timeout_s)
 
 
@@ -91,7 +134,8 @@ def is_main() -> bool:
     """Global rank 0: the only rank that prints, writes metrics and saves checkpoints."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank() == 0
-    return _env_int("RANK", 0) == 0
+    rank = os.environ.get("RANK", "").strip()
+    return not rank.isdigit() or int(rank) == 0
 
 
 def print0(*args, **kwargs):

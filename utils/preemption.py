@@ -1,22 +1,31 @@
-"""Stop cleanly on SIGTERM (and SIGUSR1, which SLURM can send before a time limit
-or preemption): checkpoint at the next step boundary that every rank agrees on,
-then exit with status 0, so that a later run with --resume continues with the
-exact next batch.
+"""Stop cleanly on SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 (which SLURM can send before a
+time limit or preemption): checkpoint at the next step boundary that every rank agrees
+on, then exit with status 0, so that a later run with --resume continues with the exact
+next batch.
 
 torchrun forwards SIGTERM to every worker and kills them 30 s later; SLURM's
 `--signal=USR1@120` gives two minutes. The signal handler only sets a flag: the
 ranks then agree, in one small collective, on the step at which all of them
 stop. A rank that stopped alone would leave the others waiting in the next
 gradient all-reduce.
+
+Clusters and terminals signal a whole process group or job step, so the data-loading
+workers of each rank receive the signal too. They ignore it (`ignore_stop_signals`,
+run first in every worker) and leave the decision to their rank; the loader creates its
+workers with the signals blocked (`stop_signals_blocked`), so that none can arrive
+between a worker's start and that call.
 """
+import contextlib
+import os
 import signal
+import threading
 
 import torch
 import torch.distributed as dist
 
 from .distributed import print0
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
 class Preempted(SystemExit):
@@ -27,6 +36,8 @@ class Preempted(SystemExit):
 
 
 class StopSignal:
+    """A collective: should_stop() must be called by every rank at the same steps."""
+
     def __init__(self, distributed: bool, check_every: int = 10):
         self.received = None
         self.check_every = check_every if distributed else 1
@@ -44,17 +55,19 @@ class StopSignal:
         self._previous = {}
 
     def _handler(self, signum, frame):
-        self.received = signal.Signals(signum).name
+        if self.received is None:
+            self.received = signal.Signals(signum).name
 
-    def should_stop(self, global_step: int) -> bool:
+    def should_stop(self, global_step: int, now: bool = False) -> bool:
         """True on every rank at the same step once any rank has received a signal.
-        Checked every `check_every` steps (one tiny CPU all-reduce each time)."""
-        if global_step % self.check_every:
+        Checked every `check_every` steps (one tiny CPU all-reduce each time), or at once
+        with now=True (at a point every rank reaches together, such as after evaluation)."""
+        if global_step % self.check_every and not now:
             return False
         if not (dist.is_available() and dist.is_initialized()):
             return self.received is not None
         flag = torch.tensor([0 if self.received is None else 1])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)  # all ranks meet here
         if flag.item() and self.received is None:
             self.received = "a signal to another rank"
         return bool(flag.item())
@@ -62,3 +75,29 @@ class StopSignal:
     def announce(self, global_step: int, path):
         where = f"checkpoint saved to {path}" if path else "no --checkpoint-dir, nothing saved"
         print0(f"stopping at step {global_step} on {self.received}: {where}; continue with --resume")
+
+
+# --- data-loading workers --------------------------------------------------------------
+
+def ignore_stop_signals():
+    """In a DataLoader worker: the stop signals are its rank's to handle, not its own.
+    (A forked worker would otherwise run its copy of the rank's handler, or die of the
+    default action, and the rank would fail at its next batch before it could checkpoint.)"""
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
+
+
+@contextlib.contextmanager
+def stop_signals_blocked():
+    """Block the stop signals in this thread while loader workers are started: a child
+    inherits the mask, so a signal sent to the whole group stays pending in the worker
+    until `ignore_stop_signals` has run there, and is delivered here when the block ends."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

@@ -35,6 +35,23 @@ def device_name(device: torch.device) -> str:
     return "cpu"
 
 
+def _same_file(a: str, b: str) -> bool:
+    """Whether two paths name one file (through symbolic links, relative paths)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _check_writable(path: str):
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"cannot write --metrics {path}: {exc.strerror or exc}") from None
+
+
 class TrainingRun:
     def __init__(self, args, env: DistEnv, model, optimizer, scheduler, *, steps_per_epoch: int,
                  strategy: str, scaler=None, extra_record=None):
@@ -53,6 +70,7 @@ class TrainingRun:
         self._stop = False
         self._bar = None
         self._timing = None
+        self._claim_outputs()
         self.log = MetricsLog(args.metrics)
         self.started = time.perf_counter()
 
@@ -69,6 +87,22 @@ class TrainingRun:
             os.makedirs(args.checkpoint_dir, exist_ok=True)
             with open(os.path.join(args.checkpoint_dir, "config.json"), "w") as f:
                 json.dump(dict(plain_config(args), world_size=env.world_size, strategy=strategy), f, indent=2)
+
+    def _claim_outputs(self):
+        """Before anything trains: the checkpoint directory is this run's alone (a lock
+        that dies with the process) and writable, and the metrics file can be written.
+        Rank 0 checks; every rank learns the outcome, so all of them stop together."""
+        error = None
+        if self.env.is_main:
+            try:
+                if self.args.checkpoint_dir:
+                    checkpoint.lock_directory(self.args.checkpoint_dir)
+                if self.args.metrics:
+                    _check_writable(self.args.metrics)
+            except UsageError as exc:
+                error = exc
+        if not all_ranks_ok(error is None, self.env.device):  # all ranks, once
+            raise error or UsageError("rank 0 refused the output paths")
 
     # --- resume -------------------------------------------------------------------
 
@@ -99,14 +133,18 @@ class TrainingRun:
             if not exists:
                 print0(f"--resume: no checkpoint in {args.checkpoint_dir} yet, starting from scratch")
             return self.checkpoint_path if exists else None
-        if exists and not (args.resume and os.path.abspath(args.resume) == os.path.abspath(self.checkpoint_path)):
+        if exists and not (args.resume and _same_file(args.resume, self.checkpoint_path)):
             raise UsageError(f"--checkpoint-dir {args.checkpoint_dir} already holds a checkpoint: add --resume "
                              "to continue it, or choose another directory (it would be overwritten)")
         return args.resume
 
     # Flags that decide which sample comes at which step and the learning rate there:
     # a resume with other values would not continue the same run.
-    _MUST_MATCH = ("model", "batch_size", "dataset", "train_samples", "seed", "epochs", "warmup_epochs")
+    # The optimizer's settings too: its saved state carries them, so a new value would be
+    # silently ignored; changing them is a new run.
+    _MUST_MATCH = ("model", "batch_size", "dataset", "train_samples", "seed", "epochs", "warmup_epochs",
+                   "lr", "momentum", "nesterov", "weight_decay")
+    _NEEDED = ("model", "optimizer", "scheduler", "epoch", "step_in_epoch", "global_step", "train_sums", "rng")
 
     def _resume(self, path):
         error = state = None
@@ -118,6 +156,10 @@ class TrainingRun:
         # others waiting in the next collective.
         if not all_ranks_ok(error is None, self.env.device):
             raise error or UsageError(f"checkpoint {path} could not be read on another rank")
+        missing = [key for key in self._NEEDED if key not in state]
+        if missing:
+            raise UsageError(f"checkpoint {path} lacks {', '.join(missing)}: it is not a complete "
+                             "checkpoint of these scripts")
         saved = state.get("config", {})
         for key in self._MUST_MATCH:
             if key in saved and saved[key] != getattr(self.args, key, saved[key]):
@@ -170,6 +212,11 @@ class TrainingRun:
 
     # --- the loop -----------------------------------------------------------------
 
+    def complete(self) -> bool:
+        """The whole run is trained: every epoch, or --max-steps."""
+        return ((self.epoch >= self.args.epochs) or
+                (self.args.max_steps is not None and self.global_step >= self.args.max_steps))
+
     def done(self) -> bool:
         return self._stop or (self.args.max_steps is not None and self.global_step >= self.args.max_steps)
 
@@ -189,14 +236,38 @@ class TrainingRun:
 
     def progress(self, loader):
         """Iterate the loader; a progress bar on rank 0 when stderr is a terminal."""
+        batches = self._batches(loader)
         if not (self.env.is_main and sys.stderr.isatty()):
-            yield from loader
+            yield from batches
             return
         from tqdm import tqdm
-        with tqdm(loader, desc=f"epoch {self.epoch + 1}/{self.args.epochs}", leave=False,
-                  dynamic_ncols=True) as self._bar:
+        with tqdm(batches, total=len(loader), desc=f"epoch {self.epoch + 1}/{self.args.epochs}",
+                  leave=False, dynamic_ncols=True) as self._bar:
             yield from self._bar
         self._bar = None
+
+    def _batches(self, loader):
+        """The loader's batches. If a loader worker dies while a stop signal is pending
+        (one that a signal reached before it could ignore it), the stop must still get to
+        its checkpoint: the rest of the epoch is loaded again by new workers, from the
+        first batch not yet delivered, so training sees the same batches either way."""
+        iterator, delivered = iter(loader), 0
+        while True:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            except RuntimeError as exc:
+                if self.stop_signal.received is None or "DataLoader worker" not in str(exc):
+                    raise
+                print(f"rank {self.env.rank}: {exc.args[0].splitlines()[0]} during a stop: "
+                      "loading the rest of the epoch with new workers", file=sys.stderr, flush=True)
+                loader.sampler.skip += delivered * loader.batch_size
+                loader._iterator = None  # persistent workers: forget the broken set
+                iterator, delivered = iter(loader), 0
+                continue
+            delivered += 1
+            yield batch
 
     def step_done(self) -> bool:
         """Count one optimizer step; checkpoint when due. True when the run must stop."""
@@ -214,10 +285,9 @@ class TrainingRun:
             self.save()
         if self.stop_signal.should_stop(self.global_step):
             if self.step_in_epoch >= self.steps_per_epoch:
-                # The epoch is complete: let end_epoch evaluate, record and checkpoint it,
+                # The epoch is complete: let end_epoch evaluate, checkpoint and record it,
                 # then stop there (done() is now True), rather than lose its record.
                 self._stop = True
-                self.stop_signal.announce(self.global_step, self.checkpoint_path)
                 return True
             self.save()
             self.stop_signal.announce(self.global_step, self.checkpoint_path)
@@ -242,19 +312,27 @@ class TrainingRun:
             "strategy": self.strategy, "device": device_name(self.env.device), **self.extra_record,
         }
         self.last_record = record
+        # Checkpoint first, then record: a record that fails to write loses no training.
+        self.save()
         self.log.write(record)
         print0(f"epoch {self.epoch + 1}/{self.args.epochs} step {self.global_step} | "
                f"train loss {train['train_loss']:.4f} acc1 {train['train_acc1']:.2f}% | "
                f"test loss {eval_metrics['test_loss']:.4f} acc1 {eval_metrics['test_acc1']:.2f}% "
                f"acc5 {eval_metrics['test_acc5']:.2f}% ({eval_metrics['test_samples']} images) | "
                f"{timing['epoch_seconds']:.1f} s, {timing['images_per_second']:.0f} img/s")
-        self.save()
+        # A signal that came during the evaluation is honoured now, with the epoch just
+        # checkpointed, not ten steps into the next one (an evaluation longer than the
+        # launcher's grace period would otherwise end in SIGKILL). All ranks meet here.
+        if not self._stop and self.stop_signal.should_stop(self.global_step, now=True):
+            self._stop = True
+        if self._stop:
+            self.stop_signal.announce(self.global_step, self.checkpoint_path)
 
     def finish(self):
         """The end-of-run record (rank 0), with the last evaluation."""
         self.stop_signal.close()
-        if self.last_record is None:
-            return
+        if self.last_record is None or not self.complete():
+            return  # stopped by a signal: the run goes on with --resume, it has not ended
         record = dict(self.last_record, event="end", step=self.global_step,
                       total_seconds=time.perf_counter() - self.started)
         self.log.write(record)
