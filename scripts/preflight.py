@@ -86,8 +86,8 @@ def build_parser():
                    help="GLOBAL batch, as in the training scripts: each process loads batch-size / processes")
     g.add_argument("--prefetch-factor", type=cli.positive_int, default=2,
                    help="batches each loader worker keeps ready (DataLoader's prefetch_factor)")
-    g.add_argument("--sample-shape", type=sample_shape, default=(3, 32, 32), metavar="C,H,W",
-                   help="shape of one float32 training sample as the loader yields it (CIFAR: 3,32,32)")
+    g.add_argument("--sample-shape", type=sample_shape, default="3,32,32", metavar="C,H,W",
+                   help="shape of one float32 training sample as the loader yields it (CIFAR's by default)")
     g.add_argument("--model", choices=MODEL_NAMES, default="resnet18",
                    help="the all-reduce moves this model's gradient")
     g = parser.add_argument_group("the check")
@@ -97,8 +97,8 @@ def build_parser():
     g.add_argument("--shm-dir", default=DEFAULT_SHM,
                    help="where the loader workers' shared memory lives")
     g.add_argument("--port", type=tcp_port, default=None,
-                   help=f"rendezvous port the training job will use, checked on this node "
-                        f"(default {DEFAULT_PORT} under python; under torchrun its own port is already in use)")
+                   help=f"rendezvous port the training job will use, checked on this node; without it "
+                        f"{DEFAULT_PORT} under plain python, none under torchrun (whose own port is in use)")
     g.add_argument("--timeout", type=cli.positive_float, default=30.0, metavar="SECONDS",
                    help="limit for each communication step (start-up, joining, peer copies, all-reduce)")
     g.add_argument("--iters", type=cli.positive_int, default=10, help="timed all-reduces, after one warm-up")
@@ -128,17 +128,11 @@ def role_from_env() -> Role:
 
 def accelerator():
     """The device type torch.accelerator finds (cuda also on ROCm), or None for CPU only."""
-    acc = getattr(torch, "accelerator", None)  # torch.accelerator: PyTorch 2.6 and later
-    if acc is not None:
-        return acc.current_accelerator().type if acc.is_available() else None
-    return "cuda" if torch.cuda.is_available() else None
+    return torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else None
 
 
 def device_count(kind) -> int:
-    if kind is None:
-        return 0
-    acc = getattr(torch, "accelerator", None)
-    return acc.device_count() if acc is not None else torch.cuda.device_count()
+    return torch.accelerator.device_count() if kind is not None else 0
 
 
 def rank_device(role: Role):
@@ -150,6 +144,8 @@ def rank_device(role: Role):
 
 def validate(args, torchrun: bool):
     """Bad input that argparse cannot see: one line and exit status 2, before any process starts."""
+    if not hasattr(torch, "accelerator"):
+        raise UsageError(f"PyTorch {torch.__version__} is too old for this check: it needs torch.accelerator (2.6+)")
     if not os.path.isdir(args.shm_dir) and args.shm_dir != DEFAULT_SHM:
         raise UsageError(f"--shm-dir {args.shm_dir} is not a directory")
     kind = accelerator()
@@ -201,12 +197,22 @@ def device_memory(device) -> tuple:
     """(free, total) bytes of this rank's device, seen by all processes on it; host RAM for the CPU."""
     if device.type == "cpu":
         return host_memory()
-    acc = getattr(torch, "accelerator", None)
-    if acc is not None and hasattr(acc, "get_memory_info"):  # PyTorch 2.8 and later
-        return acc.get_memory_info(device.index)
+    if hasattr(torch.accelerator, "get_memory_info"):  # not in the first releases of torch.accelerator
+        return torch.accelerator.get_memory_info(device.index)
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)
     return None, None
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "CPU"
 
 
 def device_name(kind, index) -> str:
@@ -285,7 +291,7 @@ def port_facts(port) -> dict:
 
 def rank_facts(role: Role, args, device) -> dict:
     facts = {"rank": role.rank, "node": role.node, "host": socket.gethostname(), **versions(),
-             "device": str(device), "device_name": "CPU" if device.type == "cpu" else
+             "device": str(device), "device_name": cpu_model() if device.type == "cpu" else
              device_name(device.type, device.index)}
     facts["mem_free"], facts["mem_total"] = device_memory(device)
     if role.local_rank == 0:  # the node's own facts, once per node
@@ -382,7 +388,7 @@ def time_all_reduce(numel, device, role: Role, iters) -> dict:
     for _ in range(iters):
         dist.all_reduce(t)
     synchronize(device)
-    return {"status": "ok", "seconds": (time.perf_counter() - start) / iters, "correct": correct}
+    return {"seconds": (time.perf_counter() - start) / iters, "correct": correct}
 
 
 def synchronize(device):
@@ -500,220 +506,260 @@ def ifname_matches(value, names, prefix_match):
 
 
 def report(all_facts, results, args, role) -> list:
-    """Print the report; return the problems as (what, fix) pairs."""
-    problems = []
-    out = print
-    world = role.world_size
-    present = {r: f for r, f in all_facts.items() if f}
-    nodes = {f["node"]: f for f in present.values() if "node_facts" in f}
-    f0 = all_facts[0]
-    launched = ("plain python: this script started them" if role.launcher == "python"
-                else f"torchrun, rendezvous {f0.get('rendezvous')}")
-    backend = (results.get(0) or {}).get("backend", "?")
-    out(f"preflight: {world} process{'es' if world != 1 else ''} on {len(nodes)} node"
-        f"{'s' if len(nodes) != 1 else ''} ({launched}), backend {backend}")
+    """Print the report (global rank 0); return the problems as (what, fix) pairs."""
+    return Report(all_facts, results, args, role).run()
 
-    missing = [r for r, f in all_facts.items() if not f]
-    if missing:
-        problems.append((f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not "
-                         f"report within --timeout {args.timeout:g} s",
-                         "check that every node runs the same command and reaches the rendezvous host; "
-                         "a slow start (busy file system) needs a larger --timeout"))
 
-    out("\nversions")
-    for node, f in sorted(nodes.items()):
-        cuda = f"CUDA {f['cuda']}" if f["cuda"] else (f"ROCm {f['hip']}" if f["hip"] else "no CUDA build")
-        out(f"  node {node} ({f['host']}): Python {f['python']}, PyTorch {f['torch']}, {cuda}, "
-            f"cuDNN {f['cudnn'] or '-'}, NCCL {f['nccl'] or '-'}")
-    for key, what in (("torch", "PyTorch"), ("nccl", "NCCL"), ("python", "Python")):
-        seen = {f[key] for f in present.values()}
-        if len(seen) > 1:
-            problems.append((f"the processes run different {what} versions: {', '.join(sorted(map(str, seen)))}",
-                             f"install the same {what} on every node (one container image or environment)"))
+class Report:
+    """One method per section, in the order printed; each adds the problems it finds."""
 
-    out("\ndevices")
-    for node, f in sorted(nodes.items()):
-        nf = f["node_facts"]
-        names = nf["devices"]
-        out(f"  node {node}: " + (f"{len(names)} device{'s' if len(names) != 1 else ''}: "
-                                   + ", ".join(f"{i}: {n}" for i, n in enumerate(names)) if names
-                                   else "no accelerator: the CPU, with gloo"))
-    for rank, f in sorted(present.items()):
-        free, total = f["mem_free"], f["mem_total"]
-        what = "RAM available" if f["device"] == "cpu" else "free"
-        out(f"  rank {rank} (node {f['node']}): {f['device']} {f['device_name']}, "
-            f"{size(free)} {what} of {size(total)}")
-        if f["device"] != "cpu" and free is not None and total and total - free > max(GiB, 0.10 * total):
-            problems.append((f"{f['device']} on node {f['node']} already has {size(total - free)} of "
-                             f"{size(total)} in use by other processes",
-                             "find and stop them (nvidia-smi lists them; a killed job may have left some)"))
+    def __init__(self, all_facts, results, args, role):
+        self.all_facts, self.results, self.args, self.role = all_facts, results, args, role
+        self.world = role.world_size
+        self.present = {r: f for r, f in all_facts.items() if f}
+        # One rank per node (its local rank 0) carries the node's facts.
+        self.nodes = {f["node"]: f for f in self.present.values() if "node_facts" in f}
+        self.backend = (results.get(0) or {}).get("backend", "?")
+        self.problems = []
 
-    out("\npeer-to-peer (can device i read device j's memory directly?)")
-    for node, f in sorted(nodes.items()):
-        access = f["node_facts"]["peer_access"]
-        if not access:
-            gpus = len(f["node_facts"]["devices"])
-            out(f"  node {node}: {'one device' if gpus == 1 else 'no GPUs'}: nothing to check")
-            continue
-        n = len(access)
-        out(f"  node {node}:   " + " ".join(f"{j:>3}" for j in range(n)))
-        for i in range(n):
-            out(f"  {'':>9}{i:>3} " + " ".join(f"{'-' if i == j else ('yes' if access[i][j] else 'no'):>3}"
-                                           for j in range(n)))
-        no = sum(not access[i][j] for i in range(n) for j in range(n) if i != j)
-        if no:
-            out(f"  {no} pair(s) without peer access: NCCL goes through host memory there (slower, not an error)")
-        copy = (results.get(min(r for r, x in present.items() if x["node"] == node)) or {}).get("peer_copy")
-        if copy and copy["status"] == "ok" and copy["value"]:
-            problems.append((f"node {node}: a copy between GPUs returned wrong data for pairs "
+    def problem(self, what, fix):
+        self.problems.append((what, fix))
+
+    def run(self) -> list:
+        for section in (self.header, self.versions, self.devices, self.peer_to_peer, self.all_reduce,
+                        self.shared_memory, self.cpu, self.port, self.environment):
+            section()
+        if self.problems:
+            print(f"\n{len(self.problems)} problem{'s' if len(self.problems) != 1 else ''}:")
+            for i, (what, fix) in enumerate(self.problems, 1):
+                print(f"  {i}. {what}\n     fix: {fix}")
+        else:
+            print("\nall checks passed")
+        return self.problems
+
+    def each_node(self):
+        for node, f in sorted(self.nodes.items()):
+            yield node, f, f["node_facts"]
+
+    def header(self):
+        f0, world, nodes = self.all_facts[0], self.world, len(self.nodes)
+        launched = ("plain python: this script started them" if self.role.launcher == "python"
+                    else f"torchrun, rendezvous {f0.get('rendezvous')}")
+        print(f"preflight: {world} process{'es' if world != 1 else ''} on {nodes} node{'s' if nodes != 1 else ''} "
+              f"({launched}), backend {self.backend}")
+        missing = [r for r, f in self.all_facts.items() if not f]
+        if missing:
+            self.problem(f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not report "
+                         f"within --timeout {self.args.timeout:g} s",
+                         "run the same command on every node, check that each reaches the rendezvous host; "
+                         "a slow start (busy file system) needs a larger --timeout")
+
+    def versions(self):
+        print("\nversions")
+        for node, f, _ in self.each_node():
+            cuda = f"CUDA {f['cuda']}" if f["cuda"] else (f"ROCm {f['hip']}" if f["hip"] else "no CUDA build")
+            print(f"  node {node} ({f['host']}): Python {f['python']}, PyTorch {f['torch']}, {cuda}, "
+                  f"cuDNN {f['cudnn'] or '-'}, NCCL {f['nccl'] or '-'}")
+        for key, what in (("torch", "PyTorch"), ("nccl", "NCCL"), ("python", "Python")):
+            seen = {f[key] for f in self.present.values()}
+            if len(seen) > 1:
+                self.problem(f"the processes run different {what} versions: {', '.join(sorted(map(str, seen)))}",
+                             f"install the same {what} on every node (one container image or environment)")
+
+    def devices(self):
+        print("\ndevices")
+        for node, _, nf in self.each_node():
+            names = nf["devices"]
+            listed = ", ".join(f"{i}: {n}" for i, n in enumerate(names))
+            print(f"  node {node}: " + (f"{len(names)} device{'s' if len(names) != 1 else ''}: {listed}" if names
+                                        else "no accelerator: the CPU, with gloo"))
+        for rank, f in sorted(self.present.items()):
+            free, total = f["mem_free"], f["mem_total"]
+            print(f"  rank {rank} (node {f['node']}): {f['device']} {f['device_name']}, {size(free)} "
+                  f"{'RAM available' if f['device'] == 'cpu' else 'free'} of {size(total)}")
+            # Our own process holds a few hundred MB there; more is another job (or a leftover one).
+            if f["device"] != "cpu" and free is not None and total and total - free > max(GiB, 0.10 * total):
+                self.problem(f"{f['device']} on node {f['node']} already has {size(total - free)} of {size(total)} "
+                             "in use by other processes",
+                             "find and stop them (nvidia-smi lists them; a killed job may have left some)")
+
+    def peer_to_peer(self):
+        print("\npeer-to-peer (can device i read device j's memory directly?)")
+        for node, f, nf in self.each_node():
+            access = nf["peer_access"]
+            if not access:
+                print(f"  node {node}: {'one device' if len(nf['devices']) == 1 else 'no GPUs'}: nothing to check")
+                continue
+            n = len(access)
+            print(f"  node {node}:   " + " ".join(f"{j:>3}" for j in range(n)))
+            for i in range(n):
+                print(f"  {'':>9}{i:>3} " + " ".join(f"{'-' if i == j else ('yes' if access[i][j] else 'no'):>3}"
+                                                  for j in range(n)))
+            without = sum(not access[i][j] for i in range(n) for j in range(n) if i != j)
+            if without:
+                print(f"  {without} pair(s) without peer access: NCCL goes through host memory there "
+                      "(slower, not an error)")
+            copy = (self.results.get(f["rank"]) or {}).get("peer_copy")
+            if copy and copy["status"] == "ok" and copy["value"]:
+                self.problem(f"node {node}: a copy between GPUs returned wrong data for pairs "
                              f"{', '.join(f'{i}->{j}' for i, j in copy['value'])}",
-                             "export NCCL_P2P_DISABLE=1 (and disable IOMMU/ACS in the BIOS for the lasting fix)"))
-        elif copy and copy["status"] != "ok":
-            problems.append((f"node {node}: copying between GPUs {copy['status']}: {copy['error']}",
+                             "export NCCL_P2P_DISABLE=1 (and disable IOMMU/ACS in the BIOS for the lasting fix)")
+            elif copy and copy["status"] != "ok":
+                self.problem(f"node {node}: copying between GPUs {copy['status']}: {copy['error']}",
                              "export NCCL_P2P_DISABLE=1 (GPUs that report peer-to-peer but cannot use it); "
-                             "disabling IOMMU/ACS in the BIOS is the lasting fix"))
-        elif copy:
-            out("  a 1 MB copy between every pair arrived intact")
+                             "disabling IOMMU/ACS in the BIOS is the lasting fix")
+            elif copy:
+                print("  a 1 MB copy between every pair arrived intact")
 
-    bad_ifname = []
-    for node, f in sorted(nodes.items()):
-        env, names = f["node_facts"]["env"], f["node_facts"]["interfaces"]
-        for var, prefix_match in (("NCCL_SOCKET_IFNAME", True), ("GLOO_SOCKET_IFNAME", False)):
-            if var in env and names and not ifname_matches(env[var], names, prefix_match):
-                bad_ifname.append((f"node {node}: {var}={env[var]} matches none of its interfaces "
-                                   f"({', '.join(names)})", f"export {var}=<the interface that reaches the other "
-                                                            f"nodes>, one of: {', '.join(names)}"))
+    def bad_interface_variables(self) -> list:
+        found = []
+        for node, _, nf in self.each_node():
+            env, names = nf["env"], nf["interfaces"]
+            for var, prefix_match in (("NCCL_SOCKET_IFNAME", True), ("GLOO_SOCKET_IFNAME", False)):
+                if var in env and names and not ifname_matches(env[var], names, prefix_match):
+                    found.append((f"node {node}: {var}={env[var]} matches none of its interfaces "
+                                  f"({', '.join(names)})",
+                                  f"export {var}=<the interface that reaches the other nodes>, one of: "
+                                  f"{', '.join(names)}"))
+        return found
 
-    out("\nall-reduce")
-    numel = gradient_numel(args.model)
-    nbytes = numel * 4
-    what = f"{nbytes / 1e6:.1f} MB ({args.model}'s gradient, {numel:,} float32)"
-    multi_node = len(nodes) > 1
-    network_fix = ("set NCCL_SOCKET_IFNAME (GLOO_SOCKET_IFNAME with gloo) to the interface that reaches the "
-                   "other nodes and open the firewall between them" if multi_node else None)
-    if world == 1:
-        out(f"  one process: nothing to all-reduce (start several: --nproc, or torchrun --nproc_per_node)")
-    else:
+    def all_reduce(self):
+        print("\nall-reduce")
+        args, world = self.args, self.world
+        numel = gradient_numel(args.model)
+        nbytes = numel * 4
+        what = f"{nbytes / 1e6:.1f} MB ({args.model}'s gradient, {numel:,} float32)"
+        if world == 1:
+            print("  one process: nothing to all-reduce (start several: --nproc, or torchrun --nproc_per_node)")
+            return
+
         def failed_steps(res):
             return [(step, o) for step, o in res.items() if isinstance(o, dict) and o["status"] != "ok"]
-        failed = {r: res for r, res in results.items() if res is None or failed_steps(res) or "all_reduce" not in res}
+
+        failed = {r: res for r, res in self.results.items()
+                  if res is None or failed_steps(res) or "all_reduce" not in res}
+        network_fix = None
+        if len(self.nodes) > 1:
+            network_fix = ("set NCCL_SOCKET_IFNAME (GLOO_SOCKET_IFNAME with gloo) to the interface that reaches "
+                           "the other nodes and open the firewall between them")
         if not failed:
-            slowest = max(res["all_reduce"]["value"]["seconds"] for res in results.values())
+            timings = [res["all_reduce"]["value"] for res in self.results.values()]
+            slowest = max(t["seconds"] for t in timings)  # the collective ends when its slowest rank does
             algbw = nbytes / slowest / 1e9
             busbw = algbw * 2 * (world - 1) / world
-            out(f"  {what} over {world} processes: {slowest * 1e3:.2f} ms (slowest rank, mean of {args.iters}), "
-                f"algbw {algbw:.2f} GB/s, bus bandwidth {busbw:.2f} GB/s")
-            out(f"  (bus bandwidth = algbw x 2(n-1)/n, the nccl-tests convention: comparable with the links' speed "
-                f"whatever the number of processes)")
-            wrong = [r for r, res in results.items() if not res["all_reduce"]["value"]["correct"]]
+            print(f"  {what} over {world} processes: {slowest * 1e3:.2f} ms (slowest rank, mean of {args.iters}), "
+                  f"algbw {algbw:.2f} GB/s, bus bandwidth {busbw:.2f} GB/s")
+            print("  (bus bandwidth = algbw x 2(n-1)/n, the nccl-tests convention: comparable with the links' "
+                  "speed whatever the number of processes)")
+            wrong = [r for r, res in self.results.items() if not res["all_reduce"]["value"]["correct"]]
             if wrong:
-                problems.append((f"the all-reduce gave a wrong sum on rank{'s' if len(wrong) > 1 else ''} "
-                                 f"{', '.join(map(str, wrong))}",
-                                 network_fix or "export NCCL_P2P_DISABLE=1 (peer-to-peer that corrupts data), "
-                                 "then look for hardware errors (nvidia-smi -q, dmesg)"))
+                self.problem(f"the all-reduce gave a wrong sum on rank{'s' if len(wrong) > 1 else ''} "
+                             f"{', '.join(map(str, wrong))}",
+                             network_fix or "export NCCL_P2P_DISABLE=1 (peer-to-peer that corrupts data), "
+                             "then look for hardware errors (nvidia-smi -q, dmesg)")
+            return
+        print(f"  {what} over {world} processes: FAILED")
+        for rank, res in sorted(failed.items()):
+            if res is None:
+                print(f"  rank {rank}: no result within the timeout (stuck, or ended)")
+            elif not failed_steps(res):
+                print(f"  rank {rank}: did not take part (not every rank had started)")
+            for step, outcome in failed_steps(res or {}):
+                print(f"  rank {rank}: {step.replace('_', '-')} {outcome['status']}: {outcome['error']}")
+        timed_out = any(res is None or any(o["status"] == "timed out" for _, o in failed_steps(res))
+                        for res in failed.values())
+        # The likeliest cause first: a variable that names no interface, the network between
+        # nodes, peer-to-peer between GPUs, then gloo's choice of address on one node.
+        if self.bad_interface_variables():
+            fix = "correct the *_SOCKET_IFNAME variable named below"
+        elif network_fix:
+            fix = network_fix + " (NCCL_DEBUG=INFO shows which interface it took)"
+        elif any(nf["peer_access"] for _, _, nf in self.each_node()):
+            fix = "export NCCL_P2P_DISABLE=1 (GPUs that hang with peer-to-peer); NCCL_DEBUG=INFO shows where it stops"
+        elif self.backend == "gloo":
+            fix = ("on one node: export GLOO_SOCKET_IFNAME=lo (gloo connects to the address the host name "
+                   "resolves to: check /etc/hosts); TORCH_DISTRIBUTED_DEBUG=DETAIL shows more")
         else:
-            out(f"  {what} over {world} processes: FAILED")
-            for rank, res in sorted(failed.items()):
-                if res is None:
-                    out(f"  rank {rank}: no result within the timeout (stuck, or ended)")
-                elif not failed_steps(res):
-                    out(f"  rank {rank}: did not take part (not every rank had started)")
-                for step, outcome in failed_steps(res or {}):
-                    out(f"  rank {rank}: {step.replace('_', '-')} {outcome['status']}: {outcome['error']}")
-            hung = any(res is None or any(o["status"] == "timed out" for _, o in failed_steps(res))
-                       for res in failed.values())
-            gpus_with_p2p = any(f["node_facts"]["peer_access"] for f in nodes.values())
-            if bad_ifname:
-                fix = "correct the *_SOCKET_IFNAME variable named below"
-            elif network_fix:
-                fix = network_fix + " (NCCL_DEBUG=INFO shows which interface it took)"
-            elif gpus_with_p2p:
-                fix = ("export NCCL_P2P_DISABLE=1 (GPUs that hang with peer-to-peer); "
-                       "NCCL_DEBUG=INFO shows where it stops")
-            elif backend == "gloo":
-                fix = ("on one node: export GLOO_SOCKET_IFNAME=lo (gloo connects to the address the host name "
-                       "resolves to: check /etc/hosts); TORCH_DISTRIBUTED_DEBUG=DETAIL shows more")
-            else:
-                fix = "rerun with NCCL_DEBUG=INFO TORCH_DISTRIBUTED_DEBUG=DETAIL to see where it stops"
-            problems.append((f"the all-reduce over {world} processes "
-                             f"{'did not finish within ' + format(args.timeout, 'g') + ' s' if hung else 'failed'}",
-                             fix))
+            fix = "rerun with NCCL_DEBUG=INFO TORCH_DISTRIBUTED_DEBUG=DETAIL to see where it stops"
+        self.problem(f"the all-reduce over {world} processes "
+                     + (f"did not finish within {args.timeout:g} s" if timed_out else "failed"), fix)
 
-    out("\nshared memory (what the DataLoader workers hold: workers x prefetch x batch bytes per process)")
-    sample_bytes = math.prod(args.sample_shape) * 4 + 8  # float32 sample + int64 label
-    per_process_batch = math.ceil(args.batch_size / world)
-    per_process = args.workers * args.prefetch_factor * per_process_batch * sample_bytes
-    if args.batch_size % world:
-        multiple = max(world, args.batch_size // world * world)
-        problems.append((f"--batch-size {args.batch_size} is not divisible by {world} processes "
-                         f"(the training scripts refuse it)", f"--batch-size {multiple} (a multiple of {world})"))
-    for node, f in sorted(nodes.items()):
-        shm, local = f["node_facts"]["shm"], f["node_facts"]["local_world_size"]
-        need = per_process * local
-        formula = (f"{args.workers} workers x {args.prefetch_factor} x {per_process_batch} samples x "
-                   f"{sample_bytes:,} B = {size(per_process)} per process, {size(need)} for {local} on the node")
-        if not shm["exists"]:
-            out(f"  node {node}: no {shm['path']} (not Linux?): {formula}")
-            continue
-        out(f"  node {node}: {shm['path']} ({shm['fstype'] or '?'}) {size(shm['free'])} free of "
-            f"{size(shm['total'])}; {formula}")
-        if args.workers and need > shm["free"]:
-            ram = f["node_facts"]["ram"][1]
-            lower = "lower --workers, --prefetch-factor or --batch-size"
-            if ram and need * 1.5 > ram:
-                fix = f"{lower}: {size(need)} is more than this node's memory can hold ({size(ram)} RAM)"
-            else:
-                gib = max(1, math.ceil(need * 1.5 / GiB))
-                fix = (f"in Docker: docker run --ipc=host (or --shm-size={gib}g); otherwise "
-                       f"mount -o remount,size={gib}G {shm['path']}, or {lower}")
-            problems.append((f"node {node}: {shm['path']} has {size(shm['free'])} free, the loader workers would "
-                             f"hold {size(need)} (a DataLoader worker then dies with a bus error)", fix))
+    def shared_memory(self):
+        print("\nshared memory (what the DataLoader workers hold: workers x prefetch x batch bytes per process)")
+        args, world = self.args, self.world
+        sample_bytes = math.prod(args.sample_shape) * 4 + 8  # float32 sample + int64 label
+        per_process_batch = math.ceil(args.batch_size / world)
+        per_process = args.workers * args.prefetch_factor * per_process_batch * sample_bytes
+        if args.batch_size % world:
+            multiple = max(world, args.batch_size // world * world)
+            self.problem(f"--batch-size {args.batch_size} is not divisible by {world} processes "
+                         "(the training scripts refuse it)", f"--batch-size {multiple} (a multiple of {world})")
+        for node, _, nf in self.each_node():
+            shm, local = nf["shm"], nf["local_world_size"]
+            need = per_process * local
+            formula = (f"{args.workers} workers x {args.prefetch_factor} x {per_process_batch} samples x "
+                       f"{sample_bytes:,} B = {size(per_process)} per process, {size(need)} for {local} on the node")
+            if not shm["exists"]:
+                print(f"  node {node}: no {shm['path']} (not Linux?): {formula}")
+                continue
+            print(f"  node {node}: {shm['path']} ({shm['fstype'] or '?'}) {size(shm['free'])} free of "
+                  f"{size(shm['total'])}; {formula}")
+            if args.workers and need > shm["free"]:
+                ram = nf["ram"][1]
+                lower = "lower --workers, --prefetch-factor or --batch-size"
+                if ram and need * 1.5 > ram:
+                    fix = f"{lower}: {size(need)} is more than this node's memory can hold ({size(ram)} RAM)"
+                else:
+                    gib = max(1, math.ceil(need * 1.5 / GiB))  # with room for the main process's own tensors
+                    fix = (f"in Docker: docker run --ipc=host (or --shm-size={gib}g); otherwise "
+                           f"mount -o remount,size={gib}G {shm['path']}, or {lower}")
+                self.problem(f"node {node}: {shm['path']} has {size(shm['free'])} free, the loader workers would "
+                             f"hold {size(need)} (a DataLoader worker then dies with a bus error)", fix)
 
-    out("\nCPU (each training process needs a core, and one per loader worker)")
-    for node, f in sorted(nodes.items()):
-        cpus, local = f["node_facts"]["cpus"], f["node_facts"]["local_world_size"]
-        per = cpus["cores"] / local
-        limit = f", container limit {cpus['quota']:g}" if cpus["quota"] else ""
-        out(f"  node {node}: {cpus['cores']:g} cores usable ({cpus['affinity']} in the affinity mask{limit}) "
-            f"for {local} process{'es' if local != 1 else ''}: {per:.1f} per process; "
-            f"--workers {args.workers} + 1 need {args.workers + 1}")
-        if per < 1:
-            problems.append((f"node {node}: {local} processes share {cpus['cores']:g} cores",
-                             f"start at most {math.floor(cpus['cores']) or 1} processes on this node"))
-        elif args.workers + 1 > per:
-            problems.append((f"node {node}: --workers {args.workers} needs {args.workers + 1} cores per process, "
-                             f"there are {per:.1f}", f"--workers {max(0, math.floor(per) - 1)}"))
+    def cpu(self):
+        print("\nCPU (each training process needs a core, and one per loader worker)")
+        workers = self.args.workers
+        for node, _, nf in self.each_node():
+            cpus, local = nf["cpus"], nf["local_world_size"]
+            per = cpus["cores"] / local
+            limit = f", container limit {cpus['quota']:g}" if cpus["quota"] else ""
+            print(f"  node {node}: {cpus['cores']:g} cores usable ({cpus['affinity']} in the affinity mask{limit}) "
+                  f"for {local} process{'es' if local != 1 else ''}: {per:.1f} per process; "
+                  f"--workers {workers} + 1 need {workers + 1}")
+            if per < 1:
+                self.problem(f"node {node}: {local} processes share {cpus['cores']:g} cores",
+                             f"start at most {math.floor(cpus['cores']) or 1} processes on this node")
+            elif workers + 1 > per:
+                self.problem(f"node {node}: --workers {workers} needs {workers + 1} cores per process, "
+                             f"there are {per:.1f}", f"--workers {max(0, math.floor(per) - 1)}")
 
-    out("\nrendezvous port")
-    port = f0.get("port")
-    if role.launcher == "torchrun":
-        out(f"  {f0.get('rendezvous')}: reached by all {len(present)} processes")
-    if port:
+    def port(self):
+        print("\nrendezvous port")
+        f0 = self.all_facts[0]
+        if self.role.launcher == "torchrun":
+            print(f"  {f0.get('rendezvous')}: reached by {len(self.present)} of {self.world} processes")
+        port = f0.get("port")
+        if not port:
+            return
+        where = f"node {f0['node']} ({f0['host']})"
         if port["free"]:
-            out(f"  {port['port']}: free on node {f0['node']} ({f0['host']})")
-        else:
-            out(f"  {port['port']}: IN USE on node {f0['node']} ({f0['host']})")
-            problems.append((f"port {port['port']} is already in use on {f0['host']} (another job, or one "
-                             f"that did not end)", f"stop it (ss -ltnp 'sport = :{port['port']}' names it) or use "
-                             f"another port, e.g. torchrun --master-port {port['suggest']} / "
-                             f"--rdzv-endpoint HOST:{port['suggest']}"))
+            print(f"  {port['port']}: free on {where}")
+            return
+        print(f"  {port['port']}: IN USE on {where}")
+        self.problem(f"port {port['port']} is already in use on {f0['host']} (another job, or one that did not end)",
+                     f"stop it (ss -ltnp 'sport = :{port['port']}' names it) or use another port, e.g. "
+                     f"torchrun --master-port {port['suggest']} / --rdzv-endpoint HOST:{port['suggest']}")
 
-    out("\nenvironment (NCCL_*, GLOO_*, TORCH_NCCL_*)")
-    envs = {node: f["node_facts"]["env"] for node, f in nodes.items()}
-    for node, env in sorted(envs.items()):
-        out(f"  node {node}: " + (" ".join(f"{k}={v}" for k, v in env.items()) or "none set"))
-    problems += bad_ifname
-    if len({json.dumps(env, sort_keys=True) for env in envs.values()}) > 1:
-        problems.append(("the nodes have different NCCL_*/GLOO_* variables",
-                         "export the same ones on every node (in the job script, not a login shell)"))
-
-    if problems:
-        out(f"\n{len(problems)} problem{'s' if len(problems) != 1 else ''}:")
-        for i, (what, fix) in enumerate(problems, 1):
-            out(f"  {i}. {what}\n     fix: {fix}")
-    else:
-        out("\nall checks passed")
-    return problems
+    def environment(self):
+        print("\nenvironment (NCCL_*, GLOO_*, TORCH_NCCL_*)")
+        envs = {node: nf["env"] for node, _, nf in self.each_node()}
+        for node, env in envs.items():
+            print(f"  node {node}: " + (" ".join(f"{k}={v}" for k, v in env.items()) or "none set"))
+        for what, fix in self.bad_interface_variables():
+            self.problem(what, fix)
+        if len({json.dumps(env, sort_keys=True) for env in envs.values()}) > 1:
+            self.problem("the nodes have different NCCL_*/GLOO_* variables",
+                         "export the same ones on every node (in the job script, not a login shell)")
 
 
 # --- launching ------------------------------------------------------------------------
