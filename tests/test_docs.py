@@ -5,13 +5,25 @@
 - every ```python snippet runs (unless its first line is `# not run`);
 - every code block introduced by "From `FILE`:" is a verbatim quote of FILE;
 - every script is linked from a lesson, the README links the tutorials, the
-  index links every lesson, and every relative link points to a file.
+  index links every lesson, and every relative link points to a file;
+- lesson 00's first DDP program is built from the lesson (the programs a reader
+  is told to "save as `NAME.py`"), its diff is the real diff of the two, and the
+  commands that run them work, twice, with torchrun on 2 CPU processes;
+- the command blocks of the lessons that keep state between runs (checkpoint
+  folders, metrics, rendezvous files) run twice in a row in a scratch copy of
+  the repository, as a reader running them again would; every other block is
+  checked to keep no such state.
 
 The flags a script accepts come from its own argparse parser: a helper process
 runs each script as `__main__` with parsing patched to hand the parser back
 instead of parsing, so nothing trains and nothing is duplicated here.
-The snippet tests are the slow part: `-k "not snippet"` leaves them out.
+The snippet and command tests are the slow part: `-k "not snippet and not twice"`
+leaves them out. The stateful blocks run twice are a representative few by
+default (the suite's time is bounded); DOCS_RUN_TWICE=all runs every one.
 """
+import difflib
+import os
+import shutil
 import json
 import re
 import shlex
@@ -28,10 +40,11 @@ from conftest import ROOT, subprocess_env
 TUTORIALS = ROOT / "tutorials"
 LESSONS = ["00-basic-theory.md", "01-gradient-accumulation.md", "02-ddp-in-detail.md",
            "03-ddp-training-tricks.md", "04-mixed-precision.md", "05-dp-and-ddp-source.md",
-           "06-beyond-one-machine.md", "07-collectives.md"]
+           "06-beyond-one-machine.md", "07-collectives.md", "09-debugging.md"]
 TRAINING_SCRIPTS = ["distributed.py", "distributed_mp.py", "dataparallel.py", "distributed_apex.py",
                     "distributed_gradient_accumulation.py"]
-TOOLS = ["scripts/collectives.py", "scripts/compare_models.py", "scripts/benchmark.py"]
+TOOLS = ["scripts/collectives.py", "scripts/compare_models.py", "scripts/benchmark.py",
+         "scripts/preflight.py", "scripts/plot_metrics.py", "scripts/make_figures.py"]
 TORCHRUN = "torchrun"  # key of torchrun's own parser in the option table
 SNIPPET_TIMEOUT = 240
 
@@ -55,6 +68,7 @@ def rel(path: Path) -> str:
 # --- markdown parsing ------------------------------------------------------------------------
 
 FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)\s*$")
+SAVE_AS = re.compile(r"[Ss]ave (?:it|this) as `([\w.-]+\.py)`")
 FROM_LINE = re.compile(r"^From `([^`]+)`.*:\s*$")
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)|!\[[^\]]*\]\(([^)\s]+)\)")
 
@@ -121,26 +135,53 @@ def links_of(path: Path):
     return targets
 
 
+def saved_programs():
+    """{name: block} for the programs a lesson tells the reader to save ("save it as `NAME.py`")."""
+    found = {}
+    for path in doc_files():
+        for block in blocks_of(path):
+            m = SAVE_AS.search(block.intro)
+            if m and block.lang in ("python", "py"):
+                assert m.group(1) not in found, f"{block.where}: a second program called {m.group(1)}"
+                found[m.group(1)] = block
+    return found
+
+
 # --- commands --------------------------------------------------------------------------------
 
+def _open_quote(text: str) -> bool:
+    try:
+        shlex.split(text, comments=True)
+        return False
+    except ValueError:  # "No closing quotation": the command goes on on the next line
+        return True
+
+
 def shell_commands(block: Block):
-    """Logical command lines of a bash block: continuations joined, prompts and comments off."""
-    commands, pending = [], ""
+    """Logical command lines of a bash block: continuations and multi-line quotes joined,
+    prompts and comments off."""
+    commands, pending, quoted = [], "", ""
     for raw in block.lines:
         line = raw.rstrip()
+        if quoted:
+            line = quoted + "\n" + raw.rstrip()
+            quoted = ""
         if pending:
             line = pending + " " + line.strip()
             pending = ""
         if line.endswith("\\"):
             pending = line[:-1].rstrip()
             continue
+        if _open_quote(line):
+            quoted = line
+            continue
         stripped = line.strip()
         if stripped.startswith("$ "):
             stripped = stripped[2:]
         if stripped and not stripped.startswith("#"):
             commands.append(stripped)
-    if pending:
-        commands.append(pending.strip())
+    if pending or quoted:
+        commands.append((pending or quoted).strip())
     return commands
 
 
@@ -287,6 +328,8 @@ print(json.dumps(table))
 
 def check_script_flags(script: str, args, where: str):
     """Every --flag in args is an option of script; `--` hands the rest to another script."""
+    if script in saved_programs():  # a lesson's own program: it takes no flags
+        return [f"{where}: {script} takes no flags"] if any(a.startswith("--") for a in args) else []
     problems = []
     path = ROOT / script
     if not path.is_file():
@@ -317,7 +360,7 @@ def check_torchrun(args, where: str):
     if k >= len(args):
         return [f"{where}: torchrun without a script"]
     if args[k].endswith(".py"):
-        return check_script_flags(args[k], args[k + 1:], where)
+        return check_script_flags(args[k], args[k + 1:], where)  # a lesson's saved program included
     return [f"{where}: torchrun runs {args[k]}, not a .py script of this project"]
 
 
@@ -422,11 +465,12 @@ def test_the_quote_checker_catches_an_edit():
 
 def snippets():
     out = []
+    saved = set(saved_programs().values())
     for path in doc_files():
         for block in blocks_of(path):
             quoted = FROM_LINE.match(block.intro)  # a quote of a file, checked elsewhere
             not_run = block.lines and block.lines[0].strip() == "# not run"
-            if block.lang in ("python", "py") and not quoted and not not_run:
+            if block.lang in ("python", "py") and not quoted and not not_run and block not in saved:
                 out.append(block)
     return out
 
@@ -440,7 +484,8 @@ def test_snippet_runs(block, tmp_path):
     script = tmp_path / "snippet.py"
     script.write_text(block.text + "\n")
     try:
-        proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=subprocess_env(),
+        # Run from a scratch folder: whatever a snippet writes stays out of the repository.
+        proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=subprocess_env(),
                               capture_output=True, text=True, timeout=SNIPPET_TIMEOUT)
     except subprocess.TimeoutExpired:
         pytest.fail(f"{block.where}: the snippet ran longer than {SNIPPET_TIMEOUT} s")
@@ -473,3 +518,125 @@ def test_relative_links_point_to_existing_files():
             if target and not (path.parent / target).exists():
                 problems.append(f"{rel(path)}: broken link {target}")
     assert not problems, "\n".join(problems)
+
+
+# --- lesson 00's first DDP program -----------------------------------------------------------
+
+FIRST_LESSON = TUTORIALS / "00-basic-theory.md"
+
+
+def first_program_blocks():
+    """The plain program, the DDP program, the diff block and the command block of lesson 00."""
+    programs = saved_programs()
+    plain, ddp = programs["train.py"], programs["train_ddp.py"]
+    blocks = blocks_of(FIRST_LESSON)
+    diff = next(b for b in blocks if b.lang == "diff")
+    run = next(b for b in blocks if b.lang == "bash" and any("train_ddp.py" in c for c in shell_commands(b)))
+    return plain, ddp, diff, run
+
+
+def test_the_first_programs_diff_is_the_real_diff():
+    plain, ddp, diff, _ = first_program_blocks()
+    expected = difflib.unified_diff([line + "\n" for line in plain.lines], [line + "\n" for line in ddp.lines], n=1)
+    expected = [line.rstrip("\n") for line in expected][2:]  # the ---/+++ header names files, not content
+    assert diff.lines == expected, (f"{diff.where}: the diff is not `diff -U1 train.py train_ddp.py`:\n"
+                                    + "\n".join(expected))
+
+
+def run_block(commands, cwd, timeout=600):
+    """Run a block's commands with bash in cwd: `python` and `torchrun` are this interpreter's."""
+    bindir = cwd / ".docs-bin"
+    bindir.mkdir(exist_ok=True)
+    for name, target in (("python", sys.executable),
+                         ("torchrun", f"{sys.executable} -m torch.distributed.run")):
+        shim = bindir / name
+        shim.write_text(f"#!/bin/sh\nexec {target} \"$@\"\n")
+        shim.chmod(0o755)
+    env = subprocess_env(PATH=f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}")
+    script = "set -e\n" + "\n".join(commands) + "\n"
+    return subprocess.run(["bash", "-c", script], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_the_first_ddp_program_runs_twice_as_shown(tmp_path):
+    plain, ddp, _, run = first_program_blocks()
+    (tmp_path / "train.py").write_text(plain.text + "\n")
+    (tmp_path / "train_ddp.py").write_text(ddp.text + "\n")
+    for attempt in (1, 2):  # a reader runs it again: it must work the same
+        proc = run_block(shell_commands(run), tmp_path)
+        assert proc.returncode == 0, f"{run.where}, run {attempt}:\n{proc.stdout}\n{proc.stderr}"
+        assert proc.stdout.count("epoch 2: last batch loss") == 2, proc.stdout  # train.py, then rank 0 only
+        assert (tmp_path / "model.pt").is_file()
+
+
+# --- command blocks that keep state, run twice ---------------------------------------------------
+
+# A block keeps state between runs if it writes or removes a fixed path.
+STATEFUL = re.compile(r"--checkpoint-dir|--metrics|--resume|file://|\brm\b|scripts/launch_")
+# Run twice by default: the newcomer's checkpoint-and-resume block and the mp.spawn block with its
+# rendezvous file. DOCS_RUN_TWICE=all adds the others (about five more minutes on 2 cores).
+RUN_TWICE_BY_DEFAULT = {("02-ddp-in-detail.md", "rm -rf runs/tutorial/straight"),
+                        ("02-ddp-in-detail.md", "--init-method file://")}
+NOT_RUN_HERE = re.compile(r"\b(sbatch|srun|scontrol)\b")  # needs a SLURM cluster
+
+
+def stateful_blocks():
+    out = []
+    for path in lesson_files():
+        for block in blocks_of(path):
+            if block.lang not in ("bash", "sh", "shell"):
+                continue
+            commands = shell_commands(block)
+            if any(STATEFUL.search(c) for c in commands) and not any(NOT_RUN_HERE.search(c) for c in commands):
+                out.append(block)
+    return out
+
+
+def scratch_copy(tmp: Path) -> Path:
+    """The repository's files, linked into tmp: commands write runs/ there, not here."""
+    for entry in ROOT.iterdir():
+        if entry.name in (".git", "runs", "data", "checkpoints", ".pytest_cache") or entry.name.startswith(".venv"):
+            continue
+        (tmp / entry.name).symlink_to(entry)
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory):
+    return scratch_copy(tmp_path_factory.mktemp("tutorial-commands"))
+
+
+def test_the_stateful_blocks_are_found():
+    names = {(b.path.name, c) for b in stateful_blocks() for c in shell_commands(b)}
+    for lesson, fragment in RUN_TWICE_BY_DEFAULT:
+        assert any(lesson == name and fragment in c for name, c in names), (lesson, fragment)
+    assert len(stateful_blocks()) >= 5
+
+
+def test_blocks_that_write_checkpoints_can_run_again():
+    """A block that trains into a fixed --checkpoint-dir removes it first or continues it with --resume:
+    otherwise its second run stops ("already holds a checkpoint")."""
+    problems = []
+    for block in stateful_blocks():
+        removed = set()
+        for command in shell_commands(block):
+            tokens = [t for seg in segments(command) for t in seg]
+            if tokens[:2] == ["rm", "-rf"]:
+                removed.update(tokens[2:])
+            for flag in re.findall(r"--checkpoint-dir[= ](\S+)", command):
+                if flag not in removed and "--resume" not in command and "scripts/launch_" not in command:
+                    problems.append(f"{block.where}: --checkpoint-dir {flag} is neither removed first nor resumed")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("block", stateful_blocks(), ids=lambda b: b.where)
+def test_stateful_block_runs_twice(block, scratch):
+    commands = shell_commands(block)
+    default = any(block.path.name == lesson and any(fragment in c for c in commands)
+                  for lesson, fragment in RUN_TWICE_BY_DEFAULT)
+    if not default and os.environ.get("DOCS_RUN_TWICE") != "all":
+        pytest.skip("run with DOCS_RUN_TWICE=all (minutes on a small CPU)")
+    for attempt in (1, 2):
+        proc = run_block(commands, scratch)
+        assert proc.returncode == 0, (f"{block.where}, run {attempt} of 2 exited {proc.returncode}\n"
+                                      f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
