@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from models import build_model
 from utils import cli, data, distributed as dist_utils, metrics, replicas, schedule
-from utils.device_data import DeviceTrainLoader
+from utils.device_data import DeviceEvalLoader, DeviceTrainLoader
 from utils.run import TrainingRun
 
 
@@ -51,11 +51,12 @@ def train(args, env, per_device_batch):
 
     # --- data -------------------------------------------------------------------------
     train_set, test_set = data.build_datasets(args, env)
-    if args.data_on_gpu:  # fast path: the training set in device memory, augmented there
+    if args.data_on_gpu:  # fast path: the data in device memory, augmented and normalised there
         train_loader = DeviceTrainLoader(train_set, per_device_batch, args.batch_size, env, args)
+        test_loader = DeviceEvalLoader(test_set, 2 * per_device_batch, env, args)
     else:
         train_loader = data.train_loader(train_set, per_device_batch, args.batch_size, env, args)
-    test_loader = data.eval_loader(test_set, 2 * per_device_batch, env, args)
+        test_loader = data.eval_loader(test_set, 2 * per_device_batch, env, args)
     steps_per_epoch = data.steps_per_epoch(len(train_set), args.batch_size)
 
     # --- model ------------------------------------------------------------------------
@@ -64,19 +65,21 @@ def train(args, env, per_device_batch):
     model = build_model(args.model, data.NUM_CLASSES).to(env.device, memory_format=memory_format)
     if args.sync_bn:  # batch statistics over the global batch instead of each GPU's slice
         model = replicas.convert_sync_bn(model, env)
-    if env.distributed:
+    if env.world_size > 1:
         # DDP broadcasts rank 0's weights to every rank here, then all-reduces (averages)
         # gradients bucket by bucket while backward is still running.
         # gradient_as_bucket_view: .grad tensors are views into DDP's all-reduce buckets,
         # which saves a copy of every gradient and the memory for it.
+        # broadcast_buffers=False: no broadcast of rank 0's batch-norm statistics before
+        # every forward; evaluation and checkpoints take rank 0's buffers anyway.
         ddp_model = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
-                        gradient_as_bucket_view=True)
+                        gradient_as_bucket_view=True, broadcast_buffers=False)
     else:
-        ddp_model = model
+        ddp_model = model  # one process: no gradients to average, no DDP hooks to run
     if args.compile:
         # Compiled around DDP: its optimizer splits the graph at bucket boundaries, so the
         # all-reduces still overlap backward. The first steps compile (excluded from timing).
-        ddp_model = torch.compile(ddp_model)
+        ddp_model = torch.compile(ddp_model, mode=args.compile_mode)
 
     # --- optimizer --------------------------------------------------------------------
     # fused on GPUs: one kernel updates every parameter instead of a few per tensor.
@@ -105,7 +108,10 @@ def train(args, env, per_device_batch):
             if run.step_done():  # counts the step, checkpoints when due; True at --max-steps
                 break
         # Evaluate the unwrapped model: exact over all ranks, see metrics.evaluate.
-        run.end_epoch(metrics.evaluate(model, test_loader, env.device))
+        if metrics.evaluation_due(epoch, args, last=run.done()):  # --eval-every
+            run.end_epoch(metrics.evaluate(model, test_loader, env.device, memory_format=memory_format))
+        else:
+            run.end_epoch(metrics.NOT_EVALUATED)
     run.finish()
     if args.verify_sync:
         replicas.verify_sync(model)

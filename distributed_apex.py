@@ -45,8 +45,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from models import build_model
 from utils import cli, data, distributed as dist_utils, metrics, replicas, schedule
-from utils.precision import AMP_DTYPES, autocast_dtype
-from utils.device_data import DeviceTrainLoader
+from utils.precision import AMP_DTYPES, autocast_dtype, default_amp
+from utils.device_data import DeviceEvalLoader, DeviceTrainLoader
 from utils.run import TrainingRun
 
 
@@ -58,7 +58,8 @@ def main(argv=None):
     cli.add_fast_path_flags(parser)
     g = parser.add_argument_group("mixed precision")
     g.add_argument("--amp", choices=sorted(AMP_DTYPES), default=None,
-                   help="autocast dtype; without the flag fp16 on CUDA, bf16 on the CPU")
+                   help="autocast dtype; without the flag bf16 on the CPU and on GPUs that have it in "
+                        "hardware (Ampere or newer), fp16 on older GPUs")
     g.add_argument("--amp-impl", choices=["torch", "apex"], default="torch",
                    help="torch: torch.amp (autocast + GradScaler); apex: a source build of NVIDIA apex")
     g.add_argument("--opt-level", choices=["O0", "O1", "O2", "O3"], default=None,
@@ -96,11 +97,14 @@ def train(args, env, per_device_batch, precision):
 
     # --- data -------------------------------------------------------------------------
     train_set, test_set = data.build_datasets(args, env)
-    if args.data_on_gpu:  # fast path: the training set in device memory, augmented there
-        train_loader = DeviceTrainLoader(train_set, per_device_batch, args.batch_size, env, args)
+    if args.data_on_gpu:  # fast path: the data in device memory, augmented and normalised there
+        # Handed over in the autocast dtype: autocast would cast them at the first convolution anyway.
+        train_loader = DeviceTrainLoader(train_set, per_device_batch, args.batch_size, env, args,
+                                         dtype=precision.dtype)
+        test_loader = DeviceEvalLoader(test_set, 2 * per_device_batch, env, args, dtype=precision.dtype)
     else:
         train_loader = data.train_loader(train_set, per_device_batch, args.batch_size, env, args)
-    test_loader = data.eval_loader(test_set, 2 * per_device_batch, env, args)
+        test_loader = data.eval_loader(test_set, 2 * per_device_batch, env, args)
     steps_per_epoch = data.steps_per_epoch(len(train_set), args.batch_size)
 
     # --- model ------------------------------------------------------------------------
@@ -137,19 +141,21 @@ def train(args, env, per_device_batch, precision):
     # through (scale returns the loss, step calls optimizer.step), so one loop serves all.
     scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16 and apex_amp is None)
 
-    if env.distributed:  # wrapped last, after apex.amp may have recast the model
+    if env.world_size > 1:  # wrapped last, after apex.amp may have recast the model
         # DDP broadcasts rank 0's weights to every rank here, then all-reduces (averages)
         # gradients bucket by bucket while backward is still running.
         # gradient_as_bucket_view: .grad tensors are views into DDP's all-reduce buckets,
         # which saves a copy of every gradient and the memory for it.
+        # broadcast_buffers=False: no broadcast of rank 0's batch-norm statistics before
+        # every forward; evaluation and checkpoints take rank 0's buffers anyway.
         ddp_model = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
-                        gradient_as_bucket_view=True)
+                        gradient_as_bucket_view=True, broadcast_buffers=False)
     else:
-        ddp_model = model
+        ddp_model = model  # one process: no gradients to average, no DDP hooks to run
     if args.compile:
         # Compiled around DDP: its optimizer splits the graph at bucket boundaries, so the
         # all-reduces still overlap backward. The first steps compile (excluded from timing).
-        ddp_model = torch.compile(ddp_model)
+        ddp_model = torch.compile(ddp_model, mode=args.compile_mode)
     scheduler = schedule.warmup_multistep(optimizer, args, steps_per_epoch)
     run = TrainingRun(args, env, model, optimizer, scheduler, steps_per_epoch=steps_per_epoch,
                       strategy=f"ddp-amp-{args.amp_impl}",
@@ -188,7 +194,11 @@ def train(args, env, per_device_batch, precision):
             if run.step_done():  # counts the step, checkpoints when due; True at --max-steps
                 break
         # Evaluate the unwrapped model, in the same precision: exact over all ranks, see metrics.evaluate.
-        run.end_epoch(metrics.evaluate(model, test_loader, env.device, autocast=autocast))
+        if metrics.evaluation_due(epoch, args, last=run.done()):  # --eval-every
+            run.end_epoch(metrics.evaluate(model, test_loader, env.device, autocast=autocast,
+                                           memory_format=memory_format))
+        else:
+            run.end_epoch(metrics.NOT_EVALUATED)
     run.finish()
     if args.verify_sync:
         replicas.verify_sync(model)
@@ -236,10 +246,19 @@ def choose_precision(args, device_type: str) -> Precision:
         raise cli.UsageError("--opt-level O3 (pure float16, no float32 master weights) has no torch.amp "
                              "equivalent: use O1 or O2 (autocast + GradScaler), or an apex with apex.amp")
     elif name is None:
-        name = "fp16" if device_type == "cuda" else "bf16"
-        if device_type == "cpu":
-            dist_utils.print0("no --amp given: using bf16 on the CPU")
+        # apex's O1/O2 are float16 levels; with neither flag, bf16 where the hardware has it
+        # (no loss scaling needed), fp16 on older GPUs.
+        name = "fp16" if args.opt_level else default_amp(device_type)
+        if not args.opt_level:
+            dist_utils.print0(f"no --amp given: using {name} on the {'GPU' if device_type == 'cuda' else 'CPU'}")
     dtype = autocast_dtype(name, device_type) if name else None
+    if fused_sgd is not None and dtype == torch.float16:
+        # GradScaler.step gives an optimizer without built-in scaling support (apex's FusedSGD)
+        # its step only after reading the inf check back with .item(): the CPU would wait for
+        # the GPU at every step. torch's fused SGD unscales and skips inside its own kernel.
+        dist_utils.print0("apex: with fp16 and torch's GradScaler, torch's fused SGD replaces apex's FusedSGD "
+                          "(which would make every step wait for the GPU)")
+        fused_sgd = None
     return Precision(name or "fp32", dtype, args.opt_level, fused_sgd, None)
 
 

@@ -70,13 +70,15 @@ def train(args, env, micro_batch):
     model = build_model(args.model, data.NUM_CLASSES).to(env.device)
     if args.sync_bn:  # batch statistics over the global batch instead of each GPU's slice
         model = replicas.convert_sync_bn(model, env)
-    if env.distributed:
+    if env.world_size > 1:
         # DDP broadcasts rank 0's weights to every rank here, then all-reduces (averages)
         # gradients bucket by bucket while backward is still running.
         # gradient_as_bucket_view: .grad tensors are views into DDP's all-reduce buckets,
         # which saves a copy of every gradient and the memory for it.
+        # broadcast_buffers=False: no broadcast of rank 0's batch-norm statistics before
+        # every forward; evaluation and checkpoints take rank 0's buffers anyway.
         ddp_model = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
-                        gradient_as_bucket_view=True)
+                        gradient_as_bucket_view=True, broadcast_buffers=False)
         no_sync = ddp_model.no_sync
     else:
         ddp_model = model

@@ -74,3 +74,23 @@ def assert_one_line_error(proc, *fragments):
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
     return lines[0]
+
+
+def gpu_subprocess_env(**extra) -> dict:
+    """subprocess_env for a GPU test: the GPUs this test process sees stay visible."""
+    env = subprocess_env(**extra)
+    if "CUDA_VISIBLE_DEVICES" not in extra:
+        if "CUDA_VISIBLE_DEVICES" in os.environ:
+            env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            del env["CUDA_VISIBLE_DEVICES"]
+    return env
+
+
+def keep_on_cpu(monkeypatch):
+    """A script's main() run in the test process trains on the CPU on a GPU machine too:
+    CPU tests compare to 1e-6 or bitwise, which TF32 and cuDNN's nondeterministic kernels
+    would not meet. (CUDA_VISIBLE_DEVICES cannot do it here: CUDA may be initialised already.)"""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)

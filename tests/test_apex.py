@@ -15,7 +15,9 @@ import types
 import pytest
 import torch
 
-from conftest import ROOT, SMALL, read_metrics, run_script, subprocess_env, torchrun
+from conftest import (ROOT, SMALL, gpu_subprocess_env, keep_on_cpu, read_metrics, run_script, subprocess_env,
+                      torchrun)
+from utils import precision
 from utils.cli import UsageError
 from utils.precision import cpu_autocast_works
 
@@ -89,12 +91,15 @@ def test_bf16_under_torchrun_two_processes(tmp_path):
 
 
 def run_in_this_process(argv):
-    """The script's main() in the test process (no interpreter start-up to pay), leaving
-    the process's signal handlers as they were (the run installs its own)."""
+    """The script's main() in the test process (no interpreter start-up to pay), on the
+    CPU also where there is a GPU, leaving the process's signal handlers as they were
+    (the run installs its own)."""
     signals = [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1]
     saved = {sig: signal.getsignal(sig) for sig in signals}
     try:
-        apex_script.main([str(a) for a in argv])
+        with pytest.MonkeyPatch.context() as mp:
+            keep_on_cpu(mp)
+            apex_script.main([str(a) for a in argv])
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
@@ -103,8 +108,7 @@ def run_in_this_process(argv):
 def test_autocast_changes_the_arithmetic(tmp_path):
     # One process, two steps each, in bf16 and in float32 (--opt-level O0): the same
     # batches and weights, so only the precision can make the numbers differ.
-    # (In this process CUDA is used if there is one; bf16 unless the GPU lacks it.)
-    amp = "bf16" if not torch.cuda.is_available() or torch.cuda.is_bf16_supported() else "fp16"
+    amp = "bf16"
     for tag, flag in ((amp, ["--amp", amp]), ("fp32", ["--opt-level", "O0"])):
         run_in_this_process([*SMALL, *flag, "--max-steps", "2", "--metrics", tmp_path / f"{tag}.jsonl"])
     mixed, fp32 = end_record(tmp_path / f"{amp}.jsonl"), end_record(tmp_path / "fp32.jsonl")
@@ -222,12 +226,26 @@ def flags(amp=None, amp_impl="torch", opt_level=None):
     return argparse.Namespace(amp=amp, amp_impl=amp_impl, opt_level=opt_level)
 
 
-def test_precision_defaults_and_opt_level_mapping(capsys):
+def gpu_with_bf16(monkeypatch, native: bool):
+    """As if this machine had a GPU with (Ampere or newer) or without bfloat16 hardware."""
+    monkeypatch.setattr(precision, "cuda_bf16_native", lambda device=None: native)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0) if native else (7, 0))
+
+
+def test_precision_defaults_and_opt_level_mapping(capsys, monkeypatch):
     cpu_default = apex_script.choose_precision(flags(), "cpu")
     assert (cpu_default.name, cpu_default.dtype) == ("bf16", torch.bfloat16)
     assert "no --amp given: using bf16 on the CPU" in capsys.readouterr().out
+    # bf16 by default where the GPU has it in hardware (no loss scaling), fp16 elsewhere.
+    gpu_with_bf16(monkeypatch, True)
+    gpu_default = apex_script.choose_precision(flags(), "cuda")
+    assert (gpu_default.name, gpu_default.dtype, gpu_default.apex_amp) == ("bf16", torch.bfloat16, None)
+    assert "no --amp given: using bf16 on the GPU" in capsys.readouterr().out
+    gpu_with_bf16(monkeypatch, False)
     gpu_default = apex_script.choose_precision(flags(), "cuda")
     assert (gpu_default.name, gpu_default.dtype, gpu_default.apex_amp) == ("fp16", torch.float16, None)
+    with pytest.raises(UsageError, match=r"compute capability 7\.0.*use --amp fp16"):
+        apex_script.choose_precision(flags(amp="bf16"), "cuda")
 
     fp32 = apex_script.choose_precision(flags(opt_level="O0"), "cuda")
     assert (fp32.name, fp32.dtype, fp32.opt_level) == ("fp32", None, "O0")
@@ -240,7 +258,7 @@ def test_precision_defaults_and_opt_level_mapping(capsys):
         apex_script.choose_precision(flags(amp="fp16", opt_level="O0"), "cuda")
 
 
-def test_precision_with_apex(fake_apex):
+def test_precision_with_apex(fake_apex, monkeypatch):
     amp = fake_amp_module()
     fake_apex(optimizers=_module("apex.optimizers", FusedSGD=FakeFusedSGD), amp=amp)
     chosen = apex_script.choose_precision(flags(amp_impl="apex"), "cuda")
@@ -253,9 +271,18 @@ def test_precision_with_apex(fake_apex):
         apex_script.choose_precision(flags(amp_impl="apex"), "cpu")
 
     # FusedSGD without apex.amp: torch.amp does the mixed precision, the opt levels are mapped.
+    # With fp16, GradScaler.step would read FusedSGD's inf check back with .item() every
+    # step (it has no built-in scaling support): torch's fused SGD is used instead.
     fake_apex(optimizers=_module("apex.optimizers", FusedSGD=FakeFusedSGD))
     chosen = apex_script.choose_precision(flags(amp_impl="apex", amp="fp16"), "cuda")
-    assert chosen == ("fp16", torch.float16, None, FakeFusedSGD, None)
+    assert chosen == ("fp16", torch.float16, None, None, None)
+    assert not getattr(FakeFusedSGD([torch.zeros(1, requires_grad=True)], lr=0.1), "_step_supports_amp_scaling",
+                       False)
+    assert torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1, fused=True)._step_supports_amp_scaling
+    # bf16 needs no scaler: apex's FusedSGD stays.
+    gpu_with_bf16(monkeypatch, True)
+    chosen = apex_script.choose_precision(flags(amp_impl="apex", amp="bf16"), "cuda")
+    assert chosen == ("bf16", torch.bfloat16, None, FakeFusedSGD, None)
     with pytest.raises(UsageError, match="O3"):
         apex_script.choose_precision(flags(amp_impl="apex", opt_level="O3"), "cuda")
 
@@ -305,7 +332,7 @@ def test_the_apex_amp_branch_of_the_loop(tmp_path, monkeypatch):
 def test_fp16_on_cuda(tmp_path):
     nproc = min(2, torch.cuda.device_count())
     torchrun(nproc, SCRIPT, [*SMALL, "--amp", "fp16", "--metrics", tmp_path / "m.jsonl",
-                             "--checkpoint-dir", tmp_path / "ckpt"])
+                             "--checkpoint-dir", tmp_path / "ckpt"], env=gpu_subprocess_env())
     record = end_record(tmp_path / "m.jsonl")
     assert record["amp"] == "fp16" and record["device"] != "cpu" and record["world_size"] == nproc
     assert record["test_samples"] == 100

@@ -5,7 +5,7 @@ import importlib.util
 import pytest
 import torch
 
-from conftest import ROOT, SMALL, run_script, subprocess_env
+from conftest import ROOT, SMALL, keep_on_cpu, run_script, subprocess_env
 
 TOOL = "scripts/compare_models.py"
 
@@ -31,12 +31,14 @@ def load_tool():
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """Two runs of distributed.py with the same flags and one with another seed, 2
-    steps each; in this process, which spares three `import torch` subprocesses."""
+    steps each; in this process, which spares three `import torch` subprocesses. On the CPU
+    on a GPU machine too: "the same flags give the same weights" is a bitwise claim there."""
     root = tmp_path_factory.mktemp("runs")
     paths = {}
     with pytest.MonkeyPatch.context() as mp:
         for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
             mp.delenv(name, raising=False)  # one process, no process group
+        keep_on_cpu(mp)
         for name, seed in (("first", 0), ("again", 0), ("other_seed", 1)):
             script = load_module("distributed", ROOT / "distributed.py")
             script.main([*SMALL, "--max-steps", "2", "--seed", str(seed), "--checkpoint-dir", str(root / name)])

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from conftest import ROOT, SMALL, free_port, read_metrics, run_script, torchrun
+from conftest import ROOT, SMALL, free_port, keep_on_cpu, read_metrics, run_script, torchrun
 from models import build_model
 
 SCRIPT = "distributed_gradient_accumulation.py"
@@ -186,6 +186,7 @@ def test_script_accumulates_like_one_big_batch(tmp_path, monkeypatch):
     with the weights and the train loss of distributed.py on the whole batch."""
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)  # one process, no process group
+    keep_on_cpu(monkeypatch)  # the 1e-6 below is a CPU figure (see keep_on_cpu)
     flags = [*SMALL, "--warmup-epochs", "0"]  # the full learning rate from the first step
     load_script("distributed.py").main(
         [*flags, "--checkpoint-dir", str(tmp_path / "big"), "--metrics", str(tmp_path / "big.jsonl")])

@@ -56,9 +56,12 @@ def test_single_node_launcher_uses_every_gpu(tmp_path):
     gpus = torch.cuda.device_count()
     proc = Proc(["scripts/launch_single_node.sh", *TINY, "--batch-size", str(32 * gpus),
                  "--max-steps", "2", "--checkpoint-dir", tmp_path / "ckpt", "--metrics", metrics],
-                program=["bash"], PYTHON=sys.executable)
+                program=["bash"], PYTHON=sys.executable,
+                # Proc's environment hides the GPUs from CPU tests; this one needs them.
+                CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(gpus)))))
     expect(proc.wait(600))
-    assert read_metrics(metrics)[-1]["world_size"] == gpus
+    final = read_metrics(metrics)[-1]
+    assert final["world_size"] == gpus and final["device"] != "cpu"
 
 
 # --- stand-ins for the commands of other machines -----------------------------------------

@@ -15,6 +15,13 @@ import torch.nn.functional as F
 
 from .distributed import all_reduce_sum, is_main
 
+# cross_entropy's default ignore_index. A fixed-shape evaluation batch is filled up with
+# samples carrying it (utils/device_data.py): they add nothing to the loss, the hits or the count.
+PAD_TARGET = -100
+# What an epoch records when --eval-every skips its evaluation.
+NOT_EVALUATED = {"test_loss": float("nan"), "test_acc1": float("nan"), "test_acc5": float("nan"),
+                 "test_samples": 0}
+
 
 def correct_topk(logits: torch.Tensor, targets: torch.Tensor, ks=(1, 5)) -> torch.Tensor:
     """Number of samples whose target is among the k highest logits, for each k."""
@@ -54,8 +61,16 @@ class TrainMeter:
         return {"train_loss": loss_sum / max(n, 1), "train_acc1": 100.0 * correct / max(n, 1)}
 
 
+def evaluation_due(epoch: int, args, last: bool) -> bool:
+    """--eval-every N: evaluate after every N-th epoch, and after the run's last one
+    (`last`: the run stops here, at --max-steps or a stop signal). The same answer on
+    every rank: evaluate() is a collective."""
+    every = getattr(args, "eval_every", None) or 1
+    return last or (epoch + 1) % every == 0 or epoch + 1 >= args.epochs
+
+
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader, device, autocast=None) -> dict:
+def evaluate(model: torch.nn.Module, loader, device, autocast=None, memory_format=None) -> dict:
     """Exact evaluation over all ranks: every test sample is counted once.
 
     Pass the UNWRAPPED module, not the DDP wrapper: DDP's forward broadcasts
@@ -70,6 +85,9 @@ def evaluate(model: torch.nn.Module, loader, device, autocast=None) -> dict:
     a slightly different model; with it, the result is that of the model rank 0
     checkpoints. The rank's own buffers are put back afterwards, so evaluation
     changes nothing (--verify-sync still shows what DDP left).
+
+    memory_format: the layout the model was trained in (channels_last), so that the
+    convolutions see it here too. Samples whose target is PAD_TARGET are not counted.
     """
     own_buffers = None
     if dist.is_available() and dist.is_initialized():
@@ -80,17 +98,17 @@ def evaluate(model: torch.nn.Module, loader, device, autocast=None) -> dict:
     model.eval()
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, top1, top5, count
     for images, targets in loader:
-        images = images.to(device, non_blocking=True)
+        images = images.to(device, non_blocking=True, memory_format=memory_format or torch.preserve_format)
         targets = targets.to(device, non_blocking=True)
         if autocast is not None:
             with autocast():
                 logits = model(images)
         else:
             logits = model(images)
-        loss = F.cross_entropy(logits.float(), targets, reduction="sum")
+        loss = F.cross_entropy(logits.float(), targets, reduction="sum", ignore_index=PAD_TARGET)
         sums[0] += loss.double()
-        sums[1:3] += correct_topk(logits, targets)
-        sums[3] += targets.numel()
+        sums[1:3] += correct_topk(logits, targets)  # a PAD_TARGET is never among the top k
+        sums[3] += targets.ne(PAD_TARGET).sum()
     loss_sum, top1, top5, count = all_reduce_sum(sums).tolist()
     model.train(was_training)
     if own_buffers is not None:
