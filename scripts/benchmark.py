@@ -1,29 +1,40 @@
 """Benchmark every training strategy on this machine.
 
-Per row: images/s, seconds per epoch, peak memory and the share of the
-hardware's peak FLOP/s that it reaches.
+Per row: images/s, the measured seconds of one epoch, peak memory and the share
+of the hardware's peak FLOP/s that it reaches, and its speed against the plain
+DDP row (`ddp`) measured in the same run.
 
 Every row runs a real training script through its real launcher (python,
-torchrun, the script's own mp.spawn) with the same model, the same global batch
-and the same number of steps per epoch, and reads the throughput that the script
-itself measured (its --metrics records). Epoch 1 is warm-up (loader start, cudnn
-autotuning, torch.compile) and is not counted: a row's figure is the median over
-epochs 2..E. A ceiling row times the same training step in this process, on
-random tensors already on the device: no data loading, no communication.
+torchrun, the script's own mp.spawn) with the same model, and reads the figures
+that the script itself measured (its --metrics records). An epoch is a real
+CIFAR-sized one: as many whole global batches as 50,000 images hold (97 steps of
+512 = 49,664 images), and a row's "s per epoch" is the median measured duration
+of such an epoch, training only (evaluation runs after the clock stops). Epoch 1
+is warm-up (loader start, cudnn autotuning, torch.compile) and is not counted: a
+row's images/s is the median over epochs 2..E. A ceiling row times the same
+training step in a process of its own, on random tensors already on the device:
+no data loading, no communication.
+
+The report (benchmark.md, benchmark.json, benchmark.png in --out) is rewritten
+after every row, and each row's output is kept in --log-dir, so a run cut short
+(--time-budget, a row timeout, SIGTERM or Ctrl-C, which end the running row's
+processes) still leaves every finished row behind.
 
     # every row, on all local GPUs (the report records how long it took)
     python scripts/benchmark.py
 
-    # a few rows, or the real CIFAR-100 instead of the synthetic stand-in
+    # a few rows, in this order, or the real CIFAR-100 instead of the synthetic stand-in
     python scripts/benchmark.py --rows ddp,ddp-bf16,fast-bf16-compile
     python scripts/benchmark.py --dataset cifar100 --data-dir ./data
 
+    # all of it within 5 minutes: rows that no longer fit are reported as not run
+    python scripts/benchmark.py --time-budget 300
+
     # a quick check of the harness on the CPU (tiny model, 2 processes, a few minutes)
     python scripts/benchmark.py --quick --device cpu --out /tmp/bench
-
-Writes benchmark.md, benchmark.json and benchmark.png to --out (default results/).
 """
 import argparse
+import ctypes
 import datetime
 import json
 import os
@@ -34,9 +45,8 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 # `python scripts/benchmark.py` puts scripts/ on sys.path, not the repository root.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,11 +56,35 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from models import MODEL_NAMES, build_model  # noqa: E402
-from utils import cli  # noqa: E402
+from utils import cli, precision  # noqa: E402
 from utils.data import NUM_CLASSES  # noqa: E402
 
-EPOCH_IMAGES = 50_000  # one CIFAR-100 training epoch: "seconds per epoch" means per this many images
+EPOCH_IMAGES = 50_000  # one CIFAR-100 training epoch: a row's epoch is the whole global batches it holds
 WARMUP_EPOCHS = 1      # epochs left out of a row's median
+BASELINE = "ddp"       # the plain row every other row is compared with
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """What the benchmark runs when a flag is not given: the one place these numbers live."""
+    model: str
+    per_device_batch: int   # images per device and step
+    steps: int              # optimizer steps per epoch; 0: as many whole batches as EPOCH_IMAGES hold
+    epochs: int             # the first is warm-up
+    row_timeout: float      # seconds before a row is ended
+    ceiling_warmup: int     # untimed steps of a ceiling row
+    ceiling_steps: int      # steps per timed window
+    ceiling_windows: int    # timed windows (the median is reported)
+
+
+DEFAULTS = {
+    "full": Defaults(model="resnet18", per_device_batch=512, steps=0, epochs=4, row_timeout=300.0,
+                     ceiling_warmup=20, ceiling_steps=50, ceiling_windows=5),
+    "quick": Defaults(model="resnet_tiny", per_device_batch=16, steps=4, epochs=3, row_timeout=180.0,
+                      ceiling_warmup=2, ceiling_steps=4, ceiling_windows=3),
+}
+REPORT_SECONDS = 15.0  # kept back from --time-budget for ending a row and writing the report
+MIN_ROW_SECONDS = 30.0  # a row is not started with less of the budget left
 
 # Dense (no sparsity) bfloat16 tensor-core peak in TFLOP/s with float32 accumulation, from
 # the vendor datasheets; GPUs without bfloat16 get their float16 figure (also float32
@@ -85,16 +119,19 @@ class Row:
     needs_bf16: bool = False
     gpu_only: str = ""         # why the row is skipped on the CPU ("" = it runs there)
     fast_loader: bool = False  # --data-on-gpu: the loader needs no worker processes
+    per_device_batch: int = 0  # 0: the run's per-device batch
 
 
 FAST = ("--data-on-gpu", "--channels-last")
+COMPILE_ON_CPU = "torch.compile on the CPU spends minutes compiling for a run of seconds"
 ROWS = [
     Row("dp", "dataparallel.py", "python", True, (), "nn.DataParallel, one process, fp32"),
     Row("dp-bf16", "dataparallel.py", "python", True, ("--amp", "bf16"), "nn.DataParallel, bf16 autocast",
         needs_bf16=True),
-    Row("ddp-1proc-noddp", "distributed.py", "python", False, (), "one process, no DDP wrapper: the bare step"),
-    Row("ddp-1proc", "distributed.py", "torchrun", False, (), "the same step inside DDP, one process"),
-    Row("ddp", "distributed.py", "torchrun", True, (), "DDP via torchrun, fp32: the baseline"),
+    Row("ddp-1proc-noddp", "distributed.py", "python", False, (), "one process under plain python: the bare step"),
+    Row("ddp-1proc", "distributed.py", "torchrun", False, (),
+        "one process under torchrun: a process group, but no DDP wrapper (nothing to all-reduce)"),
+    Row(BASELINE, "distributed.py", "torchrun", True, (), "DDP via torchrun, fp32, the template path: the baseline"),
     Row("ddp-spawn", "distributed_mp.py", "spawn", True, (), "DDP, processes started by mp.spawn"),
     Row("ddp-bf16", "distributed_apex.py", "torchrun", True, ("--amp", "bf16"), "DDP + bf16 autocast",
         needs_bf16=True),
@@ -107,35 +144,62 @@ ROWS = [
     Row("fast-bf16", "distributed_apex.py", "torchrun", True, ("--amp", "bf16", *FAST),
         "DDP + bf16, data on the device, channels_last", needs_bf16=True, fast_loader=True),
     Row("fast-bf16-compile", "distributed_apex.py", "torchrun", True, ("--amp", "bf16", *FAST, "--compile"),
-        "fast-bf16 + torch.compile", needs_bf16=True, fast_loader=True,
-        gpu_only="torch.compile on the CPU spends minutes compiling for a run of seconds"),
+        "fast-bf16 + torch.compile", needs_bf16=True, fast_loader=True, gpu_only=COMPILE_ON_CPU),
+    Row("fast-bf16-compile-1024", "distributed_apex.py", "torchrun", True, ("--amp", "bf16", *FAST, "--compile"),
+        "fast-bf16-compile at 1024 images per device", needs_bf16=True, fast_loader=True, gpu_only=COMPILE_ON_CPU,
+        per_device_batch=1024),
+    Row("fast-bf16-cudagraphs", "distributed_apex.py", "python", False,
+        ("--amp", "bf16", *FAST, "--compile", "--compile-mode", "reduce-overhead"),
+        "fast-bf16-compile with CUDA graphs, one process (no DDP hooks between the graphs)",
+        needs_bf16=True, fast_loader=True, gpu_only="CUDA graphs need a GPU"),
+    Row("fast-bf16-autotune", "distributed_apex.py", "torchrun", True,
+        ("--amp", "bf16", *FAST, "--compile", "--compile-mode", "max-autotune-no-cudagraphs"),
+        "fast-bf16-compile with kernels tuned for this GPU (minutes of tuning first)",
+        needs_bf16=True, fast_loader=True, gpu_only=COMPILE_ON_CPU),
 ]
 
 
 @dataclass(frozen=True)
 class Ceiling:
     name: str
-    dtype: object      # autocast dtype, None for float32
+    dtype: str         # autocast dtype name, "fp32" for none
     compiled: bool
     about: str
     mirrors: str       # the script row that runs the same step with real data
+    per_device_batch: int = 0
 
 
 CEILINGS = [
-    Ceiling("ceiling-fp32", None, False, "fp32, channels_last", "fast-fp32"),
-    Ceiling("ceiling-bf16", torch.bfloat16, False, "bf16 autocast, channels_last", "fast-bf16"),
-    Ceiling("ceiling-bf16-compile", torch.bfloat16, True, "bf16 autocast, channels_last, torch.compile",
+    Ceiling("ceiling-fp32", "fp32", False, "fp32, channels_last", "fast-fp32"),
+    Ceiling("ceiling-bf16", "bf16", False, "bf16 autocast, channels_last", "fast-bf16"),
+    Ceiling("ceiling-bf16-compile", "bf16", True, "bf16 autocast, channels_last, torch.compile",
             "fast-bf16-compile"),
+    Ceiling("ceiling-bf16-compile-1024", "bf16", True, "ceiling-bf16-compile at 1024 images per device",
+            "fast-bf16-compile-1024", per_device_batch=1024),
 ]
 ALL_NAMES = [row.name for row in ROWS] + [c.name for c in CEILINGS]
-QUICK_ROWS = ["ddp-1proc-noddp", "ddp-1proc", "ddp", "ddp-bf16", "fast-fp32", "ceiling-fp32", "ceiling-bf16"]
+DEFAULT_NAMES = [n for n in ALL_NAMES if n not in ("fast-bf16-autotune", "ceiling-bf16-compile-1024")]
+QUICK_ROWS = ["ddp-1proc-noddp", "ddp-1proc", BASELINE, "ddp-bf16", "fast-fp32", "ceiling-fp32", "ceiling-bf16"]
+# Ratios the report spells out (numerator row, denominator row, what the ratio tells),
+# beside every row's ratio to the baseline.
+COMPARISONS = [
+    ("ddp-1proc", "ddp-1proc-noddp", "torchrun and a process group, one process, against plain python"),
+    ("ddp", "ddp-1proc", "all devices against one (scaling; 1.00 with one GPU)"),
+    ("ddp-bf16", "ddp", "bf16 autocast against fp32, template path"),
+    ("fast-bf16", "ddp-bf16", "data on the device + channels_last against the loader, bf16"),
+    ("fast-bf16-compile", "fast-bf16", "torch.compile against eager"),
+    ("fast-bf16-compile-1024", "fast-bf16-compile", "1024 against 512 images per device, compiled"),
+    ("fast-bf16-cudagraphs", "fast-bf16-compile", "CUDA graphs against plain torch.compile"),
+    ("fast-bf16", "ceiling-bf16", "fast path against its ceiling, eager"),
+    ("fast-bf16-compile", "ceiling-bf16-compile", "fast path against its ceiling, compiled"),
+]
 
 
 # --- arithmetic -----------------------------------------------------------------------
 
 def summarize_epochs(records: list) -> dict:
-    """A row's figures from its --metrics records: the median images/s over the epochs
-    after warm-up, and the largest peak memory of any epoch."""
+    """A row's figures from its --metrics records: the median images/s and the median
+    measured epoch duration over the epochs after warm-up, and the largest peak memory."""
     epochs = [r for r in records if r.get("event") == "epoch"]
     if not epochs:
         raise ValueError("no epoch records")
@@ -144,6 +208,7 @@ def summarize_epochs(records: list) -> dict:
     peaks = [r["peak_memory_mb"] for r in epochs if r.get("peak_memory_mb") is not None]
     return {
         "median_images_per_second": statistics.median(r["images_per_second"] for r in counted),
+        "median_epoch_seconds": statistics.median(r["epoch_seconds"] for r in counted),
         "counted_epochs": [r["epoch"] for r in counted],
         "warmup_included": not steady,
         "peak_memory_mb": max(peaks) if peaks else None,
@@ -152,8 +217,10 @@ def summarize_epochs(records: list) -> dict:
     }
 
 
-def seconds_per_epoch_equivalent(images_per_second: float) -> float:
-    return EPOCH_IMAGES / images_per_second
+def epoch_steps(global_batch: int, steps: int) -> int:
+    """Optimizer steps in one of a row's epochs: `steps`, or (0) as many whole global
+    batches as one CIFAR-100 epoch holds."""
+    return steps or max(1, EPOCH_IMAGES // global_batch)
 
 
 def share_of_peak(images_per_second: float, flops_per_image: float, peak_tflops):
@@ -222,20 +289,26 @@ class Plan:
     procs: int                  # processes of the all-device rows
     global_batch: int
     per_device_batch: int
-    steps: int
+    steps: int                  # 0: one CIFAR-sized epoch of whole batches, per row
     epochs: int
     workers: int
     model: str
     dataset: str
     data_dir: str
-    timeout: float
+    timeout: float              # --row-timeout
     bf16: bool
-    names: list = field(default_factory=list)
+    names: list = field(default_factory=list)  # in the order they run
+    time_budget: float = None   # seconds for the whole benchmark; None: no limit
+    ceiling_warmup: int = 20
+    ceiling_steps: int = 50
+    ceiling_windows: int = 5
+    compile_ceiling: bool = True
+    log_dir: str = ""
 
 
 def resolve_plan(args) -> Plan:
-    """Fill in --quick's and the machine's defaults; bad combinations raise UsageError."""
-    quick = args.quick
+    """Fill in DEFAULTS and the machine's; bad combinations raise UsageError."""
+    d = DEFAULTS["quick" if args.quick else "full"]
     if args.device == "cuda" and not torch.cuda.is_available():
         raise cli.UsageError("--device cuda but no CUDA GPU is visible; use --device cpu")
     use_cuda = args.device != "cpu" and torch.cuda.is_available()
@@ -244,67 +317,87 @@ def resolve_plan(args) -> Plan:
     if use_cuda and procs > gpus:
         raise cli.UsageError(f"--nproc {procs} but only {gpus} GPU{'s' if gpus != 1 else ''} visible "
                              "(one process per GPU)")
-    global_batch = args.batch_size or (32 if quick else 512 * procs)
-    steps = args.steps or (4 if quick else 60)
-    epochs = args.epochs or (3 if quick else 4)
+    global_batch = args.batch_size or d.per_device_batch * procs
+    per_device_batch = cli.split_batch(global_batch, procs)
+    steps = args.steps if args.steps is not None else d.steps
+    epochs = args.epochs or d.epochs
     if epochs <= WARMUP_EPOCHS:
         raise cli.UsageError(f"--epochs {epochs}: epoch 1 is warm-up and not counted; use 2 or more")
-    names = args.rows.split(",") if args.rows else (QUICK_ROWS if quick else ALL_NAMES)
-    names = [n.strip() for n in names if n.strip()]
+    names = args.rows.split(",") if args.rows else (QUICK_ROWS if args.quick else DEFAULT_NAMES)
+    names = list(dict.fromkeys(n.strip() for n in names if n.strip()))
     unknown = [n for n in names if n not in ALL_NAMES]
     if unknown:
         raise cli.UsageError(f"--rows: unknown row {unknown[0]!r}; choose from {', '.join(ALL_NAMES)}")
     if not names:
         raise cli.UsageError("--rows names no row")
-    per_device_batch = cli.split_batch(global_batch, procs)
-    if "ddp-accum2" in names:
-        cli.split_batch(global_batch, procs, 2)  # the same batch must also split into 2 micro-batches
-    if args.dataset == "cifar100" and steps * global_batch > EPOCH_IMAGES:
-        raise cli.UsageError(f"--steps {steps} x global batch {global_batch} = {steps * global_batch} images "
-                             f"per epoch, more than CIFAR-100's {EPOCH_IMAGES}: lower --steps")
-    if args.workers is not None:
-        workers = args.workers
-    elif not use_cuda:
-        workers = 0  # CPU processes already share the cores with the training itself
-    else:
-        # Enough loader processes to feed a GPU; the cores are shared by every training process.
-        workers = max(1, min(16, (os.cpu_count() or 2) // procs - 1))
-    return Plan(use_cuda=use_cuda, gpus=gpus, procs=procs, global_batch=global_batch,
-                per_device_batch=per_device_batch, steps=steps, epochs=epochs, workers=workers,
-                model=args.model or ("resnet_tiny" if quick else "resnet18"), dataset=args.dataset,
+    plan = Plan(use_cuda=use_cuda, gpus=gpus, procs=procs, global_batch=global_batch,
+                per_device_batch=per_device_batch, steps=steps, epochs=epochs, workers=0,
+                model=args.model or d.model, dataset=args.dataset,
                 data_dir=os.path.abspath(args.data_dir),  # the rows run in the repository root
-                bf16=bf16_available(use_cuda), names=names,
-                timeout=args.row_timeout or (180.0 if quick else 600.0))
+                timeout=args.row_timeout or d.row_timeout, bf16=bf16_available(use_cuda), names=names,
+                time_budget=args.time_budget,
+                ceiling_warmup=args.ceiling_warmup or d.ceiling_warmup,
+                ceiling_steps=args.ceiling_steps or d.ceiling_steps,
+                ceiling_windows=args.ceiling_windows or d.ceiling_windows,
+                compile_ceiling=args.compile_ceiling if args.compile_ceiling is not None else use_cuda,
+                log_dir=os.path.abspath(args.log_dir or os.path.join(args.out, "logs")))
+    for row in ROWS:
+        if row.name not in names:
+            continue
+        procs_, batch, _, steps_ = row_shape(row, plan)
+        if row.name == "ddp-accum2":
+            cli.split_batch(batch, procs_, 2)  # the same batch must also split into 2 micro-batches
+        if args.dataset == "cifar100" and steps_ * batch > EPOCH_IMAGES:
+            raise cli.UsageError(f"row {row.name}: --steps {steps_} x global batch {batch} = {steps_ * batch} "
+                                 f"images per epoch, more than CIFAR-100's {EPOCH_IMAGES}: lower --steps")
+    if args.workers is not None:
+        plan.workers = args.workers
+    elif use_cuda:
+        # Enough loader processes to feed a GPU; the cores are shared by every training process.
+        plan.workers = max(1, min(16, (os.cpu_count() or 2) // procs - 1))
+    # (On the CPU: 0, the training processes already share the cores.)
+    return plan
 
 
 def bf16_available(use_cuda: bool) -> bool:
-    return torch.cuda.is_bf16_supported() if use_cuda else True
+    """bfloat16 in hardware: Ampere or newer (older GPUs emulate it, slower than float16)."""
+    return precision.cuda_bf16_native() if use_cuda else True
 
 
-def skip_reason(row: Row, plan: Plan) -> str:
+def skip_reason(row, plan: Plan) -> str:
+    if isinstance(row, Ceiling):
+        if row.compiled and not plan.compile_ceiling:
+            return "torch.compile is off for the ceiling (on by default on CUDA; --compile-ceiling turns it on)"
+        if row.dtype == "bf16" and not plan.bf16:
+            return "this GPU has no bfloat16 hardware (Ampere or newer needed)"
+        return ""
     if row.gpu_only and not plan.use_cuda:
         return row.gpu_only
     if row.needs_bf16 and not plan.bf16:
-        return "this GPU has no bfloat16 (Ampere or newer needed)"
+        return "this GPU has no bfloat16 hardware (Ampere or newer needed)"
     return ""
 
 
 def row_shape(row: Row, plan: Plan) -> tuple:
-    """(processes, global batch, devices): one-process rows take one device's share of the
-    batch, so that they do the same work per device as the all-device rows."""
+    """(processes, global batch, devices, steps per epoch): one-process rows take one
+    device's batch, so that they do the same work per device as the all-device rows."""
+    per_device = row.per_device_batch or plan.per_device_batch
     if row.launcher == "python" and row.all_devices:  # DataParallel: one process drives every GPU
-        return 1, plan.global_batch, plan.procs if plan.use_cuda else 1
-    if row.all_devices:
-        return plan.procs, plan.global_batch, plan.procs
-    return 1, plan.per_device_batch, 1
+        procs, batch, devices = 1, per_device * plan.procs, plan.procs if plan.use_cuda else 1
+    elif row.all_devices:
+        procs, batch, devices = plan.procs, per_device * plan.procs, plan.procs
+    else:
+        procs, batch, devices = 1, per_device, 1
+    return procs, batch, devices, epoch_steps(batch, plan.steps)
 
 
 def row_command(row: Row, plan: Plan, metrics_path: str) -> list:
-    procs, batch, devices = row_shape(row, plan)
+    procs, batch, devices, steps = row_shape(row, plan)
     train_args = [
         row.script, "--dataset", plan.dataset, "--model", plan.model, "--batch-size", str(batch),
-        "--epochs", str(plan.epochs), "--train-samples", str(plan.steps * batch),
-        # Evaluation runs inside the scripts' timed epoch (see the notes): one image per process.
+        "--epochs", str(plan.epochs), "--train-samples", str(steps * batch),
+        # Evaluation runs after each epoch's clock has stopped; one image per process keeps
+        # the rows short while still running it.
         "--test-samples", str(procs),
         "--workers", str(0 if row.fast_loader else plan.workers), "--metrics", metrics_path, *row.flags,
     ]
@@ -320,7 +413,13 @@ def row_command(row: Row, plan: Plan, metrics_path: str) -> list:
     return [sys.executable, *train_args]
 
 
-def short_command(row: Row, plan: Plan) -> str:
+def short_command(row, plan: Plan) -> str:
+    if isinstance(row, Ceiling):
+        batch, multiplier = row.per_device_batch or plan.per_device_batch, plan.procs
+        device = "cuda" if plan.use_cuda else "cpu"
+        return (f"own process: {row.about}, {batch} random images on {device}"
+                + (f", x {multiplier} {'GPUs' if plan.use_cuda else 'processes'} (no communication)"
+                   if multiplier > 1 else ""))
     procs = row_shape(row, plan)[0]
     launcher = {"python": "python", "torchrun": f"torchrun x{procs}", "spawn": f"mp.spawn x{procs}"}[row.launcher]
     return " ".join([launcher, row.script, *row.flags])
@@ -335,46 +434,93 @@ def subprocess_env(plan: Plan) -> dict:
     # One thread per training process (torchrun's choice too): several processes share the cores.
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     if not plan.use_cuda:
         env["CUDA_VISIBLE_DEVICES"] = ""
     return env
 
 
-def row_threads(plan: Plan) -> int:
-    """Threads per training process, as the rows run them (OMP_NUM_THREADS)."""
+# --- ending rows: timeouts and stop signals -------------------------------------------
+
+class Interrupted(BaseException):
+    """SIGTERM or SIGINT reached the benchmark. A BaseException, so that no handler meant
+    for a failing row swallows it on its way to main()."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+
+_stopping = []  # the signal that is ending the benchmark, once one has arrived
+
+
+def _on_stop_signal(signum, frame):
+    if _stopping:  # already on the way out: let the report be written
+        return
+    _stopping.append(signum)
+    raise Interrupted(signum)
+
+
+def install_stop_handlers():
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _on_stop_signal)
+
+
+def _die_with_parent():
+    """In the row's launcher, before it starts: if the benchmark dies without ending it
+    (SIGKILL), the kernel sends it SIGTERM, which torchrun and the scripts pass on to
+    their workers. Linux only; elsewhere the stop handlers are the only guard."""
+    os.setsid()  # a session of its own: the whole row can be signalled as one group
     try:
-        return max(1, int(subprocess_env(plan)["OMP_NUM_THREADS"]))
-    except ValueError:
-        return 1
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
-# --- running a row --------------------------------------------------------------------
+def end_group(proc, grace: float = 15.0):
+    """SIGTERM to the row's whole process group, SIGKILL to what is left after `grace` s."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            break
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            if proc.poll() is not None and not _group_alive(proc.pid):
+                return
+            time.sleep(0.1)
+    proc.poll()
 
-def run_process(cmd: list, env: dict, timeout: float, log_dir: str, name: str) -> tuple:
-    """(exit status, or None after a timeout; stderr; stdout). The row runs in a session of
-    its own, so that a timeout ends the launcher and every worker it started, not the launcher alone."""
-    out_path, err_path = os.path.join(log_dir, f"{name}.out"), os.path.join(log_dir, f"{name}.err")
-    with open(out_path, "w") as out, open(err_path, "w") as err:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True)
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def run_process(cmd: list, env: dict, timeout: float, log_path: str) -> tuple:
+    """(exit status, or None after a timeout; the output). The row runs in a session of its
+    own, so that a timeout or a stop signal ends the launcher and every worker it started;
+    stdout and stderr go to log_path, which is kept."""
+    with open(log_path, "w") as log:
+        log.write(f"$ {shlex.join(cmd)}\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=_die_with_parent)
         try:
             status = proc.wait(timeout=timeout)
+            if _group_alive(proc.pid):  # workers that outlived their launcher
+                end_group(proc, grace=5)
         except subprocess.TimeoutExpired:
             status = None
-            for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    proc.wait(timeout=grace)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-    with open(err_path) as f:
-        stderr = f.read()
-    with open(out_path) as f:
-        stdout = f.read()
-    return status, stderr, stdout
+            end_group(proc)
+        except BaseException:  # Interrupted (a stop signal), or anything else: end the row first
+            end_group(proc)
+            raise
+    with open(log_path, errors="replace") as f:
+        return status, f.read()
 
 
 def last_message(text: str) -> str:
@@ -397,33 +543,53 @@ def read_records(path: str) -> list:
     return records
 
 
-def run_row(row: Row, plan: Plan, work_dir: str) -> dict:
-    procs, batch, devices = row_shape(row, plan)
+# --- running a row --------------------------------------------------------------------
+
+def base_result(row, plan: Plan) -> dict:
+    if isinstance(row, Ceiling):
+        batch = row.per_device_batch or plan.per_device_batch
+        return {"name": row.name, "kind": "ceiling", "about": row.about, "mirrors": row.mirrors,
+                "processes": 1, "global_batch": batch * plan.procs, "per_device_batch": batch,
+                "multiplier": plan.procs, "devices": plan.procs, "short_command": short_command(row, plan),
+                "status": "skipped", "reason": ""}
+    procs, batch, devices, steps = row_shape(row, plan)
     result = {"name": row.name, "kind": "script", "about": row.about, "script": row.script,
               "launcher": row.launcher, "flags": list(row.flags), "processes": procs, "global_batch": batch,
-              "devices": devices, "short_command": short_command(row, plan), "status": "skipped", "reason": ""}
+              "devices": devices, "steps_per_epoch": steps, "epoch_images": steps * batch,
+              "short_command": short_command(row, plan), "status": "skipped", "reason": ""}
     if row.name.startswith("dp") and not plan.use_cuda:
         result["about"] += " (CPU: DataParallel needs GPUs, this trains the plain module)"
+    return result
+
+
+def run_row(row: Row, plan: Plan, work_dir: str, timeout: float = None) -> dict:
+    timeout = timeout or plan.timeout
+    result = base_result(row, plan)
     reason = skip_reason(row, plan)
     if reason:
         result["reason"] = reason
         return result
     metrics_path = os.path.join(work_dir, f"{row.name}.jsonl")
+    if os.path.exists(metrics_path):
+        os.remove(metrics_path)  # a file left by an earlier run would be appended to
     cmd = row_command(row, plan, metrics_path)
     result["command"] = shlex.join(cmd)
-    # As a reader would type it: no interpreter path, no temporary directory.
+    # As a reader would type it: no interpreter path, no log directory.
     result["display_command"] = shlex.join(["python", *row_command(row, plan, f"{row.name}.jsonl")[1:]])
+    result["log"] = os.path.join(work_dir, f"{row.name}.log")
     started = time.perf_counter()
-    status, stderr, stdout = run_process(cmd, subprocess_env(plan), plan.timeout, work_dir, row.name)
-    result["wall_seconds"] = time.perf_counter() - started
+    try:
+        status, output = run_process(cmd, subprocess_env(plan), timeout, result["log"])
+    finally:
+        result["wall_seconds"] = time.perf_counter() - started
     records = read_records(metrics_path)
     if status != 0 or not any(r.get("event") == "epoch" for r in records):
         result["status"] = "failed"
         if status is None:
-            result["reason"] = f"timed out after {plan.timeout:.0f} s (--row-timeout)"
+            result["reason"] = f"timed out after {timeout:.0f} s (row timeout)"
         else:
-            result["reason"] = f"exit status {status}: {last_message(stderr or stdout)}"
-        result["output_tail"] = (stderr or stdout).splitlines()[-30:]
+            result["reason"] = f"exit status {status}: {last_message(output)}"
+        result["output_tail"] = output.splitlines()[-30:]
         return result
     result.update(summarize_epochs(records), status="ok")
     first = records[0]
@@ -457,112 +623,76 @@ def time_steps(step, device, warmup: int, steps: int, windows: int) -> list:
     return seconds
 
 
-def run_ceiling(ceiling: Ceiling, plan: Plan, args) -> dict:
-    device = torch.device("cuda", 0) if plan.use_cuda else torch.device("cpu")
-    # One device's share of the global batch, times the number of devices (GPUs, or CPU
-    # processes with the rows' threads each): what the rows would reach with nothing but the step.
-    batch, multiplier = plan.per_device_batch, plan.procs
-    result = {"name": ceiling.name, "kind": "ceiling", "about": ceiling.about, "mirrors": ceiling.mirrors,
-              "processes": 1, "global_batch": batch * multiplier, "per_device_batch": batch,
-              "multiplier": multiplier, "devices": multiplier, "status": "skipped", "reason": ""}
-    result["short_command"] = (f"in process: {ceiling.about}, {batch} random images on {device.type}"
-                               + (f", x {multiplier} {'GPUs' if plan.use_cuda else 'processes'} (no communication)"
-                                  if multiplier > 1 else ""))
-    compile_ceiling = args.compile_ceiling if args.compile_ceiling is not None else plan.use_cuda
-    if ceiling.compiled and not compile_ceiling:
-        result["reason"] = ("torch.compile is off for the ceiling (on by default on CUDA; "
-                            "--compile-ceiling turns it on)")
-        return result
-    if ceiling.dtype is torch.bfloat16 and not plan.bf16:
-        result["reason"] = "this GPU has no bfloat16 (Ampere or newer needed)"
-        return result
+def measure_ceiling(spec: dict) -> dict:
+    """The ceiling's measurement, in a process of its own (the --measure-ceiling mode)."""
+    device = torch.device(spec["device"])
+    dtype = precision.AMP_DTYPES.get(spec["dtype"])  # None for fp32
+    batch = spec["batch"]
+    if device.type == "cuda":
+        # As the scripts do: cudnn picks the fastest algorithms for the fixed shape, and
+        # distributed_apex.py lets what autocast leaves in float32 use TF32.
+        torch.backends.cudnn.benchmark = True
+        if dtype is not None:
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(0)
+    model = build_model(spec["model"], NUM_CLASSES).to(device, memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True, weight_decay=5e-4,
+                                fused=True if device.type == "cuda" else None)
+    images = torch.randn(batch, 3, 32, 32, device=device).contiguous(memory_format=torch.channels_last)
+    targets = torch.randint(0, NUM_CLASSES, (batch,), device=device)
+    forward = torch.compile(model) if spec["compiled"] else model
 
-    threads = torch.get_num_threads()
+    def step():  # the scripts' step, minus loading, DDP and bookkeeping
+        with torch.amp.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            loss = F.cross_entropy(forward(images), targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    windows = time_steps(step, device, spec["warmup"], spec["steps"], spec["windows"])
+    return {"window_seconds": windows,
+            "peak_memory_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None}
+
+
+def run_ceiling(ceiling: Ceiling, plan: Plan, work_dir: str, timeout: float = None) -> dict:
+    """One device's share of the batch, timed in a process of its own, times the number of
+    devices (GPUs, or CPU processes with the rows' threads each): what the rows would
+    reach with nothing but the step."""
+    timeout = timeout or plan.timeout
+    result = base_result(ceiling, plan)
+    reason = skip_reason(ceiling, plan)
+    if reason:
+        result["reason"] = reason
+        return result
+    batch = result["per_device_batch"]
+    spec = {"device": "cuda:0" if plan.use_cuda else "cpu", "dtype": ceiling.dtype, "batch": batch,
+            "model": plan.model, "compiled": ceiling.compiled, "warmup": plan.ceiling_warmup,
+            "steps": plan.ceiling_steps, "windows": plan.ceiling_windows}
+    out_path = os.path.join(work_dir, f"{ceiling.name}.json")
+    if os.path.exists(out_path):
+        os.remove(out_path)
+    cmd = [sys.executable, os.path.abspath(__file__), "--measure-ceiling", json.dumps(spec), "--out", out_path]
+    result["log"] = os.path.join(work_dir, f"{ceiling.name}.log")
+    started = time.perf_counter()
     try:
-        if device.type == "cuda":
-            # As the scripts do: cudnn picks the fastest algorithms for the fixed shape, and
-            # distributed_apex.py lets what autocast leaves in float32 use TF32.
-            torch.backends.cudnn.benchmark = True
-            if ceiling.dtype is not None:
-                torch.backends.cuda.matmul.allow_tf32 = True
-                torch.backends.cudnn.allow_tf32 = True
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-        else:
-            torch.set_num_threads(row_threads(plan))
-        torch.manual_seed(0)
-        model = build_model(plan.model, NUM_CLASSES).to(device, memory_format=torch.channels_last)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True, weight_decay=5e-4,
-                                    fused=True if device.type == "cuda" else None)
-        images = torch.randn(batch, 3, 32, 32, device=device).contiguous(memory_format=torch.channels_last)
-        targets = torch.randint(0, NUM_CLASSES, (batch,), device=device)
-        forward = torch.compile(model) if ceiling.compiled else model
-
-        def step():  # the scripts' step, minus loading, DDP and bookkeeping
-            with torch.amp.autocast(device.type, dtype=ceiling.dtype, enabled=ceiling.dtype is not None):
-                loss = F.cross_entropy(forward(images), targets)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-
-        started = time.perf_counter()
-        windows = time_steps(step, device, args.ceiling_warmup, args.ceiling_steps, args.ceiling_windows)
-        result["wall_seconds"] = time.perf_counter() - started
-        per_device = [args.ceiling_steps * batch / s for s in windows]
-        result.update(status="ok", window_seconds=windows, window_images_per_second_per_device=per_device,
-                      median_images_per_second=statistics.median(per_device) * multiplier,
-                      peak_memory_mb=(torch.cuda.max_memory_allocated(device) / 2**20
-                                      if device.type == "cuda" else None))
-        del model, optimizer, forward, images, targets
-    except Exception as exc:  # a ceiling that cannot run must not cost the rows already measured
-        result.update(status="failed", reason=f"{type(exc).__name__}: {last_message(str(exc))}")
+        status, output = run_process(cmd, subprocess_env(plan), timeout, result["log"])
     finally:
-        torch.set_num_threads(threads)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        result["wall_seconds"] = time.perf_counter() - started
+    if status != 0 or not os.path.exists(out_path):
+        result["status"] = "failed"
+        result["reason"] = (f"timed out after {timeout:.0f} s (row timeout)" if status is None
+                            else f"exit status {status}: {last_message(output)}")
+        result["output_tail"] = output.splitlines()[-30:]
+        return result
+    with open(out_path) as f:
+        measured = json.load(f)
+    per_device = [plan.ceiling_steps * batch / s for s in measured["window_seconds"]]
+    result.update(status="ok", window_seconds=measured["window_seconds"],
+                  window_images_per_second_per_device=per_device,
+                  median_images_per_second=statistics.median(per_device) * plan.procs,
+                  peak_memory_mb=measured["peak_memory_mb"])
     return result
-
-
-# --- targets --------------------------------------------------------------------------
-
-def evaluate_targets(results: dict, plan: Plan, gpu_name: str) -> list:
-    """The issue's four targets, computed from the measured rows: PASS, FAIL, or n.a. with
-    the reason (a row not measured, no GPU, another GPU than the one a target is for)."""
-
-    def rate(name):
-        r = results.get(name)
-        return r["median_images_per_second"] if r and r["status"] == "ok" else None
-
-    def target(name, goal, rows, value_of, threshold, not_here=""):
-        missing = [row for row in rows if rate(row) is None]
-        value = None if missing else value_of(*(rate(row) for row in rows))
-        if missing:
-            status, reason = "n.a.", f"not measured: {', '.join(missing)}"
-        elif not plan.use_cuda:
-            status, reason = "n.a.", "not on a GPU: the targets are for GPUs"
-        elif not_here:
-            status, reason = "n.a.", not_here
-        else:
-            status, reason = ("PASS" if value >= threshold else "FAIL"), ""
-        return {"target": name, "goal": goal, "rows": list(rows), "value": value, "threshold": threshold,
-                "status": status, "reason": reason}
-
-    hopper = bool(re.search(r"H100|H200", gpu_name or ""))
-    # The fast path against the ceiling that runs the same step: compiled if both were measured.
-    pair = ("fast-bf16-compile", "ceiling-bf16-compile")
-    if rate(pair[0]) is None or rate(pair[1]) is None:
-        pair = ("fast-bf16", "ceiling-bf16")
-    return [
-        target("fast path throughput", ">= 70,000 images/s per H100/H200 (fast-bf16-compile)",
-               ["fast-bf16-compile"], lambda fast: fast / plan.procs, 70_000,
-               not_here="" if hopper else f"the target is for an H100/H200, this is {gpu_name}"),
-        target("fast path vs ceiling", f">= 0.95 x ceiling ({pair[0]} / {pair[1]})",
-               pair, lambda fast, ceiling: fast / ceiling, 0.95),
-        target("DDP overhead, one process", ">= 0.97 x the same step without DDP (ddp-1proc / ddp-1proc-noddp)",
-               ["ddp-1proc", "ddp-1proc-noddp"], lambda ddp, bare: ddp / bare, 0.97),
-        target("mixed precision speed-up", ">= 1.8 x fp32 on the template path (ddp-bf16 / ddp)",
-               ["ddp-bf16", "ddp"], lambda bf16, fp32: bf16 / fp32, 1.8),
-    ]
 
 
 # --- the report -----------------------------------------------------------------------
@@ -575,23 +705,28 @@ def fmt(x, spec, unit=""):
     return f"{x:{spec}}{unit}" if x is not None else "n/a"
 
 
-def fmt_target_value(t):
-    if t["value"] is None:
-        return "n/a"
-    return f"{t['value']:,.0f} img/s" if t["target"] == "fast path throughput" else f"{t['value']:.3f}x"
-
-
 def add_derived(rows: list, flops: dict, peak_tflops):
-    """Seconds per epoch-equivalent, share of peak per device, ratio to the ddp row."""
-    base = next((r for r in rows if r["name"] == "ddp" and r["status"] == "ok"), None)
+    """Share of peak per device, ratio to the baseline row of this run."""
+    base = next((r for r in rows if r["name"] == BASELINE and r["status"] == "ok"), None)
     for r in rows:
         if r["status"] != "ok":
             continue
         rate = r["median_images_per_second"]
-        r["seconds_per_epoch_equivalent"] = seconds_per_epoch_equivalent(rate)
         # The peak is one device's: N devices together are compared with N peaks.
         r["share_of_peak"] = share_of_peak(rate / r["devices"], flops["train_step_per_image"], peak_tflops)
-        r["vs_ddp"] = rate / base["median_images_per_second"] if base else None
+        r["vs_baseline"] = rate / base["median_images_per_second"] if base else None
+
+
+def comparisons(rows: list) -> list:
+    """The named ratios of COMPARISONS whose two rows were both measured in this run."""
+    rate = {r["name"]: r["median_images_per_second"] for r in rows if r["status"] == "ok"}
+    return [{"rows": [a, b], "what": what, "ratio": rate[a] / rate[b]}
+            for a, b, what in COMPARISONS if a in rate and b in rate]
+
+
+def epoch_text(r) -> str:
+    steps, batch = r.get("steps_per_epoch"), r["global_batch"]
+    return f"{steps} x {batch:,} = {steps * batch:,}" if steps else "n/a"
 
 
 def write_markdown(path: str, report: dict):
@@ -599,15 +734,15 @@ def write_markdown(path: str, report: dict):
     lines = [
         "# Training throughput benchmark",
         "",
+        f"- state: {report['state']}",
         f"- date: {h['date']}",
         f"- hardware: {h['hardware']}",
         f"- PyTorch {h['torch']}, CUDA {h['cuda'] or 'none'}" + ("" if h["cuda_used"] else " (not used)")
         + (f", cuDNN {h['cudnn']}" if h["cudnn"] else "") + f", Python {h['python']}",
         f"- command: `{h['command']}`",
-        f"- model {plan['model']}, dataset {plan['dataset']}, global batch {plan['global_batch']} "
-        f"({plan['per_device_batch']} per device), {plan['steps']} steps per epoch, {plan['epochs']} epochs "
-        f"(epoch 1 is warm-up: the median is over epochs 2..{plan['epochs']}), loader workers per process "
-        f"{plan['workers']}",
+        f"- model {plan['model']}, dataset {plan['dataset']}, {plan['per_device_batch']} images per device and "
+        f"step unless the row says otherwise, {plan['epochs']} epochs per row (epoch 1 is warm-up: the medians "
+        f"are over epochs 2..{plan['epochs']}), loader workers per process {plan['workers']}",
         f"- FLOPs per image: {report['flops']['forward_per_image'] / 1e9:.4g} GFLOP forward "
         f"({report['flops']['forward_per_image'] / 2e9:.4g} G multiply-adds), "
         f"{report['flops']['train_step_per_image'] / 1e9:.4g} GFLOP per training step (forward + backward), "
@@ -615,54 +750,67 @@ def write_markdown(path: str, report: dict):
         "- peak: " + (f"{report['peak']['tflops']:g} TFLOP/s per device ({report['peak']['source']})"
                        if report["peak"]["tflops"] else f"n/a ({report['peak']['source']})"),
         "",
-        "| row | what runs | processes | global batch | median img/s | s per 50k images | peak MiB "
-        "| % of peak per device | vs ddp |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"| row | what runs | processes | global batch | median img/s | epoch: steps x batch = images "
+        f"| s per epoch (measured) | peak MiB | % of peak per device | vs {BASELINE} |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in report["rows"]:
         if r["status"] == "ok":
             share = r["share_of_peak"]
             lines.append(
                 f"| {r['name']} | {r['short_command']} | {r['processes']} | {r['global_batch']} "
-                f"| {fmt_rate(r['median_images_per_second'])} | {fmt(r['seconds_per_epoch_equivalent'], '.2f')} "
-                f"| {fmt(r['peak_memory_mb'], ',.0f')} | {fmt(share * 100 if share is not None else None, '.1f', '%')} "
-                f"| {fmt(r['vs_ddp'], '.2f', 'x')} |")
+                f"| {fmt_rate(r['median_images_per_second'])} | {epoch_text(r)} "
+                f"| {fmt(r.get('median_epoch_seconds'), '.2f')} | {fmt(r['peak_memory_mb'], ',.0f')} "
+                f"| {fmt(share * 100 if share is not None else None, '.1f', '%')} "
+                f"| {fmt(r['vs_baseline'], '.2f', 'x')} |")
         else:
             lines.append(f"| {r['name']} | {r['short_command']} | {r['processes']} | {r['global_batch']} "
-                         f"| {r['status']} | | | | |")
-    lines += ["", "## Targets", "", "| target | goal | measured | result |", "| --- | --- | ---: | --- |"]
-    for t in report["targets"]:
-        result = t["status"] + (f" ({t['reason']})" if t["reason"] else "")
-        lines.append(f"| {t['target']} | {t['goal']} | {fmt_target_value(t)} | {result} |")
+                         f"| {r['status']} | | | | | |")
+    lines += ["", "## Ratios measured in this run", "", "| rows | what the ratio tells | ratio |",
+              "| --- | --- | ---: |"]
+    lines += [f"| {c['rows'][0]} / {c['rows'][1]} | {c['what']} | {c['ratio']:.2f}x |"
+              for c in report["comparisons"]]
+    if not report["comparisons"]:
+        lines.append("| (none: no pair of rows measured) | | |")
     notes = [f"- {r['name']}: {r['status']}: {r['reason']}" for r in report["rows"] if r["status"] != "ok"]
     notes += [f"- {r['name']}: {r['about']}" for r in report["rows"] if "CPU:" in r.get("about", "")]
     lines += ["", "## Notes", ""] + notes + [
         "- images/s are the scripts' own figures (their --metrics records): the first min(10, steps/4) steps "
-        "of each epoch are left out; the rest of the epoch is timed, including its end-of-epoch evaluation, "
-        "which is why every row evaluates one test image per process.",
-        "- one-process rows (ddp-1proc, ddp-1proc-noddp) run one device's share of the global batch, "
-        "the same work per device as the all-device rows.",
-        "- ceiling rows time the training step in the benchmark's own process on random tensors already "
+        "of each epoch are left out; the rest of the epoch is timed. s per epoch is the whole epoch's "
+        "measured training time (evaluation runs after the clock stops).",
+        "- one-process rows (ddp-1proc, ddp-1proc-noddp, fast-bf16-cudagraphs) run one device's batch, "
+        "the same work per device as the all-device rows; with one process the scripts wrap no DDP.",
+        "- ceiling rows time the training step in a process of their own on random tensors already "
         "on the device (no loading, no DDP, no communication), median of timed windows after warm-up; "
         "with several devices, one device's figure times their number.",
         "- % of peak: images/s per device x FLOPs per training step per image / the device's peak FLOP/s; "
         "fp32 rows are measured against the same (bf16 tensor-core) peak.",
-        f"- the whole benchmark took {report['header']['total_seconds']:.0f} s.",
+        f"- the benchmark took {report['header']['total_seconds']:.0f} s"
+        + (f" of a {report['settings']['time_budget_s']:.0f} s budget" if report['settings']['time_budget_s']
+           else "") + ".",
         "",
         "## Per-epoch images/s (epoch 1 is warm-up)",
         "",
     ]
     for r in report["rows"]:
         if r["status"] == "ok" and r["kind"] == "script":
-            samples = ", ".join(f"{e['epoch']}: {fmt_rate(e['images_per_second'])}" for e in r["epochs"])
+            samples = ", ".join(f"{e['epoch']}: {fmt_rate(e['images_per_second'])} ({e['epoch_seconds']:.2f} s)"
+                                for e in r["epochs"])
             lines.append(f"- {r['name']}: {samples}")
         elif r["status"] == "ok":
             samples = ", ".join(fmt_rate(x) for x in r["window_images_per_second_per_device"])
             lines.append(f"- {r['name']} (windows, per device): {samples}")
     lines += ["", "## Commands", ""]
-    lines += [f"- {r['name']}: `{r['display_command']}`" for r in report["rows"] if r.get("command")]
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    lines += [f"- {r['name']}: `{r['display_command']}`" for r in report["rows"] if r.get("display_command")]
+    write_atomically(path, "\n".join(lines) + "\n")
+
+
+def write_atomically(path: str, text: str):
+    """A reader (or a kill) never meets half a report: write aside, then rename."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def write_chart(path: str, report: dict) -> bool:
@@ -671,7 +819,6 @@ def write_chart(path: str, report: dict) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: no chart (pip install matplotlib)")
         return False
     rows = [r for r in report["rows"] if r["status"] == "ok"]
     if not rows:
@@ -683,83 +830,101 @@ def write_chart(path: str, report: dict) -> bool:
     ax.barh(names, rates, color=colours)
     for y, rate in enumerate(rates):
         ax.text(rate, y, f" {rate:,.0f}", va="center", fontsize=8)
-    ceilings = {r["name"]: r["median_images_per_second"] for r in rows if r["kind"] == "ceiling"}
-    top = next((n for n in ("ceiling-bf16-compile", "ceiling-bf16", "ceiling-fp32") if n in ceilings), None)
-    if top:
-        ax.axvline(ceilings[top], color="#c0392b", linestyle="--", linewidth=1, label=f"{top}")
+    base = next((r for r in rows if r["name"] == BASELINE), None)
+    if base:
+        ax.axvline(base["median_images_per_second"], color="#c0392b", linestyle="--", linewidth=1,
+                   label=f"{BASELINE} (baseline)")
         ax.legend(loc="lower right", fontsize=8)
     ax.set_xlabel("images per second (median over epochs after warm-up)")
     ax.set_xlim(0, max(rates) * 1.18)
     s = report["settings"]
-    ax.set_title(f"{s['model']}, global batch {s['global_batch']}, PyTorch {report['header']['torch']}\n"
+    ax.set_title(f"{s['model']}, {s['per_device_batch']} images per device, PyTorch {report['header']['torch']}\n"
                  f"{report['header']['hardware'][:100]}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    tmp = f"{path}.tmp.png"
+    fig.savefig(tmp, dpi=120)
     plt.close(fig)
+    os.replace(tmp, path)
     return True
 
 
 def print_summary(report: dict):
     print()
-    print(f"{'row':22s} {'img/s':>10s} {'s/50k':>8s} {'peak MiB':>9s} {'% peak':>7s}  status")
+    print(f"{'row':24s} {'img/s':>10s} {'s/epoch':>8s} {'peak MiB':>9s} {'% peak':>7s} {'vs ' + BASELINE:>7s}  status")
     for r in report["rows"]:
         if r["status"] == "ok":
             share = r["share_of_peak"]
-            print(f"{r['name']:22s} {fmt_rate(r['median_images_per_second']):>10s} "
-                  f"{fmt(r['seconds_per_epoch_equivalent'], '.2f'):>8s} {fmt(r['peak_memory_mb'], ',.0f'):>9s} "
-                  f"{fmt(share * 100 if share is not None else None, '.1f'):>7s}  ok")
+            print(f"{r['name']:24s} {fmt_rate(r['median_images_per_second']):>10s} "
+                  f"{fmt(r.get('median_epoch_seconds'), '.2f'):>8s} {fmt(r['peak_memory_mb'], ',.0f'):>9s} "
+                  f"{fmt(share * 100 if share is not None else None, '.1f'):>7s} "
+                  f"{fmt(r['vs_baseline'], '.2f', 'x'):>7s}  ok")
         else:
-            print(f"{r['name']:22s} {'':>10s} {'':>8s} {'':>9s} {'':>7s}  {r['status']}: {r['reason']}")
-    print("\ntargets:")
-    for t in report["targets"]:
-        print(f"  {t['status']:5s} {t['target']}: {fmt_target_value(t)} (goal {t['goal']})"
-              + (f" - {t['reason']}" if t["reason"] else ""))
+            print(f"{r['name']:24s} {'':>10s} {'':>8s} {'':>9s} {'':>7s} {'':>7s}  {r['status']}: {r['reason']}")
+    for c in report["comparisons"]:
+        print(f"  {c['rows'][0]} / {c['rows'][1]}: {c['ratio']:.2f}x ({c['what']})")
 
 
 # --- main -----------------------------------------------------------------------------
 
 def build_parser():
+    full, quick = DEFAULTS["full"], DEFAULTS["quick"]
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.error = lambda message: parser.exit(2, f"{parser.prog}: error: {message} (see --help)\n")
     g = parser.add_argument_group("what to run")
     g.add_argument("--rows", default=None,
-                   help=f"comma-separated rows (default: all; with --quick: {','.join(QUICK_ROWS)}); "
-                        f"choose from {', '.join(ALL_NAMES)}")
+                   help=f"comma-separated rows, run in this order (default: {','.join(DEFAULT_NAMES)}; "
+                        f"with --quick: {','.join(QUICK_ROWS)}); choose from {', '.join(ALL_NAMES)}")
     g.add_argument("--quick", action="store_true",
-                   help="a quick check of the harness: resnet_tiny, batch 32, 3 epochs of 4 steps, a few rows")
+                   help=f"a quick check of the harness: {quick.model}, {quick.per_device_batch} images per process, "
+                        f"{quick.epochs} epochs of {quick.steps} steps, a few rows")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="cpu: CPU processes even where GPUs are visible (default auto: GPUs when there are any)")
     g.add_argument("--nproc", type=cli.positive_int, default=None,
                    help="processes of the multi-process rows (default: every visible GPU, or 2 on the CPU)")
     g = parser.add_argument_group("the training problem (the same in every row)")
-    g.add_argument("--model", choices=MODEL_NAMES, default=None, help="default resnet18 (--quick: resnet_tiny)")
+    g.add_argument("--model", choices=MODEL_NAMES, default=None,
+                   help=f"default {full.model} (--quick: {quick.model})")
     g.add_argument("--dataset", choices=["synthetic", "cifar100"], default="synthetic",
                    help="synthetic (default): the scripts' offline stand-in of CIFAR-100's shape")
     g.add_argument("--data-dir", default="./data", help="where CIFAR-100 is, with --dataset cifar100 (default ./data)")
     g.add_argument("--batch-size", type=cli.positive_int, default=None,
-                   help="GLOBAL batch per optimizer step (default 512 per GPU; --quick: 32)")
+                   help=f"GLOBAL batch per optimizer step (default {full.per_device_batch} per device; "
+                        f"--quick: {quick.per_device_batch} per process); rows with their own per-device "
+                        "batch (fast-bf16-compile-1024) keep it")
     g.add_argument("--steps", type=cli.positive_int, default=None,
-                   help="optimizer steps per epoch (default 60; --quick: 4)")
+                   help=f"optimizer steps per epoch (default: as many whole global batches as {EPOCH_IMAGES:,} "
+                        f"images hold; --quick: {quick.steps})")
     g.add_argument("--epochs", type=cli.positive_int, default=None,
-                   help="epochs per row, the first one warm-up (default 4; --quick: 3)")
+                   help=f"epochs per row, the first one warm-up (default {full.epochs}; --quick: {quick.epochs})")
     g.add_argument("--workers", type=cli.non_negative_int, default=None,
                    help="loader workers per process (default: CPU cores / processes - 1 on GPUs, 0 on the CPU)")
+    g = parser.add_argument_group("time")
     g.add_argument("--row-timeout", type=cli.positive_float, default=None, metavar="SECONDS",
-                   help="end a row that runs longer (default 600; --quick: 180)")
+                   help=f"end a row that runs longer (default {full.row_timeout:.0f}; --quick: {quick.row_timeout:.0f})")
+    g.add_argument("--time-budget", type=cli.positive_float, default=None, metavar="SECONDS",
+                   help="the whole benchmark ends within this many seconds: each row's timeout is cut to what "
+                        f"is left (less {REPORT_SECONDS:.0f} s for the report), and a row is not started with less "
+                        f"than {MIN_ROW_SECONDS:.0f} s left (default: no limit)")
     g = parser.add_argument_group("ceiling and peak")
     g.add_argument("--compile-ceiling", action=argparse.BooleanOptionalAction, default=None,
                    help="also time the ceiling with torch.compile (default: on with CUDA)")
     g.add_argument("--ceiling-warmup", type=cli.positive_int, default=None,
-                   help="untimed steps first (default 20; --quick: 2)")
+                   help=f"untimed steps first (default {full.ceiling_warmup}; --quick: {quick.ceiling_warmup})")
     g.add_argument("--ceiling-steps", type=cli.positive_int, default=None,
-                   help="steps per timed window (default 50; --quick: 4)")
+                   help=f"steps per timed window (default {full.ceiling_steps}; --quick: {quick.ceiling_steps})")
     g.add_argument("--ceiling-windows", type=cli.positive_int, default=None,
-                   help="timed windows, the median is reported (default 5; --quick: 3)")
+                   help=f"timed windows, the median is reported (default {full.ceiling_windows}; "
+                        f"--quick: {quick.ceiling_windows})")
     g.add_argument("--peak-tflops", type=cli.positive_float, default=None,
                    help="the device's peak TFLOP/s for the %% of peak column (default: the vendor's dense "
                         "bf16 figure for known GPUs; none on the CPU)")
+    g = parser.add_argument_group("output")
     g.add_argument("--out", default=os.path.join(ROOT, "results"),
-                   help="where the report files go (default: results/ in the repository)")
+                   help="where benchmark.md, .json and .png go (default: results/ in the repository)")
+    g.add_argument("--log-dir", default=None,
+                   help="where each row's output (ROW.log) and metrics (ROW.jsonl) are kept (default: OUT/logs)")
+    # The ceiling's own process: python scripts/benchmark.py --measure-ceiling SPEC --out FILE
+    parser.add_argument("--measure-ceiling", default=None, metavar="JSON", help=argparse.SUPPRESS)
     return parser
 
 
@@ -776,76 +941,115 @@ def describe_run(plan: Plan, argv) -> dict:
     }
 
 
+class Report:
+    """The benchmark's results so far, written out (md, json, png) after every row."""
+
+    def __init__(self, out: str, plan: Plan, header: dict, flops: dict, peak: tuple):
+        self.plan, self.header, self.flops, self.peak = plan, header, flops, peak
+        self.results = {}
+        self.started = time.perf_counter()
+        self.paths = {ext: os.path.join(out, f"benchmark.{ext}") for ext in ("md", "json", "png")}
+
+    def build(self, state: str) -> dict:
+        plan = self.plan
+        order = {n: i for i, n in enumerate(ALL_NAMES)}
+        rows = sorted(self.results.values(), key=lambda r: order[r["name"]])  # the table's order
+        add_derived(rows, self.flops, self.peak[0])
+        self.header["total_seconds"] = time.perf_counter() - self.started
+        return {
+            "state": state,
+            "header": self.header,
+            "settings": {"model": plan.model, "dataset": plan.dataset, "global_batch": plan.global_batch,
+                         "per_device_batch": plan.per_device_batch, "processes": plan.procs,
+                         "steps": plan.steps or "one CIFAR-sized epoch per row", "epochs": plan.epochs,
+                         "warmup_epochs": WARMUP_EPOCHS, "workers": plan.workers,
+                         "device": "cuda" if plan.use_cuda else "cpu", "row_timeout_s": plan.timeout,
+                         "time_budget_s": plan.time_budget, "ceiling_warmup": plan.ceiling_warmup,
+                         "ceiling_steps": plan.ceiling_steps, "ceiling_windows": plan.ceiling_windows,
+                         "epoch_images": EPOCH_IMAGES, "rows_requested": plan.names, "log_dir": plan.log_dir,
+                         "baseline": BASELINE},
+            "flops": self.flops,
+            "peak": {"tflops": self.peak[0], "source": self.peak[1]},
+            "rows": rows,
+            "comparisons": comparisons(rows),
+        }
+
+    def write(self, state: str) -> dict:
+        report = self.build(state)
+        report["chart"] = self.paths["png"] if write_chart(self.paths["png"], report) else None
+        write_markdown(self.paths["md"], report)
+        write_atomically(self.paths["json"], json.dumps(report, indent=1, default=str) + "\n")
+        return report
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    if args.measure_ceiling:
+        result = measure_ceiling(json.loads(args.measure_ceiling))
+        write_atomically(args.out, json.dumps(result))
+        return
     plan = resolve_plan(args)
-    args.ceiling_warmup = args.ceiling_warmup or (2 if args.quick else 20)
-    args.ceiling_steps = args.ceiling_steps or (4 if args.quick else 50)
-    args.ceiling_windows = args.ceiling_windows or (3 if args.quick else 5)
     try:
         os.makedirs(args.out, exist_ok=True)
+        os.makedirs(plan.log_dir, exist_ok=True)
     except OSError as exc:
-        raise cli.UsageError(f"--out {args.out}: cannot create it ({exc.strerror})") from None
+        raise cli.UsageError(f"--out/--log-dir: cannot create {exc.filename} ({exc.strerror})") from None
 
     header = describe_run(plan, argv)
-    gpu_name = header["gpu_name"]
     if args.peak_tflops:
-        peak, peak_source = args.peak_tflops, "--peak-tflops"
+        peak = args.peak_tflops, "--peak-tflops"
     elif plan.use_cuda:
-        peak, peak_source = default_peak(gpu_name)
+        peak = default_peak(header["gpu_name"])
     else:
-        peak, peak_source = None, "CPU: no peak figure; --peak-tflops gives one"
-    started = time.perf_counter()
-    flops = count_flops(plan.model)
+        peak = None, "CPU: no peak figure; --peak-tflops gives one"
+    deadline = time.monotonic() + plan.time_budget if plan.time_budget else None
+    report = Report(args.out, plan, header, count_flops(plan.model), peak)
     print(f"{header['hardware']}; PyTorch {header['torch']}")
     if not plan.use_cuda and not args.quick:
         print("note: without GPUs, --quick is the practical mode (the full rows train ResNet-18 on the CPU)")
-    print(f"{plan.model}: {flops['train_step_per_image'] / 1e9:.4g} GFLOP per image per training step")
+    print(f"{plan.model}: {report.flops['train_step_per_image'] / 1e9:.4g} GFLOP per image per training step",
+          flush=True)
 
-    results = {}
-    selected_rows = [row for row in ROWS if row.name in plan.names]
-    selected_ceilings = [c for c in CEILINGS if c.name in plan.names]
-    with tempfile.TemporaryDirectory(prefix="benchmark-") as work_dir:
-        for i, row in enumerate(selected_rows, 1):
-            print(f"[{i}/{len(selected_rows)}] {row.name}: {short_command(row, plan)}", flush=True)
-            r = run_row(row, plan, work_dir)
-            results[row.name] = r
-            detail = (f"{fmt_rate(r['median_images_per_second'])} img/s" if r["status"] == "ok" else r["reason"])
+    by_name = {r.name: r for r in [*ROWS, *CEILINGS]}
+    current = None
+    install_stop_handlers()  # from here on a stop signal ends the running row and keeps the rest
+    try:
+        for i, name in enumerate(plan.names, 1):
+            row, current = by_name[name], name
+            timeout = plan.timeout
+            if deadline is not None:
+                left = deadline - time.monotonic() - REPORT_SECONDS
+                if left < MIN_ROW_SECONDS:
+                    report.results[name] = dict(base_result(row, plan), status="not run",
+                                                reason=f"--time-budget {plan.time_budget:.0f} s used up")
+                    continue
+                timeout = min(timeout, left)
+            print(f"[{i}/{len(plan.names)}] {name}: {short_command(row, plan)}", flush=True)
+            run = run_ceiling if isinstance(row, Ceiling) else run_row
+            r = report.results[name] = run(row, plan, plan.log_dir, timeout)
+            current = None
+            detail = f"{fmt_rate(r['median_images_per_second'])} img/s" if r["status"] == "ok" else r["reason"]
             print(f"    {r['status']}: {detail}" + (f" ({r['wall_seconds']:.0f} s)" if "wall_seconds" in r else ""),
                   flush=True)
-    # The ceilings run last, in this process: nothing they allocate (a CUDA context, cached
-    # blocks, compiled kernels) is held on the GPU while the rows run.
-    for ceiling in selected_ceilings:
-        print(f"{ceiling.name}: {ceiling.about}", flush=True)
-        r = run_ceiling(ceiling, plan, args)
-        results[ceiling.name] = r
-        print(f"    {r['status']}: " + (f"{fmt_rate(r['median_images_per_second'])} img/s"
-                                        if r["status"] == "ok" else r["reason"]), flush=True)
+            report.write("partial: rows still to run")
+    except Interrupted as stop:
+        name = signal.Signals(stop.signum).name
+        if current is not None:
+            report.results[current] = dict(base_result(by_name[current], plan), status="interrupted",
+                                           reason=f"{name} during the row; its processes were ended")
+        for rest in plan.names:
+            report.results.setdefault(rest, dict(base_result(by_name[rest], plan), status="not run",
+                                                 reason=f"{name} ended the benchmark first"))
+        report.write(f"interrupted by {name}")
+        print(f"\n{name}: the benchmark stopped; finished rows are in {report.paths['md']}", file=sys.stderr,
+              flush=True)
+        sys.exit(128 + stop.signum)
 
-    rows = [results[n] for n in ALL_NAMES if n in results]
-    add_derived(rows, flops, peak)
-    report = {
-        "header": header,
-        "settings": {"model": plan.model, "dataset": plan.dataset, "global_batch": plan.global_batch,
-                     "per_device_batch": plan.per_device_batch, "processes": plan.procs, "steps": plan.steps,
-                     "epochs": plan.epochs, "warmup_epochs": WARMUP_EPOCHS, "workers": plan.workers,
-                     "device": "cuda" if plan.use_cuda else "cpu", "row_timeout_s": plan.timeout,
-                     "ceiling_warmup": args.ceiling_warmup, "ceiling_steps": args.ceiling_steps,
-                     "ceiling_windows": args.ceiling_windows, "epoch_images": EPOCH_IMAGES},
-        "flops": flops,
-        "peak": {"tflops": peak, "source": peak_source},
-        "rows": rows,
-        "targets": evaluate_targets(results, plan, gpu_name),
-    }
-    header["total_seconds"] = time.perf_counter() - started
-    md_path, json_path, png_path = (os.path.join(args.out, f"benchmark.{ext}") for ext in ("md", "json", "png"))
-    report["chart"] = png_path if write_chart(png_path, report) else None
-    write_markdown(md_path, report)
-    with open(json_path, "w") as f:
-        json.dump(report, f, indent=1, default=str)
-    print_summary(report)
-    print(f"\nwrote {md_path}, {json_path}" + (f", {png_path}" if report["chart"] else ""))
-    failed = [r["name"] for r in rows if r["status"] == "failed"]
+    final = report.write("complete")
+    print_summary(final)
+    print(f"\nwrote {report.paths['md']}, {report.paths['json']}"
+          + (f", {report.paths['png']}" if final["chart"] else "") + f"; row logs in {plan.log_dir}")
+    failed = [r["name"] for r in final["rows"] if r["status"] == "failed"]
     if failed:
         print(f"failed rows: {', '.join(failed)}", file=sys.stderr)
         sys.exit(1)
