@@ -22,5 +22,11 @@ train: venv
 test: venv
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
+# On a GPU machine, with the python3 that has PyTorch (no venv, no pip): environment, GPU tests
+# and a short benchmark within 8.5 minutes, into $(OUT) or results/gpu-check/ (scripts/gpu_check.sh).
+.PHONY: gpu-check
+gpu-check:
+	PYTHON=$(PYTHON) bash scripts/gpu_check.sh
+
 clean:
 	rm -rf $(VENV) .pytest_cache runs

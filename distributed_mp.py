@@ -111,11 +111,11 @@ def train(args, env, per_device_batch):
     train_set, test_set = data.build_datasets(args, env)
     if args.data_on_gpu:  # fast path: the data in device memory, augmented and normalised there
         train_loader = DeviceTrainLoader(train_set, per_device_batch, args.batch_size, env, args)
+        test_loader = DeviceEvalLoader(test_set, 2 * per_device_batch, env, args)
     else:
         train_loader = data.train_loader(train_set, per_device_batch, args.batch_size, env, args)
         test_loader = data.eval_loader(test_set, 2 * per_device_batch, env, args)
     steps_per_epoch = data.steps_per_epoch(len(train_set), args.batch_size)
-        test_loader = DeviceEvalLoader(test_set, 2 * per_device_batch, env, args)
 
     # --- model ------------------------------------------------------------------------
     # channels_last (NHWC) is the layout tensor-core convolutions want: no transposes.
@@ -128,12 +128,12 @@ def train(args, env, per_device_batch):
         # gradients bucket by bucket while backward is still running.
         # gradient_as_bucket_view: .grad tensors are views into DDP's all-reduce buckets,
         # which saves a copy of every gradient and the memory for it.
+        # broadcast_buffers=False: no broadcast of rank 0's batch-norm statistics before
+        # every forward; evaluation and checkpoints take rank 0's buffers anyway.
         ddp_model = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
                         gradient_as_bucket_view=True, broadcast_buffers=False)
     else:
         ddp_model = model  # one process: no gradients to average, no DDP hooks to run
-        # broadcast_buffers=False: no broadcast of rank 0's batch-norm statistics before
-        # every forward; evaluation and checkpoints take rank 0's buffers anyway.
     if args.compile:
         # Compiled around DDP: its optimizer splits the graph at bucket boundaries, so the
         # all-reduces still overlap backward. The first steps compile (excluded from timing).

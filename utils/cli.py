@@ -136,6 +136,13 @@ def add_fast_path_flags(parser):
                    help="NHWC memory format for the model and inputs (tensor-core convolutions on GPUs)")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the model (compilation happens in the first steps, outside the timing)")
+    g.add_argument("--compile-mode", default="default",
+                   choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
+                   help="torch.compile's mode, with --compile. reduce-overhead and max-autotune replay CUDA "
+                        "graphs (fewer kernel launches from the CPU): for one process, where no DDP wrapper "
+                        "runs hooks between the graphs; max-autotune* tune kernels for minutes first")
+    g.add_argument("--eval-every", type=_positive_int, default=1, metavar="N",
+                   help="evaluate after every N-th epoch and after the last one (the others record NaN)")
 
 
 def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
@@ -170,13 +177,6 @@ def plain_config(args: argparse.Namespace) -> dict:
             for k, v in sorted(vars(args).items())}
 
 
-    g.add_argument("--compile-mode", default="default",
-                   choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
-                   help="torch.compile's mode, with --compile. reduce-overhead and max-autotune replay CUDA "
-                        "graphs (fewer kernel launches from the CPU): for one process, where no DDP wrapper "
-                        "runs hooks between the graphs; max-autotune* tune kernels for minutes first")
-    g.add_argument("--eval-every", type=_positive_int, default=1, metavar="N",
-                   help="evaluate after every N-th epoch and after the last one (the others record NaN)")
 def run_main(main, argv=None):
     """Call main(argv); a UsageError becomes one line on stderr and exit status 2.
 

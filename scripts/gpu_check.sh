@@ -1,0 +1,170 @@
+#!/usr/bin/env bash
+# Every GPU check of this repository in one command, on the python3 that already has
+# PyTorch (no virtual environment, no pip, no network), bounded in time by its own timeouts:
+#
+#   1. the environment: GPU, driver, torch/CUDA/cuDNN/NCCL versions, /dev/shm, CPU, memory
+#   2. the GPU-marked tests (pytest -m gpu), with a per-test timeout and a junit report
+#   3. a benchmark sized to what time is left, rows in order of importance
+#
+#   make gpu-check                              # writes results/gpu-check/
+#   OUT=/somewhere bash scripts/gpu_check.sh    # or there
+#   PYTHON=/opt/py/bin/python make gpu-check    # another interpreter
+#
+# Writes at most 8 plain files, no folders, to $OUT (default results/gpu-check/):
+#   environment.txt  gpu_check.log  pytest.xml  benchmark.md  benchmark.json  benchmark.png
+#   benchmark-logs.tar.gz (each benchmark row's output and metrics)
+# Exit status: 0 when every stage passed, 1 when one failed or ran out of time, 2 without CUDA.
+#
+# Knobs (environment): GPU_CHECK_SECONDS (whole run, default 510 = 8.5 minutes),
+# GPU_CHECK_PYTEST_SECONDS (the test stage, default 200), GPU_CHECK_TEST_TIMEOUT (one test,
+# default 180), GPU_CHECK_PYTEST_ARGS (default: -m gpu tests), GPU_CHECK_BENCH_ARGS (default:
+# the rows below, 3 epochs each). GPU_CHECK_REQUIRE_CUDA=0 runs the stages without a GPU
+# (the harness's own tests do that).
+set -u
+
+PYTHON="${PYTHON:-python3}"
+TOTAL="${GPU_CHECK_SECONDS:-510}"
+PYTEST_SECONDS="${GPU_CHECK_PYTEST_SECONDS:-200}"
+TEST_TIMEOUT="${GPU_CHECK_TEST_TIMEOUT:-180}"
+END_SECONDS=25   # kept back at the end for packing the logs and the summary
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT="$(realpath -m "${OUT:-$ROOT/results/gpu-check}")"
+# Most telling first: a row that no longer fits the budget is reported as not run.
+BENCH_ROWS="ddp,ddp-bf16,fast-bf16,fast-bf16-compile,ceiling-bf16,ceiling-bf16-compile,fast-bf16-compile-1024"
+BENCH_ROWS="$BENCH_ROWS,fast-bf16-cudagraphs,ddp-1proc-noddp"
+SECONDS=0
+cd "$ROOT" || exit 2
+
+# --- is there a GPU? ---------------------------------------------------------------------
+if [ "${GPU_CHECK_REQUIRE_CUDA:-1}" != 0 ]; then
+    probe="$(timeout -k 5 120 "$PYTHON" -c 'import torch; print(torch.__version__, torch.cuda.is_available())' 2>/dev/null)"
+    case "$probe" in
+        *" True") ;;
+        *" False") echo "gpu_check: $PYTHON has PyTorch ${probe% False} but sees no CUDA GPU: nothing to check here" >&2
+                   exit 2 ;;
+        *) echo "gpu_check: $PYTHON cannot import torch (PYTHON=... names another interpreter)" >&2
+           exit 2 ;;
+    esac
+fi
+
+mkdir -p "$OUT" || exit 2
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")"
+trap 'rm -rf "$WORK"' EXIT
+LOG="$OUT/gpu_check.log"
+: >"$LOG"
+FAILED=()
+
+say() {  # to the terminal and the log
+    echo "$*" | tee -a "$LOG"
+}
+
+left() {  # seconds of the budget still free for stages
+    echo $((TOTAL - END_SECONDS - SECONDS))
+}
+
+# run_stage NAME SECONDS SIGNAL COMMAND...: the command's output goes to the log; on time
+# out SIGNAL is sent to it (then SIGKILL 20 s later). Sets STAGE_STATUS.
+run_stage() {
+    local name="$1" seconds="$2" sig="$3"
+    shift 3
+    local began=$SECONDS out="$WORK/$name.out"
+    say "== $name: at most ${seconds} s: $*"
+    timeout -s "$sig" -k 20 "$seconds" "$@" >"$out" 2>&1 </dev/null
+    STAGE_STATUS=$?
+    cat "$out" >>"$LOG"
+    if [ "$STAGE_STATUS" -eq 124 ] || [ "$STAGE_STATUS" -eq 137 ]; then
+        say "== $name: timed out after ${seconds} s (status $STAGE_STATUS), $((SECONDS - began)) s"
+        FAILED+=("$name (timed out)")
+    elif [ "$STAGE_STATUS" -ne 0 ]; then
+        say "== $name: exit status $STAGE_STATUS, $((SECONDS - began)) s"
+        FAILED+=("$name (exit status $STAGE_STATUS)")
+    else
+        say "== $name: ok, $((SECONDS - began)) s"
+    fi
+}
+
+# --- 1. the environment --------------------------------------------------------------------
+environment() {
+    echo "date: $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
+    echo "kernel: $(uname -srm)"
+    echo "cpu: $(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2- | sed 's/^ //'), $(nproc) logical cores"
+    echo "memory: $(free -g 2>/dev/null | awk '/^Mem:/ {print $2 " GiB total, " $7 " GiB available"}')"
+    echo "/dev/shm: $(df -h /dev/shm 2>/dev/null | awk 'NR == 2 {print $2 " total, " $4 " free"}')"
+    echo "python: $PYTHON = $(command -v "$PYTHON")"
+    echo
+    echo "--- nvidia-smi"
+    timeout -k 5 20 nvidia-smi --query-gpu=index,name,driver_version,memory.total,compute_cap,power.limit,clocks.max.sm \
+        --format=csv 2>&1 || echo "(nvidia-smi --query-gpu failed)"
+    timeout -k 5 20 nvidia-smi 2>&1 || echo "(nvidia-smi failed)"
+    timeout -k 5 20 nvidia-smi topo -m 2>&1 || true
+    echo
+    echo "--- PyTorch"
+    timeout -k 5 90 "$PYTHON" - <<'EOF' 2>&1
+import importlib, platform, sys
+import torch
+print("python", platform.python_version(), sys.executable)
+print("torch", torch.__version__, "| CUDA", torch.version.cuda, "| cuDNN", torch.backends.cudnn.version(),
+      "| NCCL", ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None)
+for name in ("torchvision", "numpy", "pytest", "pytest_timeout", "tqdm", "matplotlib", "triton", "apex"):
+    try:
+        module = importlib.import_module(name)
+        print(name, getattr(module, "__version__", "(no version)"))
+    except Exception as exc:
+        print(name, "not importable:", type(exc).__name__)
+if torch.cuda.is_available():
+    from utils.precision import cuda_bf16_native
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        print(f"cuda:{i} {p.name}, compute capability {p.major}.{p.minor}, {p.total_memory / 2**30:.1f} GiB, "
+              f"{p.multi_processor_count} SMs; bf16 native: {cuda_bf16_native(i)}; "
+              f"torch.cuda.is_bf16_supported(): {torch.cuda.is_bf16_supported()}")
+EOF
+}
+say "gpu_check: $(date -u '+%Y-%m-%d %H:%M:%S UTC'), budget ${TOTAL} s, writing to $OUT"
+environment >"$OUT/environment.txt"
+grep -E '^(torch|cuda:)' "$OUT/environment.txt" | tee -a "$LOG"
+
+# --- 2. the GPU tests ----------------------------------------------------------------------
+pytest_args=(${GPU_CHECK_PYTEST_ARGS:--m gpu tests})
+plugin_args=()
+if "$PYTHON" -c 'import pytest_timeout' 2>/dev/null; then
+    # Autoloaded unless plugin autoloading is off; then it must be named.
+    [ -n "${PYTEST_DISABLE_PLUGIN_AUTOLOAD:-}" ] && plugin_args+=(-p pytest_timeout)
+    plugin_args+=(--timeout "$TEST_TIMEOUT")
+else
+    say "pytest-timeout is not installed: the stage's own timeout is the only bound"
+fi
+stage_seconds=$(( $(left) < PYTEST_SECONDS ? $(left) : PYTEST_SECONDS ))
+# SIGINT on time out: pytest then stops like after Ctrl-C and still writes its junit report.
+run_stage pytest "$stage_seconds" INT "$PYTHON" -m pytest -q -p no:cacheprovider "${plugin_args[@]}" \
+    --junitxml="$OUT/pytest.xml" -o junit_logging=all -o junit_log_passing_tests=false --durations=15 \
+    "${pytest_args[@]}"
+tail -n 25 "$WORK/pytest.out"
+
+# --- 3. the benchmark ----------------------------------------------------------------------
+bench_seconds=$(left)
+if [ "$bench_seconds" -lt 60 ]; then
+    say "== benchmark: not run, ${bench_seconds} s left"
+    FAILED+=("benchmark (no time left)")
+else
+    bench_args=(${GPU_CHECK_BENCH_ARGS:---rows $BENCH_ROWS --epochs 3 --row-timeout 180})
+    # The benchmark keeps to --time-budget by itself (rows that do not fit are reported as not
+    # run); SIGTERM after it ends the running row and writes what was measured.
+    run_stage benchmark "$bench_seconds" TERM "$PYTHON" scripts/benchmark.py "${bench_args[@]}" \
+        --time-budget $((bench_seconds - 10)) --out "$OUT" --log-dir "$WORK/benchmark-logs"
+    sed -n '/^row /,$p' "$WORK/benchmark.out"
+fi
+if [ -d "$WORK/benchmark-logs" ]; then
+    tar -czf "$OUT/benchmark-logs.tar.gz" -C "$WORK" benchmark-logs 2>>"$LOG" || say "could not pack the row logs"
+fi
+
+# --- the end -------------------------------------------------------------------------------
+rm -f "$OUT"/*.tmp "$OUT"/*.tmp.png  # a report cut short mid-write leaves its temporary behind
+files=$(find "$OUT" -mindepth 1 | wc -l)
+[ "$files" -le 8 ] || say "warning: $files entries in $OUT, more than the 8 expected"
+if [ ${#FAILED[@]} -eq 0 ]; then
+    say "gpu_check: every stage passed in ${SECONDS} s; files in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
+    exit 0
+fi
+say "gpu_check: ${#FAILED[@]} stage(s) failed in ${SECONDS} s: $(printf '%s; ' "${FAILED[@]}")files in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
+exit 1

@@ -1,0 +1,61 @@
+"""scripts/gpu_check.sh (make gpu-check) on the CPU: its refusal without CUDA, and its
+stages' own time limits, with the stage commands swapped for small ones through the
+script's environment knobs. What it runs on a GPU is tested by the gpu-marked tests."""
+import json
+import re
+import subprocess
+import sys
+import tarfile
+import time
+
+from conftest import ROOT, subprocess_env
+
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+
+
+def run_check(out, timeout, **env):
+    return subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=subprocess_env(PYTHON=sys.executable, OUT=out, **env))
+
+
+def test_without_cuda_one_line_and_exit_2(tmp_path):
+    out = tmp_path / "out"
+    proc = run_check(out, 180)  # subprocess_env hides every GPU
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "sees no CUDA GPU" in lines[0] and sys.executable in lines[0], proc.stderr
+    assert proc.stdout == "" and not out.exists()  # nothing written
+
+
+def test_stages_keep_to_their_time_and_out_holds_at_most_8_files(tmp_path):
+    out = tmp_path / "out"
+    hang = tmp_path / "test_hang.py"
+    hang.write_text("import time\n\ndef test_hangs():\n    time.sleep(600)\n")
+    began = time.monotonic()
+    proc = run_check(out, 240, GPU_CHECK_REQUIRE_CUDA="0", GPU_CHECK_SECONDS="150", GPU_CHECK_PYTEST_SECONDS="8",
+                     GPU_CHECK_PYTEST_ARGS=str(hang),
+                     GPU_CHECK_BENCH_ARGS="--quick --device cpu --rows ceiling-fp32")
+    took = time.monotonic() - began
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # the test stage ran out of time
+    assert took < 150, took
+    log = (out / "gpu_check.log").read_text()
+    assert "== pytest: timed out after 8 s" in log, log
+    assert "== benchmark: ok" in log, log
+    assert "1 stage(s) failed" in log and "pytest (timed out)" in log
+
+    # The hung test was stopped like Ctrl-C, so pytest still wrote its report.
+    junit = (out / "pytest.xml").read_text()
+    assert "<testsuite" in junit
+    report = json.loads((out / "benchmark.json").read_text())
+    assert report["state"] == "complete" and report["settings"]["time_budget_s"] > 0
+    assert [(r["name"], r["status"]) for r in report["rows"]] == [("ceiling-fp32", "ok")]
+    with tarfile.open(out / "benchmark-logs.tar.gz") as tar:
+        assert "benchmark-logs/ceiling-fp32.log" in tar.getnames()
+    assert "torch" in (out / "environment.txt").read_text()
+
+    # Everything can be brought back: few plain files, plain names, no folders.
+    entries = list(out.iterdir())
+    assert len(entries) <= 8 and all(e.is_file() for e in entries), entries
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+", e.name) for e in entries)
+    assert {e.name for e in entries} == {"environment.txt", "gpu_check.log", "pytest.xml", "benchmark.md",
+                                         "benchmark.json", "benchmark.png", "benchmark-logs.tar.gz"}
