@@ -53,7 +53,7 @@ def main(argv=None):
     g.add_argument("--node-rank", "--node_rank", type=cli.non_negative_int, default=0, metavar="R",
                    help="this node's number, 0 .. nodes-1; node 0 hosts the rendezvous")
     g.add_argument("--ip", default="127.0.0.1", help="address of node 0, reachable from every node")
-    g.add_argument("--port", type=cli.positive_int, default=None,
+    g.add_argument("--port", type=cli.port, default=None,
                    help="a free TCP port on node 0, the same on every node; required with --nodes > 1, "
                         "picked for you on one node")
     g.add_argument("--init-method", "--init_method", default=None, metavar="URL",
@@ -88,6 +88,7 @@ def main(argv=None):
 
 def worker(local_rank, args, world_size, per_device_batch, error_dir):
     rank = args.node_rank * args.nproc_per_node + local_rank
+    code = 0
     try:
         env = dist_utils.setup(rank, world_size, local_rank, args.nproc_per_node, args.init_method,
                                timeout_s=args.dist_timeout)
@@ -99,7 +100,10 @@ def worker(local_rank, args, world_size, per_device_batch, error_dir):
         # Each rank meets the same bad input; the parent prints one line for all of them.
         with open(os.path.join(error_dir, f"{local_rank:05d}"), "w") as f:
             f.write(str(err))
-        sys.exit(2)
+        code = 2
+    except preemption.Preempted:
+        code = 0  # stopped on a signal, checkpoint saved
+    cli.leave(code)  # the work is done: skip the interpreter's teardown (see cli.leave)
 
 
 def train(args, env, per_device_batch):

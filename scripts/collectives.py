@@ -44,6 +44,9 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from utils.cli import leave  # noqa: E402  (the repository root, for `python scripts/collectives.py`)
 import torch.nn as nn
 
 # Give up on a collective after this long instead of hanging forever.
@@ -647,8 +650,7 @@ def run_worker(rank: int, world_size: int, backend: str, init_method: str, local
 
 def _spawned_worker(rank: int, world_size: int, backend: str, init_method: str) -> None:
     status = run_worker(rank, world_size, backend, init_method, local_rank=rank)
-    if status:
-        sys.exit(status)
+    leave(status)  # the group is destroyed: skip the interpreter's teardown (see utils/cli.py)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -665,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
         if not rank < world_size:
             usage_error(f"RANK={rank} is not below WORLD_SIZE={world_size}: start the tour with torchrun")
         backend = choose_backend(args.backend, processes_here)
-        return run_worker(rank, world_size, backend, "env://", local_rank)
+        leave(run_worker(rank, world_size, backend, "env://", local_rank))
 
     if args.nproc < 1:
         parser.error("--nproc must be at least 1")

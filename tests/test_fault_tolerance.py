@@ -22,7 +22,7 @@ import uuid
 import pytest
 import torch
 
-from conftest import ROOT, free_port, read_metrics, run_script, subprocess_env
+from conftest import ROOT, assert_one_line_error, free_port, read_metrics, run_script, subprocess_env
 from utils import checkpoint
 
 FAULTS = "tests/fault_injection.py"
@@ -313,3 +313,148 @@ def test_two_nodes_survive_a_killed_worker(tmp_path):
     final = read_metrics(metrics)[-1]
     assert (final["event"], final["world_size"], final["step"]) == ("end", 4, 8)
     assert checkpoint.load(ckpt_dir / "checkpoint.pt")["global_step"] == 8
+
+
+# --- stop signals as clusters and terminals deliver them: loader workers on ---------------
+
+WORKERS = ["--workers", "2"]  # after TINY: what users run, loader workers included
+
+
+def no_loader_failure(output):
+    assert "DataLoader worker" not in output and "Traceback" not in output.replace(
+        "torch.distributed.elastic.multiprocessing.api.SignalException", ""), output
+
+
+@pytest.mark.parametrize("sig", ["TERM", "INT"])
+def test_signal_to_every_process_of_the_job_with_loader_workers(ddp_reference, tmp_path, sig):
+    # scancel --signal / a preemption: the agent, both workers and their loader workers all
+    # get the signal. The loader workers leave it to their rank; the ranks agree on step 10.
+    ckpt = tmp_path / "checkpoint.pt"
+    stopped = torchrun([FAULTS, "--fault", "signal-job", "--signal", sig, "--rank", "0", "--step", "3", "--",
+                        "distributed.py", *TINY, *WORKERS, "--checkpoint-dir", tmp_path])
+    output = stopped.output()
+    assert f"stopping at step 10 on SIG{sig}" in output, output
+    assert not re.search(r"^\[rank\d+\]:", output, re.M), output
+    assert "DataLoader worker" not in output, output
+    assert checkpoint.load(ckpt)["global_step"] == 10
+    resumed = expect(torchrun(["distributed.py", *TINY, *WORKERS, "--checkpoint-dir", tmp_path, "--resume"]))
+    assert "10 steps in all" in resumed
+    assert_same_training_state(ckpt, ddp_reference)
+
+
+def test_ctrl_c_to_one_process_with_loader_workers(python_reference, tmp_path):
+    # Ctrl-C in a terminal: SIGINT to the foreground process group, loader workers included.
+    ckpt = tmp_path / "checkpoint.pt"
+    output = expect(run([FAULTS, "--fault", "signal-group", "--signal", "INT", "--step", "3", "--",
+                         "distributed.py", *TINY, *WORKERS, "--checkpoint-dir", tmp_path]))
+    assert f"stopping at step 3 on SIGINT: checkpoint saved to {ckpt}" in output, output
+    no_loader_failure(output)
+    assert "done:" not in output  # stopped, not finished
+    expect(run(["distributed.py", *TINY, *WORKERS, "--checkpoint-dir", tmp_path, "--resume"]))
+    assert_same_training_state(ckpt, python_reference[0] / "checkpoint.pt")
+
+
+def wait_for_file(path, proc, timeout=120):
+    deadline = time.time() + timeout
+    while not os.path.exists(path):
+        if proc.popen.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise AssertionError(f"{path} never appeared\n{proc.output()}")
+        time.sleep(0.2)
+
+
+def tagged_pids(tag):
+    needle, found = f"{TAG}={tag}".encode(), []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_mp_spawn_stops_on_a_signal_to_its_process_group(ddp_reference, tmp_path, sig):
+    # distributed_mp.py in a terminal (Ctrl-C) or killed with `kill -- -PGID`: the parent,
+    # the spawned workers and their loader workers share one process group.
+    proc = Proc(["distributed_mp.py", *TINY, *WORKERS, "--nproc-per-node", "2", "--checkpoint-dir", tmp_path])
+    wait_for_file(tmp_path / "checkpoint.pt", proc)  # --checkpoint-every 2: training is under way
+    os.killpg(proc.popen.pid, sig)
+    output = expect(proc.wait(180))
+    assert f"on {sig.name}: checkpoint saved" in output, output
+    no_loader_failure(output)
+    step = checkpoint.load(tmp_path / "checkpoint.pt")["global_step"]
+    assert 0 < step < STEPS and step % 10 == 0, output
+    expect(run(["distributed_mp.py", *TINY, *WORKERS, "--nproc-per-node", "2", "--checkpoint-dir", tmp_path,
+                "--resume"]))
+    assert_same_training_state(tmp_path / "checkpoint.pt", ddp_reference)
+
+
+def test_signal_during_evaluation_stops_right_after_it(tmp_path):
+    # The signal comes in the middle of epoch 1's evaluation, on rank 1 only: both ranks
+    # stop after it with epoch 1 checkpointed, instead of ten steps into epoch 2.
+    two_epochs = [*TINY, *WORKERS, "--epochs", "2", "--checkpoint-dir", tmp_path, "--metrics", tmp_path / "m.jsonl"]
+    output = torchrun([FAULTS, "--fault", "signal-during-eval", "--rank", "1", "--eval-seconds", "4", "--",
+                       "distributed.py", *two_epochs]).output()
+    assert f"stopping at step {STEPS} on a signal to another rank: checkpoint saved" in output, output
+    assert "done:" not in output, output
+    saved = checkpoint.load(tmp_path / "checkpoint.pt")
+    assert (saved["global_step"], saved["epoch"], saved["step_in_epoch"]) == (STEPS, 0, STEPS)
+    assert [r["event"] for r in read_metrics(tmp_path / "m.jsonl")] == ["epoch"]  # no "end": not finished
+    resumed = expect(torchrun(["distributed.py", *two_epochs, "--resume"]))
+    assert f"done: {2 * STEPS} steps" in resumed, resumed
+    assert [r["event"] for r in read_metrics(tmp_path / "m.jsonl")] == ["epoch", "epoch", "end"]
+
+
+# --- no orphans ------------------------------------------------------------------------
+
+def wait_until_gone(proc, timeout=40):
+    deadline = time.time() + timeout
+    while tagged_pids(proc.tag):
+        if time.time() > deadline:
+            left = tagged_pids(proc.tag)
+            proc.kill()
+            raise AssertionError(f"processes {left} still running {timeout} s after their launcher died\n"
+                                 f"{proc.output()}")
+        time.sleep(0.5)
+
+
+def test_workers_stop_when_torchrun_is_killed(tmp_path):
+    proc = Proc(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                 FAULTS, "--fault", "kill-launcher", "--rank", "0", "--step", "3", "--",
+                 "distributed.py", *TINY, *WORKERS, "--checkpoint-dir", tmp_path], **FRESH_STORE)
+    proc.popen.wait(120)  # the agent dies of SIGKILL at step 3
+    wait_until_gone(proc)
+    output = proc.output()
+    # Orphaned, the workers stopped as on SIGTERM: at the agreed step, with a checkpoint.
+    assert "stopping at step 10 on SIGTERM" in output, output
+    assert checkpoint.load(tmp_path / "checkpoint.pt")["global_step"] == 10
+
+
+def test_workers_stop_when_the_mp_spawn_parent_is_killed(tmp_path):
+    proc = Proc(["distributed_mp.py", *TINY, *WORKERS, "--nproc-per-node", "2", "--checkpoint-dir", tmp_path])
+    wait_for_file(tmp_path / "checkpoint.pt", proc)
+    os.kill(proc.popen.pid, signal.SIGKILL)
+    proc.popen.wait(10)
+    wait_until_gone(proc)
+    assert "stopping at step" in proc.output(), proc.output()
+
+
+# --- one run per checkpoint directory ------------------------------------------------------
+
+def test_second_run_on_the_same_directory_is_refused_and_no_lock_outlives_a_run(tmp_path):
+    longer = [*TINY, "--train-samples", "8192", *WORKERS, "--checkpoint-dir", tmp_path]
+    first = Proc(["distributed.py", *longer])
+    try:
+        wait_for_file(tmp_path / "checkpoint.pt", first)
+        second = run_script(["distributed.py", *longer, "--resume"], check=False, timeout=120)
+        line = assert_one_line_error(second, f"--checkpoint-dir {tmp_path} is in use by another run",
+                                     f"pid {first.popen.pid}")
+        assert "host " in line
+    finally:
+        first.kill()  # SIGKILL: no chance to clean up, and still no stale lock
+    resumed = run_script(["distributed.py", *longer, "--resume", "--max-steps", "4"], timeout=180)
+    assert "resumed from" in resumed.stdout + resumed.stderr

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, read_metrics
+from conftest import ROOT, assert_one_line_error, read_metrics
 from test_fault_tolerance import Proc, expect
 
 LAUNCHERS = ["scripts/launch_single_node.sh", "scripts/launch_multi_node.sh",
@@ -81,6 +81,21 @@ STUB = textwrap.dedent("""\
         with open(os.environ["STUB_LOG"] + ".srun_pid", "w") as f:
             f.write(str(os.getpid()))
         def ended(*_):
+            with open(os.environ["STUB_LOG"], "a") as log:
+                log.write(json.dumps({{"cmd": "srun ended", "argv": [], "fresh_store": None}}) + "\\n")
+            sys.exit(1)
+        signal.signal(signal.SIGTERM, ended)
+        time.sleep(60)
+        sys.exit(3)
+    if name == "srun" and os.environ.get("STUB_SRUN") == "until-signalled-then-checkpoint":
+        # The same, but the training checkpoints on the signal, as it should.
+        with open(os.environ["STUB_LOG"] + ".srun_pid", "w") as f:
+            f.write(str(os.getpid()))
+        directory = argv[argv.index("--checkpoint-dir") + 1]
+        def ended(*_):
+            time.sleep(0.05)  # a later mtime than the stop marker, also on coarse clocks
+            os.makedirs(directory, exist_ok=True)
+            open(os.path.join(directory, "checkpoint.pt"), "w").close()
             with open(os.environ["STUB_LOG"], "a") as log:
                 log.write(json.dumps({{"cmd": "srun ended", "argv": [], "fresh_store": None}}) + "\\n")
             sys.exit(1)
@@ -192,26 +207,53 @@ def test_slurm_batch_script_directives():
     assert max(i for i, line in enumerate(lines) if line.startswith("#SBATCH")) < first_command
 
 
-def test_slurm_batch_script_command(stubs, script_help):
+def test_slurm_batch_script_command(stubs, script_help, tmp_path):
     env, calls = stubs
-    proc = launch("scripts/slurm.sbatch", env, "--epochs", "3", **SLURM_ENV)
+    proc = launch("scripts/slurm.sbatch", dict(env, CHECKPOINT_DIR=str(tmp_path / "ck")), "--epochs", "3",
+                  **SLURM_ENV)
     assert proc.returncode == 0, proc.stderr
     srun = [c for c in calls() if c["cmd"] == "srun"]
-    assert [c["cmd"] for c in calls()] == ["scontrol", "srun"]  # no scancel, no requeue
+    # The arguments are checked once before srun; no scancel, no requeue.
+    assert [c["cmd"] for c in calls()] == ["python", "scontrol", "srun"]
+    assert calls()[0]["argv"][-1] == "--check-args"
     launcher, script, args = script_and_args(srun[0]["argv"])
     for option in ("--nnodes=2", "--nproc_per_node=8", "--rdzv-backend=c10d",
-                   "--rdzv-endpoint=gpu01:29500", "--rdzv-id=4242", "--max-restarts=3"):
+                   "--rdzv-endpoint=gpu01:24242", "--rdzv-id=4242", "--max-restarts=3"):
         assert option in launcher, launcher
     assert script == "distributed.py" and args[-3:] == ["--resume", "--epochs", "3"], args
-    assert args[args.index("--checkpoint-dir") + 1] == "checkpoints/cifar"
+    assert args[args.index("--checkpoint-dir") + 1] == str(tmp_path / "ck")
     assert srun[0]["fresh_store"] == "1"
     assert_flags_accepted(script, args, script_help)
 
 
-def test_slurm_time_limit_signal_checkpoints_then_requeues(stubs):
+def test_slurm_checkpoint_folder_is_the_job_id_by_default():
+    text = (ROOT / "scripts/slurm.sbatch").read_text()
+    assert 'CHECKPOINT_DIR=${CHECKPOINT_DIR:-checkpoints/$SLURM_JOB_ID}' in text
+
+
+def test_slurm_refuses_bad_arguments_once_before_srun(stubs, tmp_path):
     env, calls = stubs
+    proc = launch("scripts/slurm.sbatch", dict(env, PYTHON=sys.executable, CHECKPOINT_DIR=str(tmp_path)),
+                  "--batch-size", "1000", **SLURM_ENV)
+    assert proc.returncode == 2
+    assert_one_line_error(proc, "batch size 1000 is not divisible by 16 processes")
+    assert [c["cmd"] for c in calls()] == []  # nothing started
+
+
+def test_slurm_without_a_venv_says_how_to_make_one(stubs, tmp_path):
+    env, calls = stubs
+    env = {k: v for k, v in env.items() if k != "PYTHON"}
+    proc = launch(str(ROOT / "scripts/slurm.sbatch"), env, **dict(SLURM_ENV, SLURM_SUBMIT_DIR=str(tmp_path)))
+    assert proc.returncode == 2 and "no .venv" in proc.stderr and "make venv" in proc.stderr
+    assert calls() == []
+
+
+@pytest.mark.parametrize("checkpoints", [True, False])
+def test_slurm_time_limit_signal_checkpoints_then_requeues(stubs, tmp_path, checkpoints):
+    env, calls = stubs
+    mode = "until-signalled-then-checkpoint" if checkpoints else "until-signalled"
     batch = subprocess.Popen(["bash", "scripts/slurm.sbatch"], cwd=ROOT,
-                             env=dict(env, STUB_SRUN="until-signalled", **SLURM_ENV),
+                             env=dict(env, STUB_SRUN=mode, CHECKPOINT_DIR=str(tmp_path / "ck"), **SLURM_ENV),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         pid_file = env["STUB_LOG"] + ".srun_pid"
@@ -223,11 +265,16 @@ def test_slurm_time_limit_signal_checkpoints_then_requeues(stubs):
         output, _ = batch.communicate(timeout=30)
     finally:
         batch.kill()
-    assert batch.returncode == 0, output
     assert "time limit near" in output
-    # The step gets SIGTERM (not srun, which would SIGKILL it); once it has ended, the requeue.
-    assert [(c["cmd"], c["argv"]) for c in calls()][2:] == [
-        ("scancel", ["--signal=TERM", "4242"]), ("srun ended", []), ("scontrol", ["requeue", "4242"])]
+    # The step gets SIGTERM (not srun, which would SIGKILL it); once it has ended, the requeue,
+    # but only when the stop checkpoint was written: a training that crashed fails visibly.
+    stop = [("scancel", ["--signal=TERM", "4242"]), ("srun ended", [])]
+    if checkpoints:
+        assert batch.returncode == 0, output
+        assert [(c["cmd"], c["argv"]) for c in calls()][3:] == [*stop, ("scontrol", ["requeue", "4242"])]
+    else:
+        assert batch.returncode == 1 and "did not write its stop checkpoint" in output, output
+        assert [(c["cmd"], c["argv"]) for c in calls()][3:] == stop
 
 
 # --- mp.spawn --------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ that does not split over the processes, a missing data set, a corrupt checkpoint
 raises `UsageError`; `run_main` turns it into one line on stderr and exit status 2.
 """
 import argparse
+import math
 import os
 import sys
 
@@ -16,13 +17,20 @@ class UsageError(Exception):
     """Bad input from the user: reported as one line and exit status 2, no traceback."""
 
 
+def _prints_errors() -> bool:
+    """Only global rank 0 prints a bad-input line (every rank meets the same one); a
+    RANK that is not a number is itself the error, and is printed."""
+    rank = os.environ.get("RANK", "").strip()
+    return not rank.isdigit() or int(rank) == 0
+
+
 class _Parser(argparse.ArgumentParser):
     # argparse prints the whole usage block before the error; a wrong flag deserves
     # one line that names it, and --help for the rest.
     def error(self, message):
         # Every rank of a job parses the same arguments: one copy of the line is enough.
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n"
-                  if int(os.environ.get("RANK", "0") or 0) == 0 else None)
+                  if _prints_errors() else None)
 
 
 def _positive_int(text):
@@ -45,29 +53,52 @@ def _non_negative_int(text):
     return value
 
 
-def _positive_float(text):
+def _finite_float(text):
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):  # inf and nan would train on garbage or overflow later
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def _positive_float(text):
+    value = _finite_float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be greater than 0, got {value}")
     return value
 
 
 def _non_negative_float(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    value = _finite_float(text)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _seed(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 0 <= value < 2**64:  # what torch.manual_seed accepts
+        raise argparse.ArgumentTypeError(f"must be in 0 .. 2**64-1, got {value}")
+    return value
+
+
+def _port(text):
+    value = _positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 1 .. 65535, got {value}")
     return value
 
 
 positive_int = _positive_int  # for the scripts' own flags (--accum-steps, --nproc-per-node, ...)
 non_negative_int = _non_negative_int
 positive_float = _positive_float
+non_negative_float = _non_negative_float
+port = _port
 
 
 def build_parser(doc: str) -> argparse.ArgumentParser:
@@ -104,7 +135,7 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     g.add_argument("--weight-decay", "--weight_decay", type=_non_negative_float, default=5e-4)
     g.add_argument("--warmup-epochs", type=_non_negative_float, default=1.0,
                    help="linear learning-rate warm-up from 0, in epochs")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=_seed, default=0)
 
     g = parser.add_argument_group("run")
     g.add_argument("--max-steps", type=_positive_int, default=None,
@@ -119,6 +150,9 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                    help="append JSON lines: one record per epoch and one at the end of the run")
     g.add_argument("--log-every", type=_positive_int, default=50,
                    help="refresh the progress bar's loss every N steps (each refresh waits for the device)")
+    g.add_argument("--check-args", action="store_true",
+                   help="only check the arguments (with WORLD_SIZE from the environment) and exit: "
+                        "0 if they are valid, else one line and 2 (batch scripts run this before srun)")
     g.add_argument("--dist-timeout", type=_positive_float, default=1800.0, metavar="SECONDS",
                    help="how long a rank waits in a collective for a peer before the job fails "
                         "(bounds the hang when a peer dies)")
@@ -149,10 +183,23 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
     args = parser.parse_args(argv)
     if args.local_rank is not None and "LOCAL_RANK" not in os.environ:
         os.environ["LOCAL_RANK"] = str(args.local_rank)
+    if args.checkpoint_dir is not None and not args.checkpoint_dir.strip():
+        parser.error("--checkpoint-dir is empty: name a directory")
+    if args.resume is not None and not args.resume.strip():
+        parser.error("--resume is empty: name a checkpoint file, or give --resume alone to continue "
+                     "--checkpoint-dir's checkpoint")
     if args.resume is not None and args.resume == "auto" and not args.checkpoint_dir:
         parser.error("--resume without a PATH needs --checkpoint-dir")
     if args.checkpoint_every is not None and not args.checkpoint_dir:
         parser.error("--checkpoint-every needs --checkpoint-dir")
+    if args.check_args:
+        try:
+            world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+            split_batch(args.batch_size, world_size, getattr(args, "accum_steps", 1) or 1)
+        except (UsageError, ValueError) as err:
+            parser.error(str(err))
+        print(f"arguments OK for {world_size} process{'es' if world_size != 1 else ''}")
+        sys.exit(0)
     return args
 
 
@@ -185,6 +232,10 @@ def run_main(main, argv=None):
     exception is a bug: torchelastic's @record writes its traceback to the error
     file torchrun reads, so the failing rank's error is the one torchrun reports
     first, not the timeouts of the ranks that were waiting for it.
+
+    Called as the program (argv None, the scripts' `cli.run_main(main)`), a run that
+    ended (finished, stopped by a signal, or refused bad input) leaves through
+    `leave`; in-process callers (tests) get SystemExit as usual.
     """
     from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -192,11 +243,43 @@ def run_main(main, argv=None):
         try:
             main(argv)
         except UsageError as err:
-            if int(os.environ.get("RANK", "0")) == 0:
+            if _prints_errors():
                 prog = os.path.basename(sys.argv[0]) or "train"
                 print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
             sys.exit(2)
         except KeyboardInterrupt:
             sys.exit(130)
 
-    record(guarded)()
+    if argv is not None:
+        record(guarded)()
+        return
+    try:
+        record(guarded)()
+    except SystemExit as stop:
+        code = stop.code
+        leave(code if isinstance(code, int) else (0 if code is None else 1), message=
+              None if code is None or isinstance(code, int) else str(code))
+    leave(0)
+
+
+def leave(code: int = 0, message: str = None):
+    """End this process now, once its work is done and its process group destroyed.
+
+    The interpreter's own teardown is skipped on purpose: after a distributed run has
+    finished, destroying what is left at exit (gloo's transport threads, among others)
+    can end a rank in `terminate called without an active exception` (SIGABRT), and the
+    launcher then reports a failure for a job that completed. Everything that matters is
+    done here first: atexit handlers (which also stop DataLoader workers and flush
+    logging), then stdout and stderr are flushed."""
+    if message:
+        print(message, file=sys.stderr)
+    try:
+        import atexit
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # closed, or a broken pipe: nothing left to save
+                pass
+        os._exit(code)
