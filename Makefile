@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: train test venv clean
+.PHONY: train test test-floor test-stress venv clean
 
 $(VENV)/.installed: requirements.txt requirements-test.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,12 +15,34 @@ $(VENV)/.installed: requirements.txt requirements-test.txt
 
 venv: $(VENV)/.installed
 
+# The same project on the oldest PyTorch the README lists (requirements-floor.txt pins it;
+# the constraint keeps requirements.txt's other packages as they are).
+FLOOR_VENV := .venv-floor
+FLOOR_PY := $(FLOOR_VENV)/bin/python
+$(FLOOR_VENV)/.installed: requirements.txt requirements-test.txt requirements-floor.txt
+	test -x $(FLOOR_PY) || $(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_PY) -m pip install --quiet --upgrade pip
+	$(FLOOR_PY) -m pip install --quiet -r requirements-floor.txt -r requirements.txt -r requirements-test.txt
+	touch $@
+
 train: venv
 	bash scripts/quickstart.sh
 
 # One thread per process: the tests start several processes on a small CPU.
 test: venv
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The multi-process tests (launchers, mp.spawn, fault tolerance, collectives, DDP) again on
+# the oldest PyTorch we support, in .venv-floor.
+FLOOR_TESTS := tests/test_launchers.py tests/test_distributed_mp.py tests/test_fault_tolerance.py \
+               tests/test_collectives.py tests/test_ddp.py tests/test_distributed_script.py
+test-floor: $(FLOOR_VENV)/.installed
+	OMP_NUM_THREADS=1 $(FLOOR_PY) -m pytest -q $(FLOOR_TESTS) $(PYTEST_ARGS)
+
+# Many short multi-process runs, several at a time, every rank required to exit 0: the
+# check for rare failures at exit. STRESS_RUNS=N per kind (default 20); PY=... for another venv.
+test-stress: venv
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m stress tests/test_stress_exit.py $(PYTEST_ARGS)
 
 # On a GPU machine, with the python3 that has PyTorch (no venv, no pip): environment, GPU tests
 # and a short benchmark within 8.5 minutes, into $(OUT) or results/gpu-check/ (scripts/gpu_check.sh).
@@ -29,4 +51,4 @@ gpu-check:
 	PYTHON=$(PYTHON) bash scripts/gpu_check.sh
 
 clean:
-	rm -rf $(VENV) .pytest_cache runs
+	rm -rf $(VENV) $(FLOOR_VENV) .pytest_cache runs

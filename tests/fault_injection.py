@@ -20,14 +20,14 @@ Faults, when global step S completes on global rank R:
     kill-during-save
                     the N-th checkpoint write (--save N) writes half of the file,
                     then SIGKILLs the process: a crash in the middle of a save.
-    signal-group    --signal SIG to this process's whole process group, as Ctrl-C in
+    signal-group    --send SIG to this process's whole process group, as Ctrl-C in
                     a terminal or `kill -- -PGID` deliver it (loader workers included).
-    signal-job      --signal SIG to the launcher and every process under it, as
+    signal-job      --send SIG to the launcher and every process under it, as
                     SLURM's `scancel --signal` or a preemption deliver it to a job step.
     kill-launcher   SIGKILL torchrun's agent: its training processes must not train
                     on as orphans.
     signal-during-eval
-                    the first evaluation takes --eval-seconds longer, and --signal SIG
+                    the first evaluation takes --eval-seconds longer, and --send SIG
                     reaches this process in the middle of it.
 
 kill and raise act after the step's bookkeeping (a checkpoint due at step S is
@@ -48,7 +48,7 @@ import time
 
 FAULTS = ("kill", "raise", "sigterm-self", "sigterm-parent", "kill-during-save", "signal-group",
           "signal-job", "kill-launcher", "signal-during-eval")
-SIGNAL = signal.SIGTERM  # set from --signal
+SIGNAL = signal.SIGTERM  # set from --send
 
 
 def _first_attempt() -> bool:
@@ -201,12 +201,12 @@ def main():
     parser.add_argument("--save", type=int, default=2, help="kill-during-save: which save crashes")
     parser.add_argument("--once", action="store_true", help="only on the first attempt")
     parser.add_argument("--once-file", default=None, help="at most once among processes sharing this file")
-    parser.add_argument("--signal", default="TERM", choices=["TERM", "INT", "USR1"],
+    parser.add_argument("--send", default="TERM", choices=["TERM", "INT", "USR1"],
                         help="signal-group, signal-job, signal-during-eval: which signal")
     parser.add_argument("--eval-seconds", type=float, default=4.0, help="signal-during-eval: the pause")
     opts = parser.parse_args(argv[:split])
     global SIGNAL
-    SIGNAL = getattr(signal, "SIG" + opts.signal)
+    SIGNAL = getattr(signal, "SIG" + opts.send)
     script, script_args = argv[split + 1], argv[split + 2:]
     if opts.fault == "sigterm-parent" and "TORCHELASTIC_RUN_ID" not in os.environ:
         sys.exit("fault_injection.py: sigterm-parent needs torchrun as the parent (it would signal "

@@ -330,7 +330,7 @@ def test_signal_to_every_process_of_the_job_with_loader_workers(ddp_reference, t
     # scancel --signal / a preemption: the agent, both workers and their loader workers all
     # get the signal. The loader workers leave it to their rank; the ranks agree on step 10.
     ckpt = tmp_path / "checkpoint.pt"
-    stopped = torchrun([FAULTS, "--fault", "signal-job", "--signal", sig, "--rank", "0", "--step", "3", "--",
+    stopped = torchrun([FAULTS, "--fault", "signal-job", "--send", sig, "--rank", "0", "--step", "3", "--",
                         "distributed.py", *TINY, *WORKERS, "--checkpoint-dir", tmp_path])
     output = stopped.output()
     assert f"stopping at step 10 on SIG{sig}" in output, output
@@ -345,7 +345,7 @@ def test_signal_to_every_process_of_the_job_with_loader_workers(ddp_reference, t
 def test_ctrl_c_to_one_process_with_loader_workers(python_reference, tmp_path):
     # Ctrl-C in a terminal: SIGINT to the foreground process group, loader workers included.
     ckpt = tmp_path / "checkpoint.pt"
-    output = expect(run([FAULTS, "--fault", "signal-group", "--signal", "INT", "--step", "3", "--",
+    output = expect(run([FAULTS, "--fault", "signal-group", "--send", "INT", "--step", "3", "--",
                          "distributed.py", *TINY, *WORKERS, "--checkpoint-dir", tmp_path]))
     assert f"stopping at step 3 on SIGINT: checkpoint saved to {ckpt}" in output, output
     no_loader_failure(output)

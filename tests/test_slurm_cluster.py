@@ -1,0 +1,110 @@
+"""scripts/slurm.sbatch on a real (one-node) Slurm cluster, brought up on this machine by
+scripts/slurm_dev_cluster.sh: a plain job completes, and a time-limit stop (the batch
+shell's USR1 trap, `scancel --signal`) checkpoints, requeues, resumes and ends with the
+same weights as an uninterrupted run. Skipped where Slurm is not installed (install it
+with `bash scripts/slurm_dev_cluster.sh install`) or without root."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, free_port, subprocess_env, torchrun
+from utils import checkpoint
+
+pytestmark = pytest.mark.skipif(
+    not (shutil.which("slurmctld") and shutil.which("sbatch") and shutil.which("munged")) or os.geteuid() != 0,
+    reason="Slurm is not installed (bash scripts/slurm_dev_cluster.sh install), or not root")
+
+TINY = ["--dataset", "synthetic", "--model", "resnet_tiny", "--test-samples", "64", "--batch-size", "32",
+        "--workers", "2", "--epochs", "1", "--checkpoint-every", "2", "--dist-timeout", "120"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    state = tmp_path_factory.mktemp("slurm")
+    env = dict(os.environ, SLURM_DEV_DIR=str(state), SLURM_DEV_PORT=str(free_port()))
+    started = subprocess.run(["bash", "scripts/slurm_dev_cluster.sh", "start"], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0, started.stderr
+    conf = re.search(r"SLURM_CONF=(\S+)", started.stdout).group(1)
+    try:
+        yield dict(env, SLURM_CONF=conf)
+    finally:
+        subprocess.run(["bash", "scripts/slurm_dev_cluster.sh", "stop"], cwd=ROOT, env=env, timeout=60)
+
+
+def batch_script(tmp_path):
+    """slurm.sbatch edited as a user would for this machine: one node, no GPUs, 2 processes."""
+    text = (ROOT / "scripts/slurm.sbatch").read_text()
+    text = text.replace("#SBATCH --nodes=2", "#SBATCH --nodes=1")
+    text = re.sub(r"^#SBATCH --gpus-per-node=.*\n", "", text, flags=re.M)
+    text = re.sub(r"^#SBATCH --cpus-per-task=.*$", "#SBATCH --cpus-per-task=1", text, flags=re.M)
+    path = tmp_path / "job.sbatch"
+    path.write_text(text)
+    return path
+
+
+def submit(cluster, tmp_path, args, *sbatch_options):
+    env = dict(cluster, **subprocess_env(PYTHON=sys.executable, GPUS_PER_NODE="2",
+                                         CHECKPOINT_DIR=str(tmp_path / "ck")))
+    env["SLURM_CONF"] = cluster["SLURM_CONF"]
+    proc = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/job-%j.out", *sbatch_options,
+                           str(batch_script(tmp_path)), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
+def job_state(cluster, job):
+    out = subprocess.run(["scontrol", "show", "job", job], env=cluster, capture_output=True, text=True).stdout
+    match = re.search(r"JobState=(\S+)", out)
+    return match.group(1) if match else "GONE"
+
+
+def wait_for(cluster, job, states, timeout):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        state = job_state(cluster, job)
+        if state in states:
+            return state
+        time.sleep(1)
+    subprocess.run(["scancel", job], env=cluster)
+    raise AssertionError(f"job {job} still {job_state(cluster, job)} after {timeout} s")
+
+
+def test_a_plain_job_completes(cluster, tmp_path):
+    job = submit(cluster, tmp_path, [*TINY, "--train-samples", "256"])
+    assert wait_for(cluster, job, {"COMPLETED", "FAILED", "CANCELLED"}, 300) == "COMPLETED", \
+        (tmp_path / f"job-{job}.out").read_text()
+    log = (tmp_path / f"job-{job}.out").read_text()
+    assert "done: 8 steps" in log, log
+
+
+def test_time_limit_stop_requeues_resumes_and_ends_with_the_same_weights(cluster, tmp_path):
+    args = [*TINY, "--train-samples", "1024"]  # 32 steps
+    job = submit(cluster, tmp_path, args)
+    ckpt = tmp_path / "ck" / "checkpoint.pt"
+    deadline = time.time() + 240
+    while not ckpt.exists():
+        assert time.time() < deadline and job_state(cluster, job) in {"PENDING", "RUNNING"}, \
+            (tmp_path / f"job-{job}.out").read_text()
+        time.sleep(0.5)
+    # What --signal=B:USR1@120 does before the time limit: USR1 to the batch shell alone.
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=cluster, check=True)
+    assert wait_for(cluster, job, {"COMPLETED", "FAILED", "CANCELLED"}, 480) == "COMPLETED", \
+        (tmp_path / f"job-{job}.out").read_text()
+    log = (tmp_path / f"job-{job}.out").read_text()
+    assert "time limit near" in log and "stopping at step" in log and "resumed from" in log, log
+    assert "done: 32 steps" in log, log
+
+    reference = tmp_path / "reference"
+    torchrun(2, "distributed.py", [*args, "--checkpoint-dir", reference], timeout=300)
+    got, want = checkpoint.load(ckpt), checkpoint.load(reference / "checkpoint.pt")
+    assert got["global_step"] == want["global_step"] == 32
+    for name, tensor in want["model"].items():
+        assert torch.equal(got["model"][name], tensor), name
