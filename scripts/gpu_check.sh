@@ -16,16 +16,16 @@
 # Exit status: 0 when every stage passed, 1 when one failed or ran out of time, 2 without CUDA.
 #
 # Knobs (environment): GPU_CHECK_SECONDS (whole run, default 510 = 8.5 minutes),
-# GPU_CHECK_PYTEST_SECONDS (the test stage, default 200), GPU_CHECK_TEST_TIMEOUT (one test,
-# default 180), GPU_CHECK_PYTEST_ARGS (default: -m gpu tests), GPU_CHECK_BENCH_ARGS (default:
+# GPU_CHECK_PYTEST_SECONDS (the test stage, default 240), GPU_CHECK_TEST_TIMEOUT (one test,
+# default 150), GPU_CHECK_PYTEST_ARGS (default: -m gpu tests), GPU_CHECK_BENCH_ARGS (default:
 # the rows below, 3 epochs each). GPU_CHECK_REQUIRE_CUDA=0 runs the stages without a GPU
 # (the harness's own tests do that).
 set -u
 
 PYTHON="${PYTHON:-python3}"
 TOTAL="${GPU_CHECK_SECONDS:-510}"
-PYTEST_SECONDS="${GPU_CHECK_PYTEST_SECONDS:-200}"
-TEST_TIMEOUT="${GPU_CHECK_TEST_TIMEOUT:-180}"
+PYTEST_SECONDS="${GPU_CHECK_PYTEST_SECONDS:-240}"
+TEST_TIMEOUT="${GPU_CHECK_TEST_TIMEOUT:-150}"
 END_SECONDS=25   # kept back at the end for packing the logs and the summary
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="$(realpath -m "${OUT:-$ROOT/results/gpu-check}")"
