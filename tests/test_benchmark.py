@@ -327,7 +327,7 @@ def test_sigterm_mid_row_keeps_finished_rows_and_ends_the_running_one(tmp_path):
     row's processes (torchrun and its two workers) outlives the benchmark."""
     out, logs = tmp_path / "out", tmp_path / "logs"
     # Long enough epochs for the signal to land while `ddp` trains.
-    cmd = [sys.executable, str(TOOL), "--quick", "--device", "cpu", "--rows", "ddp-1proc-noddp,ddp,ceiling-fp32",
+    cmd = [sys.executable, str(TOOL), "--quick", "--device", "cpu", "--rows", "ceiling-fp32,ddp,ddp-1proc-noddp",
            "--steps", "2", "--epochs", "2", "--out", str(out), "--log-dir", str(logs)]
     env = subprocess_env()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -339,7 +339,7 @@ def test_sigterm_mid_row_keeps_finished_rows_and_ends_the_running_one(tmp_path):
             time.sleep(0.2)
         partial = json.loads((out / "benchmark.json").read_text())
         assert partial["state"] == "partial: rows still to run"
-        assert [(r["name"], r["status"]) for r in partial["rows"]] == [("ddp-1proc-noddp", "ok")]
+        assert [(r["name"], r["status"]) for r in partial["rows"]] == [("ceiling-fp32", "ok")]
         while "torch.distributed.run" not in row_commands(str(logs)):  # the row's launcher is up
             assert time.time() < deadline
             time.sleep(0.2)
@@ -355,12 +355,12 @@ def test_sigterm_mid_row_keeps_finished_rows_and_ends_the_running_one(tmp_path):
     report = json.loads((out / "benchmark.json").read_text())
     assert report["state"] == "interrupted by SIGTERM"
     rows = rows_by_name(report)
-    assert rows["ddp-1proc-noddp"]["status"] == "ok" and rows["ddp-1proc-noddp"]["median_images_per_second"] > 0
+    assert rows["ceiling-fp32"]["status"] == "ok" and rows["ceiling-fp32"]["median_images_per_second"] > 0
     assert rows["ddp"]["status"] == "interrupted"
-    assert rows["ceiling-fp32"]["status"] == "not run"
+    assert rows["ddp-1proc-noddp"]["status"] == "not run"
     md = (out / "benchmark.md").read_text()
     assert "- state: interrupted by SIGTERM" in md and "| ddp | torchrun x2 distributed.py | 2 | 32 | interrupted |" in md
-    assert (logs / "ddp-1proc-noddp.log").stat().st_size > 0
+    assert (logs / "ceiling-fp32.log").stat().st_size > 0
     deadline = time.time() + 20
     while row_commands(str(logs)) and time.time() < deadline:
         time.sleep(0.2)
