@@ -16,7 +16,7 @@
 # Exit status: 0 when every stage passed, 1 when one failed or ran out of time, 2 without CUDA.
 #
 # Knobs (environment): GPU_CHECK_SECONDS (whole run, default 510 = 8.5 minutes),
-# GPU_CHECK_PYTEST_SECONDS (the test stage, default 240), GPU_CHECK_TEST_TIMEOUT (one test,
+# GPU_CHECK_PYTEST_SECONDS (the test stage, default 220), GPU_CHECK_TEST_TIMEOUT (one test,
 # default 150), GPU_CHECK_PYTEST_ARGS (default: -m gpu tests), GPU_CHECK_BENCH_ARGS (default:
 # the rows below, 3 epochs each). GPU_CHECK_REQUIRE_CUDA=0 runs the stages without a GPU
 # (the harness's own tests do that).
@@ -24,9 +24,10 @@ set -u
 
 PYTHON="${PYTHON:-python3}"
 TOTAL="${GPU_CHECK_SECONDS:-510}"
-PYTEST_SECONDS="${GPU_CHECK_PYTEST_SECONDS:-240}"
+PYTEST_SECONDS="${GPU_CHECK_PYTEST_SECONDS:-220}"
 TEST_TIMEOUT="${GPU_CHECK_TEST_TIMEOUT:-150}"
 END_SECONDS=25   # kept back at the end for packing the logs and the summary
+KILL_GRACE=20    # a stage that ignores its stop signal is killed this much later
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="$(realpath -m "${OUT:-$ROOT/results/gpu-check}")"
 # Most telling first: a row that no longer fits the budget is reported as not run.
@@ -58,18 +59,18 @@ say() {  # to the terminal and the log
     echo "$*" | tee -a "$LOG"
 }
 
-left() {  # seconds of the budget still free for stages
-    echo $((TOTAL - END_SECONDS - SECONDS))
+left() {  # seconds still free for the next stage, its kill grace included
+    echo $((TOTAL - END_SECONDS - KILL_GRACE - SECONDS))
 }
 
 # run_stage NAME SECONDS SIGNAL COMMAND...: the command's output goes to the log; on time
-# out SIGNAL is sent to it (then SIGKILL 20 s later). Sets STAGE_STATUS.
+# out SIGNAL is sent to it (then SIGKILL KILL_GRACE s later). Sets STAGE_STATUS.
 run_stage() {
     local name="$1" seconds="$2" sig="$3"
     shift 3
     local began=$SECONDS out="$WORK/$name.out"
     say "== $name: at most ${seconds} s: $*"
-    timeout -s "$sig" -k 20 "$seconds" "$@" >"$out" 2>&1 </dev/null
+    timeout -s "$sig" -k "$KILL_GRACE" "$seconds" "$@" >"$out" 2>&1 </dev/null
     STAGE_STATUS=$?
     cat "$out" >>"$LOG"
     if [ "$STAGE_STATUS" -eq 124 ] || [ "$STAGE_STATUS" -eq 137 ]; then
