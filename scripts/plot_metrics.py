@@ -180,7 +180,7 @@ def summary(runs) -> str:
 
 
 def main(argv=None):
-    parser = cli._Parser(description=__doc__.strip().splitlines()[0],
+    parser = cli.Parser(description=__doc__.strip().splitlines()[0],
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("metrics", nargs="+", metavar="RUN.jsonl", help="--metrics files of the training scripts")
     parser.add_argument("-o", "--output", default="curves.png",

@@ -77,7 +77,7 @@ def tcp_port(text):
 
 def build_parser():
     # utils.cli's parser: a bad flag is one line on stderr and exit status 2, printed by rank 0 only.
-    parser = cli._Parser(description=__doc__.strip().splitlines()[0],
+    parser = cli.Parser(description=__doc__.strip().splitlines()[0],
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = parser.add_argument_group("the training job to check (pass its own values)")
     g.add_argument("--workers", type=cli.non_negative_int, default=4,

@@ -76,26 +76,17 @@ STUB = textwrap.dedent("""\
                               "fresh_store": os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")}}) + "\\n")
     if name == "scontrol" and argv[:2] == ["show", "hostnames"]:
         print("gpu01\\ngpu02")
-    if name == "srun" and os.environ.get("STUB_SRUN") == "until-signalled":
-        # Like the job step: runs until SLURM signals it; torchrun then exits 1.
+    if name == "srun" and os.environ.get("STUB_SRUN", "").startswith("until-signalled"):
+        # Like the job step: runs until SLURM signals it; torchrun then exits 1. With
+        # "...-then-checkpoint", the training writes its stop checkpoint first, as it should.
         with open(os.environ["STUB_LOG"] + ".srun_pid", "w") as f:
             f.write(str(os.getpid()))
         def ended(*_):
-            with open(os.environ["STUB_LOG"], "a") as log:
-                log.write(json.dumps({{"cmd": "srun ended", "argv": [], "fresh_store": None}}) + "\\n")
-            sys.exit(1)
-        signal.signal(signal.SIGTERM, ended)
-        time.sleep(60)
-        sys.exit(3)
-    if name == "srun" and os.environ.get("STUB_SRUN") == "until-signalled-then-checkpoint":
-        # The same, but the training checkpoints on the signal, as it should.
-        with open(os.environ["STUB_LOG"] + ".srun_pid", "w") as f:
-            f.write(str(os.getpid()))
-        directory = argv[argv.index("--checkpoint-dir") + 1]
-        def ended(*_):
-            time.sleep(0.05)  # a later mtime than the stop marker, also on coarse clocks
-            os.makedirs(directory, exist_ok=True)
-            open(os.path.join(directory, "checkpoint.pt"), "w").close()
+            if os.environ["STUB_SRUN"].endswith("then-checkpoint"):
+                directory = argv[argv.index("--checkpoint-dir") + 1]
+                time.sleep(0.05)  # a later mtime than the stop marker, also on coarse clocks
+                os.makedirs(directory, exist_ok=True)
+                open(os.path.join(directory, "checkpoint.pt"), "w").close()
             with open(os.environ["STUB_LOG"], "a") as log:
                 log.write(json.dumps({{"cmd": "srun ended", "argv": [], "fresh_store": None}}) + "\\n")
             sys.exit(1)

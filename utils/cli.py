@@ -24,7 +24,7 @@ def _prints_errors() -> bool:
     return not rank.isdigit() or int(rank) == 0
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     # argparse prints the whole usage block before the error; a wrong flag deserves
     # one line that names it, and --help for the rest.
     def error(self, message):
@@ -104,7 +104,7 @@ port = _port
 def build_parser(doc: str) -> argparse.ArgumentParser:
     """The common flags of DESIGN.md, grouped; each script adds its own group."""
     first_line = (doc or "").strip().splitlines()[0] if doc else None
-    parser = _Parser(description=first_line, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = Parser(description=first_line, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 
     g = parser.add_argument_group("data")
     g.add_argument("--dataset", choices=["cifar100", "synthetic"], default="cifar100",
