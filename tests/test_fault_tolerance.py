@@ -429,8 +429,9 @@ def test_workers_stop_when_torchrun_is_killed(tmp_path):
     proc.popen.wait(120)  # the agent dies of SIGKILL at step 3
     wait_until_gone(proc)
     output = proc.output()
-    # Orphaned, the workers stopped as on SIGTERM: at the agreed step, with a checkpoint.
-    assert "stopping at step 10 on SIGTERM" in output, output
+    # Orphaned, the workers stopped as on SIGTERM (each sends it to itself; whichever rank
+    # noticed first is "another rank" to the other): at the agreed step, with a checkpoint.
+    assert re.search(r"stopping at step 10 on (SIGTERM|a signal to another rank)", output), output
     assert checkpoint.load(tmp_path / "checkpoint.pt")["global_step"] == 10
 
 

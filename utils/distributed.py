@@ -12,6 +12,7 @@ import random
 import signal
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,6 +75,9 @@ def setup(rank: int, world_size: int, local_rank: int, local_world_size: int,
     so a failed job ends instead of hanging.
     """
     watch_launcher()
+    # PyTorch 2.15 renames DDP's broadcast_buffers to forward_sync_buffers and warns on every
+    # wrap; the old name means the same there and is the only one PyTorch 2.11 knows.
+    warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
     device = pick_device(local_rank, local_world_size)
     if device.type == "cuda":
         torch.cuda.set_device(device)
