@@ -25,7 +25,8 @@ NOT_EVALUATED = {"test_loss": float("nan"), "test_acc1": float("nan"), "test_acc
 
 def correct_topk(logits: torch.Tensor, targets: torch.Tensor, ks=(1, 5)) -> torch.Tensor:
     """Number of samples whose target is among the k highest logits, for each k."""
-    top = logits.topk(max(ks), dim=1).indices
+    # With fewer classes than k, the top k are all of them (topk itself would raise).
+    top = logits.topk(min(max(ks), logits.shape[1]), dim=1).indices
     hits = top.eq(targets.unsqueeze(1))
     return torch.stack([hits[:, :k].any(dim=1).sum() for k in ks])
 
