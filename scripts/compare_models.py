@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from utils import checkpoint  # noqa: E402
-from utils.cli import UsageError, non_negative_float  # noqa: E402
+from utils.cli import Parser, UsageError, non_negative_float  # noqa: E402
 
 
 def read_state(path: str) -> dict:
@@ -108,7 +108,7 @@ def compare(a: dict, b: dict, atol: float) -> list:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser = Parser(description=__doc__.strip().splitlines()[0])  # bad flags: one line, exit 2
     parser.add_argument("a", metavar="A.pt")
     parser.add_argument("b", metavar="B.pt")
     parser.add_argument("--atol", type=non_negative_float, default=0.0,

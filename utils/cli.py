@@ -19,9 +19,11 @@ class UsageError(Exception):
 
 def _prints_errors() -> bool:
     """Only global rank 0 prints a bad-input line (every rank meets the same one); a
-    RANK that is not a number is itself the error, and is printed."""
-    rank = os.environ.get("RANK", "").strip()
-    return not rank.isdigit() or int(rank) == 0
+    RANK or WORLD_SIZE that cannot be right is itself the error, and is printed."""
+    rank, size = os.environ.get("RANK", "").strip(), os.environ.get("WORLD_SIZE", "").strip()
+    if not rank.isdigit() or int(rank) == 0:
+        return True
+    return not size.isdigit() or int(rank) >= int(size)  # a RANK that cannot be right: say so
 
 
 class Parser(argparse.ArgumentParser):

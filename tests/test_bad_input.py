@@ -1,0 +1,194 @@
+"""What can be checked before training is checked before training: one line on stderr,
+exit status 2, no traceback, no epoch trained, nothing already saved lost. Also the files
+read from --data-dir are data, never code."""
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, SMALL, assert_one_line_error, run_script, subprocess_env
+from test_data import ONE_CPU_PROCESS, args_for, write_cifar100
+from utils import checkpoint, cli, data
+
+import numpy as np
+
+
+# --- flags -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--lr", "inf"], "--lr: expected a finite number"),
+    (["--lr", "nan"], "--lr: expected a finite number"),
+    (["--warmup-epochs", "inf"], "--warmup-epochs: expected a finite number"),
+    (["--momentum", "nan"], "--momentum: expected a finite number"),
+    (["--seed", "-1"], "--seed: must be in 0 .. 2**64-1"),
+    (["--seed", str(2**64)], "--seed: must be in 0 .. 2**64-1"),
+    (["--checkpoint-dir", ""], "--checkpoint-dir is empty"),
+    (["--resume", "", "--checkpoint-dir", "x"], "--resume is empty"),
+])
+def test_bad_flag_values_are_one_line(capsys, argv, fragment):
+    with pytest.raises(SystemExit) as excinfo:
+        cli.parse_args(cli.build_parser(""), argv)
+    assert excinfo.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and fragment in lines[0], lines
+
+
+def test_largest_seed_is_accepted_and_trains():
+    # 2**64-1 reaches the samplers' generators too (seed + epoch wraps, it does not overflow).
+    args = args_for("--seed", str(2**64 - 1), "--dataset", "synthetic", "--train-samples", "64")
+    train, _ = data.build_datasets(args, ONE_CPU_PROCESS)
+    sampler = data.TrainSampler(len(train), 32, 0, 1, args.seed)
+    sampler.set_epoch(3)
+    assert len(list(sampler)) == 64
+
+
+def test_port_out_of_range_names_the_range():
+    proc = run_script(["distributed_mp.py", *SMALL, "--port", "70000"], check=False, timeout=120)
+    assert_one_line_error(proc, "--port", "1 .. 65535", "70000")
+
+
+def test_compare_models_refuses_a_nan_tolerance(tmp_path):
+    proc = run_script(["scripts/compare_models.py", tmp_path / "a.pt", tmp_path / "b.pt", "--atol", "nan"],
+                      check=False, timeout=60)
+    assert_one_line_error(proc, "--atol", "finite")
+
+
+@pytest.mark.parametrize("env, fragment", [
+    ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x'"),
+    ({"RANK": "0", "WORLD_SIZE": "two"}, "WORLD_SIZE='two'"),
+    ({"RANK": "3", "WORLD_SIZE": "2"}, "do not fit together"),
+])
+def test_garbage_in_the_launchers_variables_is_one_line(env, fragment):
+    proc = run_script(["distributed.py", *SMALL], check=False, timeout=120, env=subprocess_env(**env))
+    assert_one_line_error(proc, fragment)
+
+
+@pytest.mark.parametrize("env", [{"RANK": "x", "WORLD_SIZE": "2"}, {"RANK": "0", "WORLD_SIZE": "-1"}])
+def test_collectives_tour_bad_input_exits_2(env):
+    proc = run_script(["scripts/collectives.py"], check=False, timeout=120, env=subprocess_env(**env))
+    assert_one_line_error(proc, "environment variable")
+
+
+# --- outputs that cannot be written: refused before the first step --------------------------
+
+def test_unwritable_metrics_path_is_refused_before_training(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    proc = run_script(["distributed.py", *SMALL, "--metrics", blocker / "m.jsonl"], check=False, timeout=120)
+    assert_one_line_error(proc, "cannot write --metrics")
+    assert "epoch 1" not in proc.stdout  # nothing trained
+
+
+@pytest.mark.parametrize("make, fragment", [
+    (lambda p: (p.write_text(""), p)[1], "is a file, not a directory"),
+    (lambda p: (p.mkdir(), os.chmod(p, 0o500), p)[2], "is not writable"),
+    (lambda p: "/proc/self/ck", "cannot create --checkpoint-dir"),  # unwritable even for root
+])
+def test_bad_checkpoint_dir_is_refused_before_training(tmp_path, make, fragment):
+    if fragment == "is not writable" and os.geteuid() == 0:
+        pytest.skip("root writes into a read-only directory anyway")
+    target = make(tmp_path / "ck")
+    proc = run_script(["distributed.py", *SMALL, "--checkpoint-dir", target], check=False, timeout=120)
+    assert_one_line_error(proc, fragment)
+
+
+def test_metrics_failure_after_an_epoch_keeps_its_checkpoint(tmp_path, monkeypatch):
+    # Checkpoint first, then the record: an epoch whose record cannot be written is not lost.
+    from test_checkpoint import ONE_CPU_PROCESS as ONE, keep_signal_handlers  # noqa: F401
+    from utils import run as run_module
+    from utils.run import TrainingRun
+    import test_checkpoint as tc
+
+    args = tc.args_for("--checkpoint-dir", tmp_path / "ck", "--metrics", tmp_path / "m.jsonl")
+    run, model, optimizer = tc.make_run(args)
+    tc.take_one_step(run, model, optimizer)
+
+    def broken(record):
+        raise OSError("disk full")
+    monkeypatch.setattr(run.log, "write", broken)
+    with pytest.raises(OSError):
+        run.end_epoch({"test_loss": 1.0, "test_acc1": 0.0, "test_acc5": 0.0, "test_samples": 1})
+    assert checkpoint.load(tmp_path / "ck" / "checkpoint.pt")["global_step"] == 1
+
+
+# --- checkpoints that do not fit ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("finished")
+    run_script(["distributed.py", *SMALL, "--checkpoint-dir", directory], timeout=180)
+    return directory
+
+
+@pytest.mark.parametrize("flag, value", [("--lr", "0.2"), ("--momentum", "0.8"), ("--weight-decay", "0.001")])
+def test_changed_optimizer_flags_on_resume_are_refused(finished_run, flag, value):
+    proc = run_script(["distributed.py", *SMALL, "--checkpoint-dir", finished_run, "--resume", flag, value],
+                      check=False, timeout=120)
+    assert_one_line_error(proc, f"was written with {flag}", f"{flag} {float(value)}", "resume with the same value")
+
+
+def test_resume_through_a_symbolic_link_is_the_same_checkpoint(finished_run, tmp_path):
+    link = tmp_path / "latest.pt"
+    link.symlink_to(finished_run / "checkpoint.pt")
+    proc = run_script(["distributed.py", *SMALL, "--checkpoint-dir", finished_run, "--resume", link], timeout=120)
+    assert "nothing to train" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_checkpoint_without_the_keys_a_run_needs_is_one_line(finished_run, tmp_path):
+    state = checkpoint.load(finished_run / "checkpoint.pt")
+    del state["rng"], state["train_sums"]
+    checkpoint.atomic_save(state, str(tmp_path / "partial.pt"))
+    proc = run_script(["distributed.py", *SMALL, "--resume", tmp_path / "partial.pt"], check=False, timeout=120)
+    assert_one_line_error(proc, "lacks train_sums, rng")
+
+
+# --- data files are data --------------------------------------------------------------------
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_crafted_cifar_file_is_refused_and_runs_nothing(tmp_path):
+    rng = np.random.default_rng(0)
+    write_cifar100(tmp_path, rng.integers(0, 256, (8, 3, 32, 32), dtype=np.uint8), rng.integers(0, 100, 8),
+                   rng.integers(0, 256, (4, 3, 32, 32), dtype=np.uint8), rng.integers(0, 100, 4))
+    marker = tmp_path / "pwned"
+    train = tmp_path / "cifar-100-python" / "train"
+    with open(train, "wb") as f:
+        pickle.dump({"data": _Payload(marker)}, f, protocol=2)
+    proc = run_script(["distributed.py", "--dataset", "cifar100", "--data-dir", tmp_path, "--model", "resnet_tiny",
+                       "--workers", "0", "--epochs", "1", "--batch-size", "4"], check=False, timeout=120)
+    assert_one_line_error(proc, f"cannot read CIFAR-100 file {train}", "posix.system")
+    assert not marker.exists()
+
+
+def test_a_re_pickled_subset_with_plain_types_still_loads(tmp_path):
+    # Protocol 4 and protocol 2 (bytes through _codecs.encode) copies, as people make them.
+    rng = np.random.default_rng(1)
+    write_cifar100(tmp_path, rng.integers(0, 256, (6, 3, 32, 32), dtype=np.uint8), rng.integers(0, 100, 6),
+                   rng.integers(0, 256, (3, 3, 32, 32), dtype=np.uint8), rng.integers(0, 100, 3))
+    folder = tmp_path / "cifar-100-python"
+    for name, protocol in (("train", 4), ("test", 2)):
+        with open(folder / name, "rb") as f:
+            entry = pickle.load(f, encoding="bytes")
+        entry = {k.decode(): v for k, v in entry.items()}
+        with open(folder / name, "wb") as f:
+            pickle.dump(entry, f, protocol=protocol)
+    train, test = data.build_datasets(args_for("--dataset", "cifar100", "--data-dir", tmp_path), ONE_CPU_PROCESS)
+    assert (len(train), len(test)) == (6, 3)
+
+
+def test_more_samples_than_the_data_set_has_is_one_line(tmp_path):
+    rng = np.random.default_rng(2)
+    write_cifar100(tmp_path, rng.integers(0, 256, (6, 3, 32, 32), dtype=np.uint8), rng.integers(0, 100, 6),
+                   rng.integers(0, 256, (3, 3, 32, 32), dtype=np.uint8), rng.integers(0, 100, 3))
+    with pytest.raises(cli.UsageError, match="--train-samples 7 is more than the 6 samples"):
+        data.build_datasets(args_for("--dataset", "cifar100", "--data-dir", tmp_path, "--train-samples", "7"),
+                            ONE_CPU_PROCESS)
