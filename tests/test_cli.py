@@ -42,7 +42,7 @@ def test_defaults_reproduce_the_published_recipe(no_local_rank):
     assert args.epochs == 200 and args.batch_size == 128
     assert args.lr == 0.1 and args.momentum == 0.9 and args.weight_decay == 5e-4
     assert args.warmup_epochs == 1.0 and args.nesterov is True
-    assert args.seed == 0 and args.workers == 4
+    assert args.seed == 0 and args.workers is None  # None: what the machine can feed, see below
     assert args.max_steps is None and args.checkpoint_dir is None and args.checkpoint_every is None
     assert args.resume is None and args.metrics is None and args.local_rank is None
     assert "LOCAL_RANK" not in os.environ
@@ -207,3 +207,14 @@ def test_resolved_config_is_plain_json(no_local_rank):
     config = cli.plain_config(parse(["--dataset", "synthetic"]))
     assert json.loads(json.dumps(config)) == config
     assert config["batch_size"] == 128 and config["dataset"] == "synthetic"
+
+
+@pytest.mark.parametrize("cores, local_world_size, expected", [(2, 1, 2), (2, 2, 1), (2, 4, 1), (64, 8, 4), (16, 1, 4)])
+def test_default_workers_fit_the_cores_per_process(monkeypatch, cores, local_world_size, expected):
+    from utils import data
+    from utils.distributed import DistEnv
+    import torch
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    env = DistEnv(0, 0, local_world_size, local_world_size, torch.device("cpu"), local_world_size > 1)
+    assert data.loader_workers(parse([]), env) == expected
+    assert data.loader_workers(parse(["--workers", "0"]), env) == 0  # an explicit value wins

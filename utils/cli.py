@@ -23,6 +23,8 @@ def _prints_errors() -> bool:
     rank, size = os.environ.get("RANK", "").strip(), os.environ.get("WORLD_SIZE", "").strip()
     if not rank.isdigit() or int(rank) == 0:
         return True
+    if not size:
+        return False
     return not size.isdigit() or int(rank) >= int(size)  # a RANK that cannot be right: say so
 
 
@@ -117,8 +119,9 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                    help="use only the first N training images (quick runs, tests)")
     g.add_argument("--test-samples", type=_positive_int, default=None,
                    help="use only the first N test images")
-    g.add_argument("--workers", type=_non_negative_int, default=4,
-                   help="data-loading worker processes per training process")
+    g.add_argument("--workers", type=_non_negative_int, default=None,
+                   help="data-loading worker processes per training process (default: the smaller of 4 "
+                        "and the CPU cores per process on this node, at least 1)")
 
     g = parser.add_argument_group("model")
     g.add_argument("--model", choices=MODEL_NAMES, default="resnet18")

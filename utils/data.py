@@ -358,6 +358,19 @@ def _worker_init(_):
     torch.set_num_threads(1)
 
 
+def loader_workers(args, env: DistEnv) -> int:
+    """--workers, or what this node can feed: the smaller of 4 and its CPU cores per
+    process (at least 1). More workers than cores only adds processes that wait for a
+    core (and PyTorch's warning about it); 4 keep one GPU fed with CIFAR-sized images."""
+    if args.workers is not None:
+        return args.workers
+    try:
+        cores = len(os.sched_getaffinity(0))  # the cores this process may use (containers, taskset)
+    except AttributeError:  # macOS
+        cores = os.cpu_count() or 1
+    return max(1, min(4, cores // max(1, env.local_world_size)))
+
+
 class Loader(DataLoader):
     """A DataLoader whose worker processes start with the stop signals blocked, so that a
     signal to the whole process group cannot kill one before `_worker_init` runs."""
@@ -369,14 +382,16 @@ class Loader(DataLoader):
 
 def train_loader(train_set, per_device_batch: int, global_batch: int, env: DistEnv, args) -> DataLoader:
     sampler = TrainSampler(len(train_set), global_batch, env.rank, env.world_size, args.seed)
+    workers = loader_workers(args, env)
     return Loader(train_set, batch_size=per_device_batch, sampler=sampler,
-                      num_workers=args.workers, pin_memory=env.device.type == "cuda",
-                      persistent_workers=args.workers > 0, worker_init_fn=_worker_init,
-                      drop_last=False)  # the sampler already yields whole batches
+                  num_workers=workers, pin_memory=env.device.type == "cuda",
+                  persistent_workers=workers > 0, worker_init_fn=_worker_init,
+                  drop_last=False)  # the sampler already yields whole batches
 
 
 def eval_loader(test_set, batch_size: int, env: DistEnv, args) -> DataLoader:
+    workers = loader_workers(args, env)
     return Loader(test_set, batch_size=batch_size,
-                      sampler=ShardSampler(len(test_set), env.rank, env.world_size),
-                      num_workers=args.workers, pin_memory=env.device.type == "cuda",
-                      persistent_workers=args.workers > 0, worker_init_fn=_worker_init)
+                  sampler=ShardSampler(len(test_set), env.rank, env.world_size),
+                  num_workers=workers, pin_memory=env.device.type == "cuda",
+                  persistent_workers=workers > 0, worker_init_fn=_worker_init)
