@@ -361,7 +361,7 @@ def _worker_init(_):
 def loader_workers(args, env: DistEnv) -> int:
     """--workers, or what this node can feed: the smaller of 4 and its CPU cores per
     process (at least 1). More workers than cores only adds processes that wait for a
-    core (and PyTorch's warning about it); 4 keep one GPU fed with CIFAR-sized images."""
+    core (and PyTorch's warning about it)."""
     if args.workers is not None:
         return args.workers
     try:
