@@ -122,8 +122,8 @@ class TrainingRun:
             raise UsageError(f"{self.checkpoint_path} exists for some ranks but not others: "
                              "--checkpoint-dir must be on a file system that every node sees")
         # Each torchrun agent counts only its own restarts: when a worker dies on one node,
-        # the healthy nodes' workers restart with a count of 0. Any rank restarted means
-        # the whole group was.
+        # the healthy nodes' workers may restart with a count of 0. Any rank restarted
+        # means the whole group was.
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         restarted = not all_ranks_ok(restarts == 0, self.env.device)
         if exists and restarted:
