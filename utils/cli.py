@@ -270,12 +270,17 @@ def run_main(main, argv=None):
 def leave(code: int = 0, message: str = None):
     """End this process now, once its work is done and its process group destroyed.
 
-    The interpreter's own teardown is skipped on purpose: after a distributed run has
-    finished, destroying what is left at exit (gloo's transport threads, among others)
-    can end a rank in `terminate called without an active exception` (SIGABRT), and the
-    launcher then reports a failure for a job that completed. Everything that matters is
-    done here first: atexit handlers (which also stop DataLoader workers and flush
-    logging), then stdout and stderr are flushed."""
+    The interpreter's own teardown is skipped on purpose. A gloo worker thread
+    (ProcessGroupGloo::runLoop) can hold the last reference to a finished work item whose
+    tensors keep Python objects alive; freeing them needs the GIL, and if the main thread
+    is finalizing the interpreter by then, Python ends that thread with pthread_exit,
+    whose unwinding meets a noexcept destructor: `terminate called without an active
+    exception`, SIGABRT, and the launcher reports a failure for a job that completed.
+    This happens when the group (or a DDP model that references it) is still alive at
+    exit; PyTorch's attempt to destroy groups from an atexit handler (pytorch/pytorch
+    PR 179291) was abandoned. Everything that matters is done here first: atexit
+    handlers (which also stop DataLoader workers and flush logging), then stdout and
+    stderr are flushed."""
     if message:
         print(message, file=sys.stderr)
     try:
