@@ -112,9 +112,9 @@ def expect(proc, rc=0):
 
 # --- checkpoints ---------------------------------------------------------------------------
 
-def assert_same_training_state(path, reference):
+def assert_same_training_state(path, reference, steps=STEPS):
     got, want = checkpoint.load(path), checkpoint.load(reference)
-    assert got["global_step"] == want["global_step"] == STEPS
+    assert got["global_step"] == want["global_step"] == steps
     assert got["model"].keys() == want["model"].keys()
     for name, tensor in want["model"].items():
         assert torch.equal(got["model"][name], tensor), f"model {name} differs from the uninterrupted run"
@@ -376,21 +376,33 @@ def tagged_pids(tag):
     return found
 
 
+# 256 steps in all, 60 of them trained: the signal, sent from outside as a user would,
+# lands long before the end whatever the machine's speed.
+LONG_RUN, LONG_STEPS = [*TINY, "--train-samples", "8192", *WORKERS, "--max-steps", "60"], 60
+
+
+@pytest.fixture(scope="module")
+def long_reference(tmp_path_factory):
+    ckpt_dir = tmp_path_factory.mktemp("long_reference")
+    expect(torchrun(["distributed.py", *LONG_RUN, "--checkpoint-dir", ckpt_dir]))
+    return ckpt_dir / "checkpoint.pt"
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_mp_spawn_stops_on_a_signal_to_its_process_group(ddp_reference, tmp_path, sig):
+def test_mp_spawn_stops_on_a_signal_to_its_process_group(long_reference, tmp_path, sig):
     # distributed_mp.py in a terminal (Ctrl-C) or killed with `kill -- -PGID`: the parent,
     # the spawned workers and their loader workers share one process group.
-    proc = Proc(["distributed_mp.py", *TINY, *WORKERS, "--nproc-per-node", "2", "--checkpoint-dir", tmp_path])
+    proc = Proc(["distributed_mp.py", *LONG_RUN, "--nproc-per-node", "2", "--checkpoint-dir", tmp_path])
     wait_for_file(tmp_path / "checkpoint.pt", proc)  # --checkpoint-every 2: training is under way
     os.killpg(proc.popen.pid, sig)
     output = expect(proc.wait(180))
     assert f"on {sig.name}: checkpoint saved" in output, output
     no_loader_failure(output)
     step = checkpoint.load(tmp_path / "checkpoint.pt")["global_step"]
-    assert 0 < step < STEPS and step % 10 == 0, output
-    expect(run(["distributed_mp.py", *TINY, *WORKERS, "--nproc-per-node", "2", "--checkpoint-dir", tmp_path,
+    assert 0 < step < LONG_STEPS and step % 10 == 0, output
+    expect(run(["distributed_mp.py", *LONG_RUN, "--nproc-per-node", "2", "--checkpoint-dir", tmp_path,
                 "--resume"]))
-    assert_same_training_state(tmp_path / "checkpoint.pt", ddp_reference)
+    assert_same_training_state(tmp_path / "checkpoint.pt", long_reference, steps=LONG_STEPS)
 
 
 def test_signal_during_evaluation_stops_right_after_it(tmp_path):
@@ -422,32 +434,38 @@ def wait_until_gone(proc, timeout=40):
         time.sleep(0.5)
 
 
+# Runs long enough (256 steps) that the launcher's death is noticed in the middle of them.
+LONG = [*TINY, "--train-samples", "8192", *WORKERS]
+
+
 def test_workers_stop_when_torchrun_is_killed(tmp_path):
     proc = Proc(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                  FAULTS, "--fault", "kill-launcher", "--rank", "0", "--step", "3", "--",
-                 "distributed.py", *TINY, *WORKERS, "--checkpoint-dir", tmp_path], **FRESH_STORE)
+                 "distributed.py", *LONG, "--checkpoint-dir", tmp_path], **FRESH_STORE)
     proc.popen.wait(120)  # the agent dies of SIGKILL at step 3
     wait_until_gone(proc)
     output = proc.output()
     # Orphaned, the workers stopped as on SIGTERM (each sends it to itself; whichever rank
-    # noticed first is "another rank" to the other): at the agreed step, with a checkpoint.
-    assert re.search(r"stopping at step 10 on (SIGTERM|a signal to another rank)", output), output
-    assert checkpoint.load(tmp_path / "checkpoint.pt")["global_step"] == 10
+    # noticed first is "another rank" to the other): at an agreed step, with a checkpoint.
+    stop = re.search(r"stopping at step (\d+) on (SIGTERM|a signal to another rank)", output)
+    assert stop and int(stop.group(1)) % 10 == 0 and "done:" not in output, output
+    assert checkpoint.load(tmp_path / "checkpoint.pt")["global_step"] == int(stop.group(1))
 
 
 def test_workers_stop_when_the_mp_spawn_parent_is_killed(tmp_path):
-    proc = Proc(["distributed_mp.py", *TINY, *WORKERS, "--nproc-per-node", "2", "--checkpoint-dir", tmp_path])
+    proc = Proc(["distributed_mp.py", *LONG, "--nproc-per-node", "2", "--checkpoint-dir", tmp_path])
     wait_for_file(tmp_path / "checkpoint.pt", proc)
     os.kill(proc.popen.pid, signal.SIGKILL)
     proc.popen.wait(10)
     wait_until_gone(proc)
-    assert "stopping at step" in proc.output(), proc.output()
+    assert "stopping at step" in proc.output() and "done:" not in proc.output(), proc.output()
 
 
 # --- one run per checkpoint directory ------------------------------------------------------
 
 def test_second_run_on_the_same_directory_is_refused_and_no_lock_outlives_a_run(tmp_path):
-    longer = [*TINY, "--train-samples", "8192", *WORKERS, "--checkpoint-dir", tmp_path]
+    # Long enough (thousands of steps) to be still running whatever the machine's speed.
+    longer = [*TINY, "--train-samples", "8192", "--epochs", "50", *WORKERS, "--checkpoint-dir", tmp_path]
     first = Proc(["distributed.py", *longer])
     try:
         wait_for_file(tmp_path / "checkpoint.pt", first)

@@ -238,9 +238,9 @@ def run_main(main, argv=None):
     file torchrun reads, so the failing rank's error is the one torchrun reports
     first, not the timeouts of the ranks that were waiting for it.
 
-    Called as the program (argv None, the scripts' `cli.run_main(main)`), a run that
-    ended (finished, stopped by a signal, or refused bad input) leaves through
-    `leave`; in-process callers (tests) get SystemExit as usual.
+    Called as the program (argv None, the scripts' `cli.run_main(main)`) in a process
+    that joined a process group, a run that ended (finished, stopped by a signal, or
+    refused bad input) leaves through `leave`; otherwise SystemExit as usual.
     """
     from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -255,7 +255,7 @@ def run_main(main, argv=None):
         except KeyboardInterrupt:
             sys.exit(130)
 
-    if argv is not None:
+    if argv is not None or not _joined_a_group:
         record(guarded)()
         return
     try:
@@ -265,6 +265,17 @@ def run_main(main, argv=None):
         leave(code if isinstance(code, int) else (0 if code is None else 1), message=
               None if code is None or isinstance(code, int) else str(code))
     leave(0)
+
+
+_joined_a_group = False  # set by utils.distributed.setup: only such a process needs `leave`
+
+
+def joined_a_group():
+    """Called when this process joins a process group: from then on, run_main ends it
+    through `leave` (a process that never did, e.g. one refused at argument parsing,
+    exits normally)."""
+    global _joined_a_group
+    _joined_a_group = True
 
 
 def leave(code: int = 0, message: str = None):
