@@ -287,9 +287,12 @@ def leave(code: int = 0, message: str = None):
     is finalizing the interpreter by then, Python ends that thread with pthread_exit,
     whose unwinding meets a noexcept destructor: `terminate called without an active
     exception`, SIGABRT, and the launcher reports a failure for a job that completed.
-    This happens when the group (or a DDP model that references it) is still alive at
-    exit; PyTorch's attempt to destroy groups from an atexit handler (pytorch/pytorch
-    PR 179291) was abandoned. Everything that matters is done here first: atexit
+    A DDP model keeps its group, and so those threads, alive after
+    destroy_process_group() (measured: gloo's threads still ran after `del model`,
+    gc.collect() and destroy_process_group(); pytorch/pytorch issues 72366, 107298), and
+    PyTorch's attempt to destroy groups from an atexit handler (pytorch/pytorch PR
+    179291) was abandoned. It strikes most when a collective is the last thing a rank
+    does before exiting (tutorials/09-debugging.md has the measurements). Everything that matters is done here first: atexit
     handlers (which also stop DataLoader workers and flush logging), then stdout and
     stderr are flushed."""
     if message:

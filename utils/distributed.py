@@ -82,9 +82,9 @@ def setup(rank: int, world_size: int, local_rank: int, local_world_size: int,
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    joined_a_group()  # the process now ends through cli.leave (see there)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
+    joined_a_group()  # the process now ends through cli.leave (see there)
     return DistEnv(rank, local_rank, world_size, local_world_size, device, distributed=True)
 
 
