@@ -281,20 +281,22 @@ def joined_a_group():
 def leave(code: int = 0, message: str = None):
     """End this process now, once its work is done and its process group destroyed.
 
-    The interpreter's own teardown is skipped on purpose. A gloo worker thread
-    (ProcessGroupGloo::runLoop) can hold the last reference to a finished work item whose
-    tensors keep Python objects alive; freeing them needs the GIL, and if the main thread
-    is finalizing the interpreter by then, Python ends that thread with pthread_exit,
-    whose unwinding meets a noexcept destructor: `terminate called without an active
-    exception`, SIGABRT, and the launcher reports a failure for a job that completed.
-    A DDP model keeps its group, and so those threads, alive after
-    destroy_process_group() (measured: gloo's threads still ran after `del model`,
-    gc.collect() and destroy_process_group(); pytorch/pytorch issues 72366, 107298), and
-    PyTorch's attempt to destroy groups from an atexit handler (pytorch/pytorch PR
-    179291) was abandoned. It strikes most when a collective is the last thing a rank
-    does before exiting (tutorials/09-debugging.md has the measurements). Everything that matters is done here first: atexit
-    handlers (which also stop DataLoader workers and flush logging), then stdout and
-    stderr are flushed."""
+    The interpreter's own teardown is skipped on purpose. destroy_process_group() does
+    not stop gloo's worker threads (gloo has no shutdown); they end when the last
+    reference to the group goes, and once a DDP model has used the group something in
+    PyTorch still holds it (measured: the threads still ran after `del model`,
+    gc.collect() and destroy_process_group(); pytorch/pytorch issues 72366, 107298). A
+    worker thread (ProcessGroupGloo::runLoop) can then free a finished work item whose
+    tensors were made in Python while the main thread finalizes the interpreter; freeing
+    them needs the GIL, Python (up to 3.13) ends that thread with pthread_exit inside a
+    noexcept destructor: `terminate called without an active exception`, SIGABRT, and
+    the launcher reports a failure for a job that completed (pytorch/pytorch issue
+    190489). It strikes most often when a collective is the last thing a rank does
+    before exiting; tutorials/09-debugging.md has the measurements.
+
+    Before exiting this runs the atexit handlers (which also stop DataLoader workers and
+    flush logging) and flushes stdout and stderr; nothing else (__del__ methods, other
+    open files) runs."""
     if message:
         print(message, file=sys.stderr)
     try:
