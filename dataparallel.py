@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models import build_model
+from models import MODEL_NAMES, build_model
 from utils import cli, data, distributed as dist_utils, metrics, precision, schedule
 from utils.run import TrainingRun
 
@@ -44,7 +44,7 @@ from utils.run import TrainingRun
 
 def main(argv=None):
     # --- arguments --------------------------------------------------------------------
-    parser = cli.build_parser(__doc__)
+    parser = cli.build_parser(__doc__, MODEL_NAMES)
     g = parser.add_argument_group("dataparallel")
     g.add_argument("--gpus", "--gpu", type=gpu_list, default=None, metavar="IDS",
                    help="GPU ids separated by commas, e.g. 0,1,2,3; without it, every visible GPU")
@@ -104,6 +104,7 @@ def train(args, env, per_process_batch, device_ids, amp_dtype):
     # --- training loop ----------------------------------------------------------------
     for epoch in run.epochs():
         # A new shuffle every epoch; without set_epoch every epoch repeats the first order.
+        # start_step (DistributedSampler has none): a resumed epoch goes on at its next batch.
         train_loader.sampler.set_epoch(epoch, start_step=run.step_in_epoch)
         dp_model.train()
         for images, targets in run.progress(train_loader):

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from models import build_model
+from models import MODEL_NAMES, build_model
 from utils import cli, data, distributed as dist_utils, metrics, replicas, schedule
 from utils.precision import AMP_DTYPES, autocast_dtype, default_amp
 from utils.device_data import DeviceEvalLoader, DeviceTrainLoader
@@ -53,7 +53,7 @@ from utils.run import TrainingRun
 
 def main(argv=None):
     # --- arguments --------------------------------------------------------------------
-    parser = cli.build_parser(__doc__)
+    parser = cli.build_parser(__doc__, MODEL_NAMES)
     replicas.add_flags(parser)
     cli.add_fast_path_flags(parser)
     g = parser.add_argument_group("mixed precision")
@@ -166,6 +166,7 @@ def train(args, env, per_device_batch, precision):
     # --- training loop ----------------------------------------------------------------
     for epoch in run.epochs():
         # A new shuffle every epoch; without set_epoch every epoch repeats the first order.
+        # start_step (DistributedSampler has none): a resumed epoch goes on at its next batch.
         train_loader.sampler.set_epoch(epoch, start_step=run.step_in_epoch)
         ddp_model.train()
         for images, targets in run.progress(train_loader):

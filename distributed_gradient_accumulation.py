@@ -27,14 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from models import build_model
+from models import MODEL_NAMES, build_model
 from utils import cli, data, distributed as dist_utils, metrics, replicas, schedule
 from utils.run import TrainingRun
 
 
 def main(argv=None):
     # --- arguments --------------------------------------------------------------------
-    parser = cli.build_parser(__doc__)
+    parser = cli.build_parser(__doc__, MODEL_NAMES)
     replicas.add_flags(parser)
     g = parser.add_argument_group("ddp-accum")
     g.add_argument("--accum-steps", "--grad_accu_steps", type=cli.positive_int, default=1,
@@ -96,6 +96,7 @@ def train(args, env, micro_batch):
     # --- training loop ----------------------------------------------------------------
     for epoch in run.epochs():
         # A new shuffle every epoch; without set_epoch every epoch repeats the first order.
+        # start_step (DistributedSampler has none): a resumed epoch goes on at its next batch.
         train_loader.sampler.set_epoch(epoch, start_step=run.step_in_epoch)
         ddp_model.train()
         for micro_step, (images, targets) in enumerate(run.progress(train_loader)):

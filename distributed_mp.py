@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from models import build_model
+from models import MODEL_NAMES, build_model
 from utils import cli, data, distributed as dist_utils, metrics, preemption, replicas, schedule
 from utils.device_data import DeviceEvalLoader, DeviceTrainLoader
 from utils.run import TrainingRun
@@ -43,7 +43,7 @@ from utils.run import TrainingRun
 
 def main(argv=None):
     # --- arguments --------------------------------------------------------------------
-    parser = cli.build_parser(__doc__)
+    parser = cli.build_parser(__doc__, MODEL_NAMES)
     replicas.add_flags(parser)
     cli.add_fast_path_flags(parser)
     g = parser.add_argument_group("ddp-spawn")
@@ -155,6 +155,7 @@ def train(args, env, per_device_batch):
     # --- training loop ----------------------------------------------------------------
     for epoch in run.epochs():
         # A new shuffle every epoch; without set_epoch every epoch repeats the first order.
+        # start_step (DistributedSampler has none): a resumed epoch goes on at its next batch.
         train_loader.sampler.set_epoch(epoch, start_step=run.step_in_epoch)
         ddp_model.train()
         for images, targets in run.progress(train_loader):

@@ -11,6 +11,7 @@ import torch
 
 from conftest import ROOT, SMALL, assert_one_line_error, run_script, subprocess_env
 from test_data import ONE_CPU_PROCESS, args_for, write_cifar100
+from models import MODEL_NAMES
 from utils import checkpoint, cli, data
 
 import numpy as np
@@ -30,7 +31,7 @@ import numpy as np
 ])
 def test_bad_flag_values_are_one_line(capsys, argv, fragment):
     with pytest.raises(SystemExit) as excinfo:
-        cli.parse_args(cli.build_parser(""), argv)
+        cli.parse_args(cli.build_parser("", MODEL_NAMES), argv)
     assert excinfo.value.code == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and fragment in lines[0], lines

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import SMALL, run_script
-from models import build_model
+from models import MODEL_NAMES, build_model
 from utils import checkpoint, cli, schedule
 from utils.distributed import DistEnv
 from utils.run import TrainingRun
@@ -121,7 +121,7 @@ def keep_signal_handlers():
 
 
 def args_for(*argv):
-    return cli.parse_args(cli.build_parser(""), [*SMALL, *map(str, argv)])
+    return cli.parse_args(cli.build_parser("", MODEL_NAMES), [*SMALL, *map(str, argv)])
 
 
 def make_run(args, model_name="resnet_tiny"):

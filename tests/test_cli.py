@@ -5,11 +5,12 @@ import os
 
 import pytest
 
+from models import MODEL_NAMES
 from utils import cli
 
 
 def parse(argv):
-    return cli.parse_args(cli.build_parser(__doc__), argv)
+    return cli.parse_args(cli.build_parser(__doc__, MODEL_NAMES), argv)
 
 
 @pytest.fixture
@@ -92,7 +93,7 @@ def test_local_rank_flag_does_not_override_the_launchers_environment(monkeypatch
 
 def test_local_rank_is_not_advertised_in_help(capsys):
     with pytest.raises(SystemExit):
-        cli.build_parser(__doc__).parse_args(["--help"])
+        cli.build_parser(__doc__, MODEL_NAMES).parse_args(["--help"])
     out = capsys.readouterr().out
     assert "--local-rank" not in out and "--batch-size" in out
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import SMALL, assert_one_line_error, read_metrics, run_script, torchrun
+from models import MODEL_NAMES
 from utils import cli, data
 from utils.distributed import DistEnv
 
@@ -79,7 +80,7 @@ def small_cifar(tmp_path_factory):
 
 
 def args_for(*argv):
-    return cli.parse_args(cli.build_parser(""), ["--workers", "0", *map(str, argv)])
+    return cli.parse_args(cli.build_parser("", MODEL_NAMES), ["--workers", "0", *map(str, argv)])
 
 
 def normalized(chw_uint8: np.ndarray) -> torch.Tensor:

@@ -10,7 +10,7 @@ from conftest import SMALL, assert_one_line_error, free_port, read_metrics, run_
 from utils import cli
 from utils import distributed as dist_utils
 
-# Every field DESIGN.md promises in each --metrics record.
+# Every field README promises in each --metrics epoch record.
 RECORD_FIELDS = ("epoch", "step", "train_loss", "train_acc1", "test_loss", "test_acc1", "test_acc5",
                  "test_samples", "epoch_seconds", "images_per_second", "world_size", "global_batch",
                  "strategy", "device")

@@ -10,7 +10,6 @@ import math
 import os
 import sys
 
-from models import MODEL_NAMES
 
 
 class UsageError(Exception):
@@ -105,8 +104,9 @@ non_negative_float = _non_negative_float
 port = _port
 
 
-def build_parser(doc: str) -> argparse.ArgumentParser:
-    """The common flags of DESIGN.md, grouped; each script adds its own group."""
+def build_parser(doc: str, model_names) -> argparse.ArgumentParser:
+    """The command line every script shares, grouped; each script adds its own group.
+    model_names: the choices of --model (the script knows its models; this module does not)."""
     first_line = (doc or "").strip().splitlines()[0] if doc else None
     parser = Parser(description=first_line, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 
@@ -124,7 +124,7 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                         "and the CPU cores per process on this node, at least 1)")
 
     g = parser.add_argument_group("model")
-    g.add_argument("--model", choices=MODEL_NAMES, default="resnet18")
+    g.add_argument("--model", choices=model_names, default="resnet18")
 
     # Defaults follow weiaicunzai/pytorch-cifar100, itself after the Cutout paper (DeVries &
     # Taylor, 2017): 200 epochs, batch 128, SGD lr 0.1 with Nesterov momentum 0.9, weight decay
