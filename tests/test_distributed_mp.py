@@ -167,7 +167,9 @@ def test_sigterm_to_the_parent_checkpoints_and_exits_0(tmp_path):
     assert "on SIGTERM: checkpoint saved" in rest and rest.count("stopping at step") == 1
     stopped_at = int(rest.split("stopping at step ")[1].split(":")[0].split()[0])
     state = torch.load(tmp_path / "checkpoint.pt", map_location="cpu", weights_only=True)
-    assert state["global_step"] == stopped_at > 256 // 32  # saved where it stopped, in epoch 2
+    # Saved where it stopped: in epoch 2, or at the end of epoch 1 when the signal landed
+    # while that epoch was being closed (the stop is agreed once more after evaluation).
+    assert state["global_step"] == stopped_at >= 256 // 32
 
 
 @pytest.mark.gpu
