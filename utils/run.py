@@ -14,6 +14,22 @@ hand this object the rest:
                 break
         run.end_epoch(evaluate(model, test_loader, env.device))
     run.finish()
+
+Collectives: every rank must make each of these calls, at the same points and in the
+same order, or the others wait in it until --dist-timeout. So no rank may skip a
+`step_done()` or leave the loop on its own (a rank-dependent `continue` or `break`).
+
+- `TrainingRun(...)`: small all-reduces (`all_ranks_ok`) that agree on the output
+  files, on whether a checkpoint exists and on whether this is a launcher's restart,
+  and, with --resume, on whether every rank loaded it.
+- `step_done()`, every step: every `check_every` steps (10 with several processes)
+  one all-reduce that agrees on a stop signal; when a checkpoint is due, one
+  all-reduce of the epoch's training sums (`save`).
+- `end_epoch()`: an all-reduce of the training sums for the summary, another in
+  `save`, then one more stop agreement (a signal that came during evaluation).
+  The script's `metrics.evaluate` before it makes its own (one all-reduce, and the
+  broadcasts of batch-norm buffers).
+- `finish()` and `epochs()` communicate nothing.
 """
 import json
 import os
