@@ -204,6 +204,57 @@ def test_run_main_returns_normally_on_success():
     assert seen == [["--x"]]
 
 
+# A program that calls run_main as the scripts do. The witness's __del__ runs only in
+# the interpreter's teardown, so its line shows whether the process left through
+# cli.leave (os._exit, no teardown) or exited normally.
+RUN_MAIN_PROGRAM = """
+import sys
+sys.path.insert(0, {root!r})
+from utils import cli
+
+class Witness:
+    def __del__(self):
+        print("teardown ran", flush=True)
+
+witness = Witness()
+
+def main(argv):
+    if "join" in sys.argv:
+        cli.joined_a_group()  # what utils.distributed.setup calls after init_process_group
+    print("main ran", flush=True)
+    if "usage-error" in sys.argv:
+        raise cli.UsageError("bad input")
+
+cli.run_main(main)
+"""
+
+
+@pytest.mark.parametrize("args, code, teardown", [
+    (["join"], 0, False),                 # a rank that finished: leave, exit 0
+    (["join", "usage-error"], 2, False),  # refused after joining: leave, exit 2
+    ([], 0, True),                        # never joined a group (one process): exit as usual
+    (["usage-error"], 2, True),           # refused at argument parsing: exit as usual
+])
+def test_run_main_as_the_program_leaves_without_teardown_once_a_group_was_joined(
+        tmp_path, args, code, teardown):
+    # Whether a group was joined is only known after main has run: a check made before
+    # it once sent every finished torchrun rank through the interpreter's teardown,
+    # where gloo's threads abort it now and then.
+    import subprocess
+    import sys
+    program = tmp_path / "program.py"
+    program.write_text(RUN_MAIN_PROGRAM.format(root=os.path.dirname(os.path.dirname(__file__))))
+    env = dict(os.environ)
+    env.pop("RANK", None)
+    proc = subprocess.run([sys.executable, str(program), *args], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    assert "main ran" in proc.stdout, proc.stdout + proc.stderr
+    assert ("teardown ran" in proc.stdout) == teardown, proc.stdout + proc.stderr
+    if code == 2:
+        assert "error: bad input" in proc.stderr, proc.stderr
+
+
 def test_resolved_config_is_plain_json(no_local_rank):
     config = cli.plain_config(parse(["--dataset", "synthetic"]))
     assert json.loads(json.dumps(config)) == config

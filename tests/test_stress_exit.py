@@ -24,6 +24,9 @@ def command(kind: str, i: int, tmp_path) -> list:
     if kind == "torchrun":
         return [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "distributed.py",
                 *SHORT, "--workers", "2" if i % 2 else "0"]
+    if kind == "single-node-launcher":  # what a user runs: its own store settings, a checkpoint, --resume
+        return ["bash", "scripts/launch_single_node.sh", *SHORT, "--workers", "2" if i % 2 else "0",
+                "--max-steps", "2", "--checkpoint-dir", str(tmp_path / f"ckpt-{i}")]
     if kind == "mp-spawn-tcp":
         return [py, "distributed_mp.py", *SHORT, "--workers", "0", "--nproc-per-node", "2", "--port", str(free_port())]
     if kind == "mp-spawn-file":
@@ -34,11 +37,11 @@ def command(kind: str, i: int, tmp_path) -> list:
     raise ValueError(kind)
 
 
-@pytest.mark.parametrize("kind", ["torchrun", "mp-spawn-tcp", "mp-spawn-file", "collectives"])
+@pytest.mark.parametrize("kind", ["torchrun", "single-node-launcher", "mp-spawn-tcp", "mp-spawn-file", "collectives"])
 def test_every_rank_exits_0(kind, tmp_path):
     def one(i):
-        proc = subprocess.run(command(kind, i, tmp_path), cwd=ROOT, env=subprocess_env(), capture_output=True,
-                              text=True, timeout=600)
+        proc = subprocess.run(command(kind, i, tmp_path), cwd=ROOT, env=subprocess_env(PYTHON=sys.executable),
+                              capture_output=True, text=True, timeout=600)
         return i, proc
 
     with ThreadPoolExecutor(AT_ONCE) as pool:

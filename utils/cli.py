@@ -255,16 +255,20 @@ def run_main(main, argv=None):
         except KeyboardInterrupt:
             sys.exit(130)
 
-    if argv is not None or not _joined_a_group:
+    if argv is not None:
         record(guarded)()
         return
+    # Whether the process joined a group is known only once main has run: ask afterwards.
     try:
         record(guarded)()
     except SystemExit as stop:
+        if not _joined_a_group:
+            raise
         code = stop.code
         leave(code if isinstance(code, int) else (0 if code is None else 1), message=
               None if code is None or isinstance(code, int) else str(code))
-    leave(0)
+    if _joined_a_group:
+        leave(0)
 
 
 _joined_a_group = False  # set by utils.distributed.setup: only such a process needs `leave`
