@@ -76,7 +76,7 @@ def train(args, env, per_process_batch, device_ids, amp_dtype):
     steps_per_epoch = data.steps_per_epoch(len(train_set), args.batch_size)
 
     # --- model ------------------------------------------------------------------------
-    model = build_model(args.model, data.NUM_CLASSES).to(env.device)
+    model = build_model(args.model, data.num_classes(train_set)).to(env.device)
     forward_model = AutocastForward(model, env.device.type, amp_dtype) if amp_dtype else model
     if device_ids:
         # Every forward: scatter the batch over device_ids, copy the model to each GPU,

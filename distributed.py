@@ -62,7 +62,7 @@ def train(args, env, per_device_batch):
     # --- model ------------------------------------------------------------------------
     # channels_last (NHWC) is the layout tensor-core convolutions want: no transposes.
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    model = build_model(args.model, data.NUM_CLASSES).to(env.device, memory_format=memory_format)
+    model = build_model(args.model, data.num_classes(train_set)).to(env.device, memory_format=memory_format)
     if args.sync_bn:  # batch statistics over the global batch instead of each GPU's slice
         model = replicas.convert_sync_bn(model, env)
     if env.world_size > 1:

@@ -67,7 +67,7 @@ def train(args, env, micro_batch):
     steps_per_epoch = data.steps_per_epoch(len(train_set), args.batch_size)  # optimizer steps
 
     # --- model ------------------------------------------------------------------------
-    model = build_model(args.model, data.NUM_CLASSES).to(env.device)
+    model = build_model(args.model, data.num_classes(train_set)).to(env.device)
     if args.sync_bn:  # batch statistics over the global batch instead of each GPU's slice
         model = replicas.convert_sync_bn(model, env)
     if env.world_size > 1:

@@ -60,6 +60,26 @@ def torchrun(nproc, script, args, timeout=240, check=True, extra_torchrun=(), en
                        *extra_torchrun, script, *args], timeout=timeout, check=check, env=env)
 
 
+def samples_by_index(train_set, args, world_size, global_batch, epoch=1) -> dict:
+    """{index: (input, label)} of one epoch as data.train_loader delivers it to `world_size`
+    ranks together (each rank's loader built in turn, here in one process)."""
+    import torch
+    from utils import data
+    from utils.distributed import DistEnv
+    found = {}
+    for rank in range(world_size):
+        env = DistEnv(rank, rank, world_size, world_size, torch.device("cpu"), False)
+        loader = data.train_loader(train_set, global_batch // world_size, global_batch, env, args)
+        loader.sampler.set_epoch(epoch)
+        keys = list(loader.sampler)
+        batches = list(loader)
+        inputs = torch.cat([inputs for inputs, _ in batches])
+        labels = torch.cat([labels for _, labels in batches])
+        assert len(inputs) == len(keys) == len(loader.sampler)
+        found.update({index: (x, y) for (index, _), x, y in zip(keys, inputs, labels)})
+    return found
+
+
 def read_metrics(path) -> list:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]

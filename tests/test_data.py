@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SMALL, assert_one_line_error, read_metrics, run_script, torchrun
+from conftest import SMALL, assert_one_line_error, read_metrics, run_script, samples_by_index, torchrun
 from models import MODEL_NAMES
 from utils import cli, data
 from utils.distributed import DistEnv
@@ -118,12 +118,16 @@ def test_build_datasets_reads_cifar100_from_disk(small_cifar):
         assert torch.allclose(image, normalized(split["test_images"][i]), atol=1e-6)
         assert label == split["test_labels"][i]  # the fine label, not the coarse one
 
-    # Training images are the stored pixels, cropped and flipped as the key says.
-    for i, (dy, dx, flip) in ((0, (0, 8, 1)), (17, (4, 4, 0)), (39, (8, 1, 1))):
-        image, label = train_set[(i, dy, dx, flip)]
-        expected = data.crop_flip(torch.from_numpy(split["train_images"][i]), dy, dx, flip)
-        assert torch.allclose(image, normalized(expected.numpy()), atol=1e-6)
-        assert label == split["train_labels"][i]
+    # Training images are the stored pixels, cropped and flipped as the epoch's plan says.
+    assert data.num_classes(train_set) == 100
+    for epoch in (0, 3):
+        plan = data.augmentation_plan(seed=0, epoch=epoch, num_samples=40)  # args_for's --seed is 0
+        for i in (0, 17, 39):
+            image, label = train_set[(i, epoch)]
+            dy, dx, flip = plan[i].tolist()
+            expected = data.crop_flip(torch.from_numpy(split["train_images"][i]), dy, dx, flip)
+            assert torch.allclose(image, normalized(expected.numpy()), atol=1e-6)
+            assert label == split["train_labels"][i]
 
 
 def test_sample_limits_take_the_first_images(small_cifar):
@@ -202,7 +206,7 @@ def test_resnet_learns_handwritten_digits_through_the_cifar100_reader(tmp_path):
 # --- samplers -------------------------------------------------------------------------
 
 def rank_keys(num_samples, global_batch, world_size, seed=0, epoch=0, start_step=0):
-    """Each rank's (index, dy, dx, flip) keys for one epoch."""
+    """Each rank's (index, epoch) keys for one epoch."""
     out = []
     for rank in range(world_size):
         sampler = data.TrainSampler(num_samples, global_batch, rank, world_size, seed)
@@ -233,16 +237,14 @@ def test_three_ranks_see_the_samples_of_one_process_step_by_step():
     assert len(indices) == len(set(indices)) == 96  # whole batches only, no repeats
 
 
-def test_set_epoch_changes_the_order_and_the_augmentation():
+def test_set_epoch_changes_the_order_and_the_keys_name_the_epoch():
     (epoch0,) = rank_keys(100, 20, 1, epoch=0)
     (epoch0_again,) = rank_keys(100, 20, 1, epoch=0)
     (epoch1,) = rank_keys(100, 20, 1, epoch=1)
     assert epoch0 == epoch0_again
     assert [key[0] for key in epoch0] != [key[0] for key in epoch1]
-    aug0 = {key[0]: key[1:] for key in epoch0}
-    aug1 = {key[0]: key[1:] for key in epoch1}
-    common = set(aug0) & set(aug1)
-    assert sum(aug0[i] != aug1[i] for i in common) > len(common) // 2  # a new draw each epoch
+    # The epoch in the key is what draws a new augmentation each epoch (see the views' tests).
+    assert {key[1] for key in epoch0} == {0} and {key[1] for key in epoch1} == {1}
     (other_seed,) = rank_keys(100, 20, 1, seed=1, epoch=0)
     assert [key[0] for key in other_seed] != [key[0] for key in epoch0]
 
@@ -277,25 +279,14 @@ def test_shard_sampler_counts_every_test_sample_once(world_size):
 
 
 def test_augmentation_does_not_depend_on_world_size_or_workers():
-    train_set = data.TrainImages(data.SyntheticCIFAR(True, 64))
+    train_set = data.TrainImages(data.SyntheticCIFAR(True, 64), seed=5)
     global_batch = 16
 
     def images_by_index(world_size, workers, epoch=1):
-        found = {}
-        for rank in range(world_size):
-            env = DistEnv(rank, rank, world_size, world_size, torch.device("cpu"), False)
-            loader = data.train_loader(train_set, global_batch // world_size, global_batch, env,
-                                       args_for("--seed", "5", "--workers", workers))
-            loader.sampler.set_epoch(epoch)
-            keys = list(loader.sampler)
-            batches = list(loader)
-            images = torch.cat([images for images, _ in batches])
-            targets = torch.cat([targets for _, targets in batches])
-            assert len(images) == len(keys)
-            for (index, *_), image, target in zip(keys, images, targets):
-                assert target.item() == index % 100
-                found[index] = image
-        return found
+        found = samples_by_index(train_set, args_for("--seed", "5", "--workers", workers), world_size,
+                                 global_batch, epoch)
+        assert all(label.item() == index % 100 for index, (_, label) in found.items())
+        return {index: image for index, (image, _) in found.items()}
 
     one = images_by_index(1, 0)
     assert len(one) == 64

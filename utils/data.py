@@ -1,19 +1,27 @@
-"""Data: CIFAR-100 through torchvision, an offline synthetic stand-in, the
-per-rank training sampler and the exact evaluation sampler.
+"""Data: CIFAR-100 through torchvision, an offline synthetic stand-in, your own data
+set, the per-rank training sampler and the exact evaluation sampler.
 
-Augmentation is planned by the sampler, not drawn inside loader workers. At the
-start of each epoch the sampler draws, from (--seed, epoch) alone, one crop
-offset and one flip per sample of the data set, and hands the dataset
-(index, dy, dx, flip) keys. So a sample gets the same augmentation whatever the
-number of processes or loader workers, whether the run was resumed in the middle
-of an epoch, and whether the images are augmented by workers or on the GPU
-(--data-on-gpu): that is what makes runs comparable across strategies and
-resumes exact. torchvision's RandomCrop/RandomHorizontalFlip draw from the global
-RNG of whichever worker happens to load the sample, which is none of these.
+A sample's augmentation depends on (--seed, epoch, index) alone. The training
+sampler hands the data set (index, epoch) keys, and the training view turns a key
+into an augmented sample: our CIFAR view crops and flips as augmentation_plan drew
+for that epoch; SeededSamples, the view of any other map-style data set, seeds the
+random number generators from (seed, epoch, index) before it loads the sample, so
+that the data set's own random transforms (torchvision's included) draw the same
+numbers wherever the sample is loaded. So a sample is augmented the same way
+whatever the number of processes or loader workers, whether the run was resumed in
+the middle of an epoch, and whether the images are augmented by workers or on the
+GPU (--data-on-gpu): that is what makes runs comparable across strategies and
+resumes exact. Left alone, random transforms draw from the generator of whichever
+worker happens to load the sample, which is none of these.
+
+Your own data: `own_datasets(args, train, test)` takes any two map-style data sets
+of (input, label) pairs; `num_classes` reads the number of classes from a data set.
 """
 
 import os
 import pickle
+import random
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -54,6 +62,7 @@ class SyntheticCIFAR(Dataset):
         self._prototypes = protos.numpy()  # 40x40 so that a 32x32 window can be shifted
         self._noise_seed = seed + (1 if train else 2)
         self.targets = [i % NUM_CLASSES for i in range(self.size)]
+        self.classes = [f"class {c}" for c in range(NUM_CLASSES)]
 
     def __len__(self):
         return self.size
@@ -201,7 +210,38 @@ def build_datasets(args, env: DistEnv):
         train, test = _load_cifar100(args, env)
     train = _first(train, args.train_samples, "--train-samples")
     test = _first(test, args.test_samples, "--test-samples")
-    return TrainImages(train), TestImages(test)
+    return TrainImages(train, args.seed), TestImages(test)
+
+
+def own_datasets(args, train, test):
+    """Your own (train, test) data sets, ready for train_loader and eval_loader: any
+    map-style data sets of (input, label) pairs, with their own transforms (random
+    ones included), cut to --train-samples/--test-samples. The training set is seen
+    through SeededSamples, which makes its random transforms depend on (--seed,
+    epoch, index) only. Flags that choose or hold our CIFAR data are refused."""
+    if args.dataset != "cifar100":
+        raise UsageError(f"--dataset {args.dataset} chooses one of our CIFAR data sets; "
+                         "this script trains on its own (leave --dataset out)")
+    if getattr(args, "data_on_gpu", False):
+        raise UsageError("--data-on-gpu holds the CIFAR images in device memory and augments "
+                         "them there; it does not apply to another data set (leave it out)")
+    train = _first(train, args.train_samples, "--train-samples")
+    test = _first(test, args.test_samples, "--test-samples")
+    return SeededSamples(train, args.seed), test
+
+
+def num_classes(dataset) -> int:
+    """The number of classes, from the `classes` list that torchvision's data sets
+    (ImageFolder, CIFAR100) and ours carry, looked for through views and subsets."""
+    seen = innermost = dataset
+    while seen is not None:
+        if hasattr(seen, "classes"):
+            return len(seen.classes)
+        innermost = seen
+        inner = getattr(seen, "base", None)  # our views
+        seen = inner if inner is not None else getattr(seen, "dataset", None)  # torch's Subset
+    raise UsageError(f"cannot tell how many classes {type(innermost).__name__} has: give it a "
+                     "`classes` list (as torchvision's data sets have), or pass the number to the model")
 
 
 def _to_uint8_chw(image) -> torch.Tensor:
@@ -245,18 +285,79 @@ def augmentation_plan(seed: int, epoch: int, num_samples: int) -> torch.Tensor:
 
 
 class TrainImages(Dataset):
-    """Training view: keys are (index, dy, dx, flip) from TrainSampler."""
+    """Training view of our CIFAR data: (index, epoch) keys from TrainSampler, each
+    image cropped and flipped as augmentation_plan(seed, epoch) says for its index."""
 
-    def __init__(self, base):
-        self.base = base
+    takes_sample_keys = True  # train_loader hands it (index, epoch), not a bare index
+
+    def __init__(self, base, seed: int):
+        self.base, self.seed = base, seed
+        self._plan_epoch, self._plan = None, None  # one epoch's plan, drawn once per process
+
+    def __len__(self):
+        return len(self.base)
+
+    def plan(self, epoch: int) -> torch.Tensor:
+        if self._plan_epoch != epoch:
+            self._plan, self._plan_epoch = augmentation_plan(self.seed, epoch, len(self.base)), epoch
+        return self._plan
+
+    def __getitem__(self, key):
+        index, epoch = key
+        dy, dx, flip = self.plan(epoch)[index].tolist()
+        image, target = self.base[index]
+        return _normalize(crop_flip(_to_uint8_chw(image), dy, dx, flip)), target
+
+
+_MASK64 = 2**64 - 1
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """A 64-bit seed for one sample in one epoch, from (seed, epoch, index) alone:
+    the three numbers mixed, then splitmix64's finaliser, so that neighbouring
+    indices or epochs get unrelated seeds."""
+    x = (seed * 0x9E3779B97F4A7C15 + (epoch + 1) * 0xD1B54A32D192ED03 + index * 0xABC98388FB8FAC03) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+@contextmanager
+def seeded_rngs(seed: int):
+    """Inside: torch's CPU generator, Python's `random` and NumPy's global generator
+    seeded from `seed`. Afterwards: all three as they were, so that loading a sample in
+    the training process itself (--workers 0) leaves the training's random numbers
+    alone. The CUDA generators are not touched: data transforms run on the CPU."""
+    torch_state, python_state, numpy_state = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    try:
+        torch.default_generator.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed & 0xFFFF_FFFF)  # NumPy's legacy seed is 32-bit
+        yield
+    finally:
+        torch.set_rng_state(torch_state)
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+
+
+class SeededSamples(Dataset):
+    """Training view of any map-style data set: key (index, epoch) loads `base[index]`
+    with the random number generators seeded by sample_seed(seed, epoch, index), so the
+    data set's own random transforms (torchvision's RandomResizedCrop, its flips, ...)
+    draw the same numbers for that sample in that epoch wherever it is loaded."""
+
+    takes_sample_keys = True
+
+    def __init__(self, base, seed: int):
+        self.base, self.seed = base, seed
 
     def __len__(self):
         return len(self.base)
 
     def __getitem__(self, key):
-        index, dy, dx, flip = key
-        image, target = self.base[index]
-        return _normalize(crop_flip(_to_uint8_chw(image), dy, dx, flip)), target
+        index, epoch = key
+        with seeded_rngs(sample_seed(self.seed, epoch, index)):
+            return self.base[index]
 
 
 class TestImages(Dataset):
@@ -288,8 +389,8 @@ class TrainSampler(Sampler):
 
     Step s of the epoch uses permutation positions [s*B, (s+1)*B) of the global
     batch B, split over the ranks, so N processes see exactly the samples that one
-    process sees with the same global batch. Yields (index, dy, dx, flip): the
-    sample and its augmentation (see augmentation_plan).
+    process sees with the same global batch. Yields (index, epoch) keys: the sample,
+    and the epoch its augmentation is drawn for (see TrainImages, SeededSamples).
     """
 
     def __init__(self, num_samples: int, global_batch: int, rank: int, world_size: int, seed: int):
@@ -316,17 +417,16 @@ class TrainSampler(Sampler):
     def _start(self) -> int:
         return self.start_step * self.global_batch // self.world_size + self.skip
 
-    def epoch_plan(self) -> torch.Tensor:
-        """This rank's remaining samples of the epoch: rows of (index, dy, dx, flip)."""
+    def epoch_indices(self) -> torch.Tensor:
+        """This rank's remaining sample indices of the epoch, in order."""
         g = torch.Generator().manual_seed((self.seed + self.epoch) % 2**64)  # seeds are 64-bit
         order = torch.randperm(self.num_samples, generator=g)
         mine = order[self.rank::self.world_size][:self._per_rank()]
-        mine = mine[self._start():]
-        plan = augmentation_plan(self.seed, self.epoch, self.num_samples)
-        return torch.cat([mine.unsqueeze(1), plan[mine]], dim=1)
+        return mine[self._start():]
 
     def __iter__(self):
-        return iter(map(tuple, self.epoch_plan().tolist()))
+        epoch = self.epoch
+        return iter([(index, epoch) for index in self.epoch_indices().tolist()])
 
 
 class ShardSampler(Sampler):
@@ -381,6 +481,11 @@ class Loader(DataLoader):
 
 
 def train_loader(train_set, per_device_batch: int, global_batch: int, env: DistEnv, args) -> DataLoader:
+    """The training loader: whole global batches split over the ranks (TrainSampler).
+    `train_set` is a view from build_datasets or own_datasets; any other map-style data
+    set is seen through SeededSamples here."""
+    if not getattr(train_set, "takes_sample_keys", False):
+        train_set = SeededSamples(train_set, args.seed)
     sampler = TrainSampler(len(train_set), global_batch, env.rank, env.world_size, args.seed)
     workers = loader_workers(args, env)
     return Loader(train_set, batch_size=per_device_batch, sampler=sampler,

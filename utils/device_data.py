@@ -82,14 +82,18 @@ class DeviceTrainLoader:
         self.targets = torch.tensor(targets, device=env.device)
         self.batch = per_device_batch
         self.sampler = data.TrainSampler(len(targets), global_batch, env.rank, env.world_size, args.seed)
+        self.seed = args.seed
         self.normalize = Normalize(env.device, dtype, getattr(args, "channels_last", False))
 
     def __len__(self):
         return len(self.sampler) // self.batch
 
     def __iter__(self):
-        # The sampler's (index, dy, dx, flip) rows for the rest of this epoch, as one tensor.
-        plan = self.sampler.epoch_plan().to(self.device)
+        # (index, dy, dx, flip) rows for the rest of this epoch, as one tensor: the sampler's
+        # indices with augmentation_plan's draws for them, as data.TrainImages crops them.
+        index = self.sampler.epoch_indices()
+        plan = data.augmentation_plan(self.seed, self.sampler.epoch, self.sampler.num_samples)[index]
+        plan = torch.cat([index.unsqueeze(1), plan], dim=1).to(self.device)
         for start in range(0, len(plan) - self.batch + 1, self.batch):
             index, dy, dx, flip = plan[start:start + self.batch].unbind(1)
             crops = data.crop_flip_batch(self.padded[index], dy, dx, flip)

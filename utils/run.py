@@ -32,6 +32,7 @@ same order, or the others wait in it until --dist-timeout. So no rank may skip a
 - `finish()` and `epochs()` communicate nothing.
 """
 import json
+import math
 import os
 import sys
 import time
@@ -331,10 +332,12 @@ class TrainingRun:
         # Checkpoint first, then record: a record that fails to write loses no training.
         self.save()
         self.log.write(record)
+        acc5 = eval_metrics["test_acc5"]
+        acc5 = "" if math.isnan(acc5) and eval_metrics["test_samples"] else f"acc5 {acc5:.2f}% "
         print0(f"epoch {self.epoch + 1}/{self.args.epochs} step {self.global_step} | "
                f"train loss {train['train_loss']:.4f} acc1 {train['train_acc1']:.2f}% | "
                f"test loss {eval_metrics['test_loss']:.4f} acc1 {eval_metrics['test_acc1']:.2f}% "
-               f"acc5 {eval_metrics['test_acc5']:.2f}% ({eval_metrics['test_samples']} images) | "
+               f"{acc5}({eval_metrics['test_samples']} images) | "
                f"{timing['epoch_seconds']:.1f} s, {timing['images_per_second']:.0f} img/s")
         # A signal that came during the evaluation is honoured now, with the epoch just
         # checkpointed, not ten steps into the next one (an evaluation longer than the

@@ -1,0 +1,228 @@
+"""Your own data set and model: the views that make any data set's random transforms
+depend on (seed, epoch, index) only, the number of classes, the flags refused for
+your own data, and README's template change applied to a copy of distributed.py and
+trained under torchrun, with a resume."""
+import random
+import re
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from conftest import ROOT, assert_one_line_error, read_metrics, run_script, samples_by_index, subprocess_env
+from models import MODEL_NAMES
+from utils import cli, data, metrics
+from utils.distributed import DistEnv
+
+CLASSES = ["cat", "dog", "owl"]
+
+
+def args_for(*argv):
+    parser = cli.build_parser("", MODEL_NAMES)
+    cli.add_fast_path_flags(parser)  # distributed.py's flags, --data-on-gpu among them
+    return cli.parse_args(parser, ["--workers", "0", *map(str, argv)])
+
+
+def write_image_folder(root, per_class, size, seed):
+    """torchvision's ImageFolder layout: root/<class>/<n>.png, a colour per class plus noise."""
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    for c, name in enumerate(CLASSES):
+        (root / name).mkdir(parents=True)
+        for n in range(per_class):
+            pixels = np.full((*size, 3), 60, dtype=np.int64)
+            pixels[..., c] = 200
+            pixels += rng.integers(-40, 40, size=pixels.shape)
+            Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(root / name / f"{n}.png")
+
+
+@pytest.fixture(scope="module")
+def image_folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("images")
+    write_image_folder(root / "train", per_class=16, size=(40, 36), seed=0)  # 48 images, not square
+    write_image_folder(root / "val", per_class=5, size=(32, 32), seed=1)     # 15 images
+    return root
+
+
+def augmented_folder(root):
+    from torchvision import datasets, transforms
+    augment = transforms.Compose([transforms.RandomResizedCrop(32, scale=(0.6, 1)),
+                                  transforms.RandomHorizontalFlip(), transforms.ToTensor()])
+    return datasets.ImageFolder(root, augment)
+
+
+# --- the views ---------------------------------------------------------------------------
+
+def test_random_transforms_depend_on_seed_epoch_and_index_only(image_folder):
+    train_set = data.SeededSamples(augmented_folder(image_folder / "train"), seed=7)
+    global_batch = 12
+
+    def images_by_index(world_size, workers, epoch=1):
+        found = samples_by_index(train_set, args_for("--seed", "7", "--workers", workers), world_size,
+                                 global_batch, epoch)
+        return {index: image for index, (image, _) in found.items()}
+
+    one = images_by_index(1, 0)
+    assert len(one) == 48
+    for world_size, workers in ((2, 0), (3, 2)):  # other processes, other loader workers
+        other = images_by_index(world_size, workers)
+        assert other.keys() == one.keys()
+        assert all(torch.equal(one[i], other[i]) for i in one)
+    # Another epoch draws another crop (RandomResizedCrop almost never repeats itself).
+    next_epoch = images_by_index(1, 0, epoch=2)
+    assert sum(not torch.equal(one[i], next_epoch[i]) for i in one) > 40
+    # And a sample is not loaded as it would be without the view: the seed decides.
+    other_seed = data.SeededSamples(augmented_folder(image_folder / "train"), seed=8)
+    assert sum(not torch.equal(one[i], other_seed[(i, 1)][0]) for i in one) > 40
+
+
+def test_loading_a_sample_leaves_the_training_processes_generators_alone(image_folder):
+    train_set = data.SeededSamples(augmented_folder(image_folder / "train"), seed=0)
+    torch.manual_seed(123), random.seed(123), np.random.seed(123)
+    expected = torch.rand(3), random.random(), np.random.rand()
+    torch.manual_seed(123), random.seed(123), np.random.seed(123)
+    train_set[(5, 0)]  # what --workers 0 does in the training process itself
+    assert torch.equal(torch.rand(3), expected[0])
+    assert (random.random(), np.random.rand()) == expected[1:]
+
+
+def test_sample_seeds_differ_by_seed_epoch_and_index():
+    seeds = {data.sample_seed(s, e, i) for s in range(3) for e in range(20) for i in range(500)}
+    assert len(seeds) == 3 * 20 * 500
+    assert all(0 <= s < 2**64 for s in seeds)
+    assert data.sample_seed(2**64 - 1, 10**6, 10**7) < 2**64
+
+
+def test_a_plain_data_set_handed_to_train_loader_is_seen_through_seeded_samples():
+    class Pairs(Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, index):
+            return torch.rand(2), index  # a random "augmentation"
+
+    env = DistEnv(0, 0, 1, 1, torch.device("cpu"), False)
+    args = args_for("--seed", "3")
+    first = [b for b in data.train_loader(Pairs(), 4, 4, env, args)]
+    again = [b for b in data.train_loader(Pairs(), 4, 4, env, args)]
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(first, again))
+
+
+# --- classes, flags, top-5 ---------------------------------------------------------------
+
+def test_num_classes_comes_from_the_data_set(image_folder):
+    from torchvision import datasets
+    folder = datasets.ImageFolder(image_folder / "val")
+    args = args_for("--test-samples", "4")
+    train_set, test_set = data.own_datasets(args, folder, folder)
+    assert data.num_classes(train_set) == data.num_classes(test_set) == 3  # through the view and the Subset
+    assert len(test_set) == 4
+    assert data.num_classes(data.TrainImages(data.SyntheticCIFAR(True, 8), seed=0)) == 100
+
+    class NoClasses(Dataset):
+        def __len__(self):
+            return 1
+
+    with pytest.raises(cli.UsageError, match="NoClasses.*classes"):
+        data.num_classes(data.SeededSamples(NoClasses(), 0))
+
+
+@pytest.mark.parametrize("flag, fragment", [
+    (["--dataset", "synthetic"], "--dataset synthetic"),
+    (["--data-on-gpu"], "--data-on-gpu"),
+    (["--train-samples", "99"], "--train-samples 99 is more than the 15 samples"),
+])
+def test_flags_that_mean_our_cifar_are_refused_for_your_own_data(image_folder, flag, fragment):
+    from torchvision import datasets
+    folder = datasets.ImageFolder(image_folder / "val")
+    with pytest.raises(cli.UsageError, match=re.escape(fragment)):
+        data.own_datasets(args_for(*flag), folder, folder)
+
+
+def test_top5_is_not_reported_for_five_classes_or_fewer():
+    class Fixed(torch.nn.Module):
+        def __init__(self, classes):
+            super().__init__()
+            self.classes = classes
+
+        def forward(self, images):
+            return images[:, :self.classes]
+
+    targets = torch.tensor([0, 1, 2, 0])
+    logits = 10 * torch.eye(6)[[0, 2, 2, 1]] + torch.linspace(1, 0, 6)  # right, wrong, right, wrong; no ties
+    batches = [(logits, targets)]
+    three = metrics.evaluate(Fixed(3), batches, torch.device("cpu"))
+    assert three["test_acc1"] == 50.0 and three["test_samples"] == 4
+    assert np.isnan(three["test_acc5"])
+    six = metrics.evaluate(Fixed(6), batches, torch.device("cpu"))
+    assert six["test_acc5"] == 100.0
+
+
+# --- README's template, applied and run --------------------------------------------------
+
+def template_change() -> list:
+    """The (removed lines, added lines) pairs of README's template diff."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Use it as your template", 1)[1]
+    block = re.search(r"```diff\n(.*?)```", section, re.S).group(1)
+    pairs = []
+    for line in block.splitlines():
+        sign, text = line[0], line[1:]
+        if sign == "-" and (not pairs or pairs[-1][1]):
+            pairs.append(([], []))
+        pairs[-1][0 if sign == "-" else 1].append(text)
+    return pairs
+
+
+def make_template(folder):
+    """What README says to copy, with its change applied: distributed.py and utils/, no models/."""
+    script = (ROOT / "distributed.py").read_text()
+    changed = 0
+    for removed, added in template_change():
+        old, new = "\n".join(removed) + "\n", "\n".join(added) + "\n"
+        assert script.count(old) == 1, f"README's template removes lines distributed.py does not hold once:\n{old}"
+        script = script.replace(old, new)
+        changed += len(removed) + len(added)
+    assert changed <= 10  # the promise: a handful of lines
+    (folder / "train.py").write_text(script)
+    shutil.copytree(ROOT / "utils", folder / "utils", ignore=shutil.ignore_patterns("__pycache__"))
+    return folder / "train.py"
+
+
+def torchrun_template(folder, *args, check=True):
+    env = subprocess_env(PYTHONPATH=str(folder))  # the copy only: nothing of this repository
+    return run_script(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+                       *map(str, args)], cwd=folder, env=env, timeout=300, check=check)
+
+
+def test_readme_template_trains_your_data_and_model_under_torchrun_and_resumes_exactly(image_folder, tmp_path):
+    from test_distributed_script import assert_same_training_state
+    project = tmp_path / "project"
+    project.mkdir()
+    make_template(project)
+    common = ["--data-dir", image_folder, "--batch-size", "12", "--epochs", "2", "--workers", "2",
+              "--lr", "0.05", "--dist-timeout", "120"]
+
+    straight = torchrun_template(project, *common, "--checkpoint-dir", tmp_path / "straight",
+                                 "--metrics", tmp_path / "straight.jsonl")
+    records = read_metrics(tmp_path / "straight.jsonl")
+    end = records[-1]
+    assert end["event"] == "end" and end["step"] == 8  # 48 images, 12 a step, 2 epochs
+    assert end["test_samples"] == 15  # every validation image, once
+    assert np.isnan(end["test_acc5"]) and "acc5" not in straight.stdout  # 3 classes: no top-5
+    weights = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=True)["model"]
+    assert weights["fc.weight"].shape == (3, 512)  # torchvision's ResNet-18, 3 classes
+
+    # Stopped in the middle of epoch 2, resumed: the same weights and optimizer state, bitwise.
+    torchrun_template(project, *common, "--checkpoint-dir", tmp_path / "resumed", "--max-steps", "6")
+    resumed = torchrun_template(project, *common, "--checkpoint-dir", tmp_path / "resumed", "--resume")
+    assert "resumed from" in resumed.stdout and "step 2 of 4 in it" in resumed.stdout, resumed.stdout
+    assert_same_training_state(tmp_path / "straight" / "checkpoint.pt",
+                               tmp_path / "resumed" / "checkpoint.pt", global_step=8)
+
+    # A flag that means our CIFAR data: one line and exit status 2, here in one process.
+    refused = run_script(["train.py", *common, "--dataset", "synthetic"], cwd=project, check=False,
+                         env=subprocess_env(PYTHONPATH=str(project)), timeout=120)
+    assert_one_line_error(refused, "--dataset synthetic chooses one of our CIFAR data sets")
