@@ -158,7 +158,7 @@ def train(args, env, per_device_batch, precision):
         ddp_model = torch.compile(ddp_model, mode=args.compile_mode)
     scheduler = schedule.warmup_multistep(optimizer, args, steps_per_epoch)
     run = TrainingRun(args, env, model, optimizer, scheduler, steps_per_epoch=steps_per_epoch,
-                      strategy=f"ddp-amp-{args.amp_impl}",
+                      strategy=f"ddp-amp-{args.amp_impl}",  # all ranks meet here
                       scaler=apex_amp or scaler,  # the loss scale is checkpointed and resumed too
                       extra_record={"amp": precision.name, "amp_impl": args.amp_impl,
                                     "opt_level": precision.opt_level})  # resumes here with --resume
@@ -192,9 +192,10 @@ def train(args, env, per_device_batch, precision):
             # skip is rare after the first few steps). torch may warn once about it.
             scheduler.step()
             run.meter.update(loss.detach(), logits.detach(), targets)
-            if run.step_done():  # counts the step, checkpoints when due; True at --max-steps
+            if run.step_done():  # all ranks, every step: counts it, checkpoints when due; True at --max-steps
                 break
         # Evaluate the unwrapped model, in the same precision: exact over all ranks, see metrics.evaluate.
+        # All ranks: evaluate and end_epoch communicate (utils/run.py lists every collective).
         if metrics.evaluation_due(epoch, args, last=run.done()):  # --eval-every
             run.end_epoch(metrics.evaluate(model, test_loader, env.device, autocast=autocast,
                                            memory_format=memory_format))

@@ -91,7 +91,7 @@ def train(args, env, micro_batch):
                                 fused=True if env.device.type == "cuda" else None)
     scheduler = schedule.warmup_multistep(optimizer, args, steps_per_epoch)
     run = TrainingRun(args, env, model, optimizer, scheduler, steps_per_epoch=steps_per_epoch,
-                      strategy="ddp-accum", extra_record={"accum_steps": accum_steps})
+                      strategy="ddp-accum", extra_record={"accum_steps": accum_steps})  # all ranks meet here
 
     # --- training loop ----------------------------------------------------------------
     for epoch in run.epochs():
@@ -120,9 +120,10 @@ def train(args, env, micro_batch):
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            if run.step_done():  # counts the step, checkpoints when due; True at --max-steps
+            if run.step_done():  # all ranks, every step: counts it, checkpoints when due; True at --max-steps
                 break
         # Evaluate the unwrapped model: exact over all ranks, see metrics.evaluate.
+        # All ranks: evaluate and end_epoch communicate (utils/run.py lists every collective).
         run.end_epoch(metrics.evaluate(model, test_loader, env.device))
     run.finish()
     if args.verify_sync:

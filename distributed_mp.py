@@ -150,7 +150,7 @@ def train(args, env, per_device_batch):
                                 fused=True if env.device.type == "cuda" else None)
     scheduler = schedule.warmup_multistep(optimizer, args, steps_per_epoch)
     run = TrainingRun(args, env, model, optimizer, scheduler, steps_per_epoch=steps_per_epoch,
-                      strategy="ddp-spawn")  # resumes here with --resume
+                      strategy="ddp-spawn")  # all ranks meet here; resumes with --resume
 
     # --- training loop ----------------------------------------------------------------
     for epoch in run.epochs():
@@ -168,9 +168,10 @@ def train(args, env, per_device_batch):
             optimizer.step()
             scheduler.step()
             run.meter.update(loss.detach(), logits.detach(), targets)
-            if run.step_done():  # counts the step, checkpoints when due; True at --max-steps
+            if run.step_done():  # all ranks, every step: counts it, checkpoints when due; True at --max-steps
                 break
         # Evaluate the unwrapped model: exact over all ranks, see metrics.evaluate.
+        # All ranks: evaluate and end_epoch communicate (utils/run.py lists every collective).
         if metrics.evaluation_due(epoch, args, last=run.done()):  # --eval-every
             run.end_epoch(metrics.evaluate(model, test_loader, env.device, memory_format=memory_format))
         else:
