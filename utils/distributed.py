@@ -6,6 +6,7 @@ code change. The launcher tells us who we are through the environment
 `python script.py` sets none of them and runs as a single process without a
 process group.
 """
+import contextlib
 import datetime
 import os
 import random
@@ -148,20 +149,48 @@ def print0(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks in place (no-op in a single process); returns the tensor."""
+def all_reduce_sum(tensor: torch.Tensor, call: str = None) -> torch.Tensor:
+    """Sum over ranks in place (no-op in a single process); returns the tensor.
+    `call`: where every rank meets, named in the error if one never comes (see
+    meeting); None where the caller names it."""
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        with meeting(call) if call else contextlib.nullcontext():
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
 
 
-def all_ranks_ok(ok: bool, device: torch.device) -> bool:
+class MissedCollective(RuntimeError):
+    """A collective that every rank must reach failed on this rank: a peer never came."""
+
+
+@contextlib.contextmanager
+def meeting(call: str):
+    """Around a collective that every rank must reach at the same point. If it fails
+    here (--dist-timeout passed with a peer missing, or a peer died), the error names
+    the call this rank was waiting in and what to look for, instead of a bare timeout
+    from the backend."""
+    try:
+        yield
+    except RuntimeError as err:
+        if isinstance(err, MissedCollective) or not (dist.is_available() and dist.is_initialized()):
+            raise
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise MissedCollective(
+            f"rank {dist.get_rank()} waited in {call}, which every rank must reach at the same point, "
+            f"and it failed: {first}. Another rank never came: it failed, or it skipped this call or "
+            "left the training loop on its own (a rank-dependent `continue` or `break`). "
+            "utils/run.py lists every collective of a training run.") from err
+
+
+def all_ranks_ok(ok: bool, device: torch.device, call: str = "all_ranks_ok()") -> bool:
     """True only if `ok` holds on every rank. Use it where one rank could fail alone
     (a download, a file read): every rank learns the outcome, so none is left
-    waiting in a collective for a peer that has given up."""
+    waiting in a collective for a peer that has given up. `call`: what the agreement
+    is, for the error if a rank never comes."""
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        with meeting(call):
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .distributed import all_reduce_sum, is_main
+from .distributed import all_reduce_sum, is_main, meeting
 
 # cross_entropy's default ignore_index. A fixed-shape evaluation batch is filled up with
 # samples carrying it (utils/device_data.py): they add nothing to the loss, the hits or the count.
@@ -55,7 +55,7 @@ class TrainMeter:
 
     def global_sums(self) -> list:
         """[loss x samples, correct, samples] over all ranks (a collective)."""
-        return all_reduce_sum(self.sums.clone()).tolist()
+        return all_reduce_sum(self.sums.clone()).tolist()  # the caller names the meeting
 
     def summary(self) -> dict:
         loss_sum, correct, n = self.global_sums()
@@ -93,8 +93,9 @@ def evaluate(model: torch.nn.Module, loader, device, autocast=None, memory_forma
     own_buffers = None
     if dist.is_available() and dist.is_initialized():
         own_buffers = [b.detach().clone() for b in model.buffers()]
-        for buffer in model.buffers():
-            dist.broadcast(buffer, src=0)
+        with meeting("metrics.evaluate() (rank 0's buffers)"):  # all ranks, before any batch
+            for buffer in model.buffers():
+                dist.broadcast(buffer, src=0)
     was_training = model.training
     model.eval()
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, top1, top5, count
@@ -112,7 +113,7 @@ def evaluate(model: torch.nn.Module, loader, device, autocast=None, memory_forma
         sums[0] += loss.double()
         sums[1:3] += correct_topk(logits, targets)  # a PAD_TARGET is never among the top k
         sums[3] += targets.ne(PAD_TARGET).sum()
-    loss_sum, top1, top5, count = all_reduce_sum(sums).tolist()
+    loss_sum, top1, top5, count = all_reduce_sum(sums, "metrics.evaluate() (the sums)").tolist()
     model.train(was_training)
     if own_buffers is not None:
         for buffer, own in zip(model.buffers(), own_buffers):

@@ -30,6 +30,10 @@ same order, or the others wait in it until --dist-timeout. So no rank may skip a
   The script's `metrics.evaluate` before it makes its own (one all-reduce, and the
   broadcasts of batch-norm buffers).
 - `finish()` and `epochs()` communicate nothing.
+
+Each of these collectives runs inside `meeting(...)` (utils/distributed.py): if a rank
+never comes, the rank left waiting fails after --dist-timeout with a MissedCollective
+error that names the call it was waiting in.
 """
 import json
 import math
@@ -41,7 +45,7 @@ import torch
 
 from . import checkpoint
 from .cli import UsageError, plain_config
-from .distributed import DistEnv, all_ranks_ok, print0
+from .distributed import DistEnv, all_ranks_ok, meeting, print0
 from .metrics import EpochTimer, MetricsLog, TrainMeter
 from .preemption import Preempted, StopSignal
 
@@ -118,7 +122,7 @@ class TrainingRun:
                     _check_writable(self.args.metrics)
             except UsageError as exc:
                 error = exc
-        if not all_ranks_ok(error is None, self.env.device):  # all ranks, once
+        if not all_ranks_ok(error is None, self.env.device, "TrainingRun(...), agreeing on the output paths"):
             raise error or UsageError("rank 0 refused the output paths")
 
     # --- resume -------------------------------------------------------------------
@@ -134,15 +138,16 @@ class TrainingRun:
         """
         args = self.args
         here = bool(self.checkpoint_path) and os.path.isfile(self.checkpoint_path)
-        exists = all_ranks_ok(here, self.env.device)
-        if not exists and not all_ranks_ok(not here, self.env.device):
+        agreeing = "TrainingRun(...), agreeing on the checkpoint to resume from"
+        exists = all_ranks_ok(here, self.env.device, agreeing)
+        if not exists and not all_ranks_ok(not here, self.env.device, agreeing):
             raise UsageError(f"{self.checkpoint_path} exists for some ranks but not others: "
                              "--checkpoint-dir must be on a file system that every node sees")
         # Each torchrun agent counts only its own restarts: when a worker dies on one node,
         # the healthy nodes' workers may restart with a count of 0. Any rank restarted
         # means the whole group was.
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-        restarted = not all_ranks_ok(restarts == 0, self.env.device)
+        restarted = not all_ranks_ok(restarts == 0, self.env.device, agreeing)
         if exists and restarted:
             print0(f"torchrun restart: resuming from {self.checkpoint_path}")
             return self.checkpoint_path
@@ -171,7 +176,7 @@ class TrainingRun:
             error = exc
         # A file that only some ranks can read must stop all of them, not leave the
         # others waiting in the next collective.
-        if not all_ranks_ok(error is None, self.env.device):
+        if not all_ranks_ok(error is None, self.env.device, "TrainingRun(...), agreeing that every rank resumed"):
             raise error or UsageError(f"checkpoint {path} could not be read on another rank")
         missing = [key for key in self._NEEDED if key not in state]
         if missing:
@@ -207,7 +212,8 @@ class TrainingRun:
         """Checkpoint now (a collective: every rank must call it at the same step)."""
         if not self.checkpoint_path:
             return
-        sums = self.meter.global_sums() if self.meter is not None else [0.0, 0.0, 0.0]
+        with meeting(f"the checkpoint of step {self.global_step} (in run.step_done() or run.end_epoch())"):
+            sums = self.meter.global_sums() if self.meter is not None else [0.0, 0.0, 0.0]
         if not self.env.is_main:
             return
         state = {
@@ -300,7 +306,9 @@ class TrainingRun:
         every = self.args.checkpoint_every
         if every and self.global_step % every == 0 and self.step_in_epoch < self.steps_per_epoch:
             self.save()
-        if self.stop_signal.should_stop(self.global_step):
+        with meeting(f"run.step_done() at step {self.global_step} (the stop-signal agreement)"):
+            stop = self.stop_signal.should_stop(self.global_step)
+        if stop:
             if self.step_in_epoch >= self.steps_per_epoch:
                 # The epoch is complete: let end_epoch evaluate, checkpoint and record it,
                 # then stop there (done() is now True), rather than lose its record.
@@ -316,7 +324,8 @@ class TrainingRun:
         """After the epoch (or at --max-steps): summary, metrics record, checkpoint."""
         timing = self._timing or self.timer.stop()
         self._timing = None
-        train = self.meter.summary()
+        with meeting(f"run.end_epoch() after step {self.global_step} (the epoch's training sums)"):
+            train = self.meter.summary()
         self.last_eval = eval_metrics
         record = {
             "event": "epoch", "epoch": self.epoch + 1, "step": self.global_step,
@@ -342,8 +351,9 @@ class TrainingRun:
         # A signal that came during the evaluation is honoured now, with the epoch just
         # checkpointed, not ten steps into the next one (an evaluation longer than the
         # launcher's grace period would otherwise end in SIGKILL). All ranks meet here.
-        if not self._stop and self.stop_signal.should_stop(self.global_step, now=True):
-            self._stop = True
+        with meeting(f"run.end_epoch() after step {self.global_step} (the stop-signal agreement)"):
+            if not self._stop and self.stop_signal.should_stop(self.global_step, now=True):
+                self._stop = True
         if self._stop:
             self.stop_signal.announce(self.global_step, self.checkpoint_path)
 

@@ -1,0 +1,68 @@
+"""A rank that leaves the training loop on its own: the rank left waiting fails after
+--dist-timeout with an error that names the call it was waiting in, not only the
+backend's timeout."""
+import pytest
+import torch
+
+from conftest import ROOT, run_script, subprocess_env
+from utils import distributed as dist_utils
+
+# A training loop with TrainingRun on 2 ranks (no DDP: only TrainingRun's own
+# collectives), in which rank 1 leaves the loop after step 5, as a rank-dependent
+# `break` would, and then stays busy elsewhere.
+PROGRAM = """
+import sys, time
+import torch
+sys.path.insert(0, {root!r})
+from utils import cli, distributed as dist_utils, schedule
+from utils.run import TrainingRun
+
+def main(argv):
+    args = cli.parse_args(cli.build_parser("", ["tiny"]), argv)
+    env = dist_utils.setup_from_env(timeout_s=args.dist_timeout)
+    try:
+        model = torch.nn.Linear(4, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scheduler = schedule.warmup_multistep(optimizer, args, 20)
+        run = TrainingRun(args, env, model, optimizer, scheduler, steps_per_epoch=20, strategy="test")
+        for epoch in run.epochs():
+            for step in range(20):
+                loss = model(torch.randn(2, 4)).square().mean()
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                run.meter.update(loss.detach(), torch.zeros(2, 2), torch.zeros(2, dtype=torch.long))
+                if env.rank == 1 and step == 4:
+                    time.sleep(3 * args.dist_timeout)  # left the loop: never reaches step 10's agreement
+                    return
+                if run.step_done():
+                    break
+            run.end_epoch({{"test_loss": 0.0, "test_acc1": 0.0, "test_acc5": 0.0, "test_samples": 1}})
+        run.finish()
+    finally:
+        dist_utils.cleanup()
+
+cli.run_main(main)
+"""
+
+
+def test_the_waiting_rank_names_the_call_it_waited_in(tmp_path):
+    program = tmp_path / "loop.py"
+    program.write_text(PROGRAM.format(root=str(ROOT)))
+    proc = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", program,
+                       "--epochs", "1", "--batch-size", "4", "--workers", "0", "--dist-timeout", "3"],
+                      check=False, timeout=120, env=subprocess_env())
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output
+    # torchrun reports rank 0 as the first failure, with the message of its error file.
+    assert "rank 0 waited in run.step_done() at step 10 (the stop-signal agreement)" in output, output
+    assert "left the training loop on its own" in output, output
+    assert "MissedCollective" in output, output
+
+
+def test_meeting_leaves_errors_alone_without_a_process_group():
+    # One process: a RuntimeError inside is not about a missing peer, and passes unchanged.
+    with pytest.raises(RuntimeError, match="^shape mismatch$"):
+        with dist_utils.meeting("anything"):
+            raise RuntimeError("shape mismatch")
+    assert torch.equal(dist_utils.all_reduce_sum(torch.ones(2), "a sum"), torch.ones(2))
