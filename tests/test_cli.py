@@ -255,6 +255,35 @@ def test_run_main_as_the_program_leaves_without_teardown_once_a_group_was_joined
         assert "error: bad input" in proc.stderr, proc.stderr
 
 
+LEAVE_WITH_LOADER_WORKERS = """
+import sys
+sys.path.insert(0, {root!r})
+import torch
+from torch.utils.data import TensorDataset
+from utils import cli, data
+
+loader = data.Loader(TensorDataset(torch.arange(64.0)), batch_size=4, num_workers=2,
+                     persistent_workers=True, worker_init_fn=data._worker_init)
+next(iter(loader))  # the workers run, and ignore SIGTERM like every loader worker of ours
+print("workers:", len(loader._iterator._workers), flush=True)
+cli.leave(0)  # with the loader (and so its workers) still alive
+"""
+
+
+def test_leave_ends_loader_workers_that_are_still_alive(tmp_path):
+    # An exception's traceback (a stop on a signal raised through a worker's `with`) or a
+    # caller's reference can keep a loader with persistent workers alive at leave().
+    # multiprocessing's exit handler ends such children with SIGTERM and joins them; ours
+    # ignore SIGTERM, so leave() must end them itself, or the process waits forever.
+    import subprocess
+    import sys
+    program = tmp_path / "program.py"
+    program.write_text(LEAVE_WITH_LOADER_WORKERS.format(root=os.path.dirname(os.path.dirname(__file__))))
+    proc = subprocess.run([sys.executable, str(program)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "workers: 2" in proc.stdout, proc.stdout + proc.stderr
+    assert "DataLoader worker" not in proc.stderr, proc.stderr  # not reported as a failure
+
+
 def test_resolved_config_is_plain_json(no_local_rank):
     config = cli.plain_config(parse(["--dataset", "synthetic"]))
     assert json.loads(json.dumps(config)) == config

@@ -6,8 +6,10 @@ that does not split over the processes, a missing data set, a corrupt checkpoint
 raises `UsageError`; `run_main` turns it into one line on stderr and exit status 2.
 """
 import argparse
+import contextlib
 import math
 import os
+import signal
 import sys
 
 
@@ -298,13 +300,26 @@ def leave(code: int = 0, message: str = None):
     190489). It strikes most often when a collective is the last thing a rank does
     before exiting; tutorials/09-debugging.md has the measurements.
 
-    Before exiting this runs the atexit handlers (which also stop DataLoader workers and
-    flush logging) and flushes stdout and stderr; nothing else (__del__ methods, other
-    open files) runs."""
+    Before exiting this ends the DataLoader workers still alive, runs the atexit handlers
+    (which also flush logging) and flushes stdout and stderr; nothing else (__del__
+    methods, other open files) runs."""
     if message:
         print(message, file=sys.stderr)
     try:
         import atexit
+        import multiprocessing
+        # multiprocessing's atexit handler ends daemonic children, the workers of a loader
+        # still alive (persistent ones, kept by a caller or an exception's traceback), with
+        # SIGTERM and then waits for them. Our loader workers ignore SIGTERM (a stop signal
+        # is their rank's to handle, utils/preemption.py), so it would wait forever: the
+        # work is done, SIGKILL them, with the SIGCHLD handler of torch's loader (which
+        # would report each as a failed worker) put back to the default first.
+        children = [child for child in multiprocessing.active_children() if child.daemon]
+        if children:
+            with contextlib.suppress(AttributeError, ValueError):  # no SIGCHLD; not the main thread
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            for child in children:
+                child.kill()
         atexit._run_exitfuncs()
     finally:
         for stream in (sys.stdout, sys.stderr):
