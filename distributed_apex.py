@@ -84,10 +84,9 @@ def main(argv=None):
 
 def train(args, env, per_device_batch, precision):
     dist_utils.seed_everything(args.seed)
+    # The input shape never changes: cudnn times its convolution algorithms once, keeps the fastest.
+    torch.backends.cudnn.benchmark = env.device.type == "cuda"
     if env.device.type == "cuda":
-        # The input shape never changes, so let cudnn time its convolution algorithms once
-        # and keep the fastest for the rest of the run.
-        torch.backends.cudnn.benchmark = True
         # What autocast leaves in float32 (and all of an O0 run) may use TF32 tensor cores
         # on Ampere and later: float32 range, 10-bit mantissa in the multiply, float32 sums.
         # (The newer spelling is fp32_precision = "tf32"; set TF32 one way only: reading

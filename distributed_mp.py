@@ -21,22 +21,13 @@ Without GPUs the processes run on the CPU (gloo).
 
 --batch-size is the global batch: each of the N processes gets batch-size / N.
 """
-import contextlib
-import errno
-import os
-import signal
-import socket
-import sys
-import tempfile
-from urllib.parse import urlparse
-
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from models import MODEL_NAMES, build_model
-from utils import cli, data, distributed as dist_utils, metrics, preemption, replicas, schedule
+from utils import cli, data, distributed as dist_utils, metrics, replicas, schedule, spawn
 from utils.device_data import DeviceEvalLoader, DeviceTrainLoader
 from utils.run import TrainingRun
 
@@ -46,64 +37,32 @@ def main(argv=None):
     parser = cli.build_parser(__doc__, MODEL_NAMES)
     replicas.add_flags(parser)
     cli.add_fast_path_flags(parser)
-    g = parser.add_argument_group("ddp-spawn")
-    g.add_argument("--nproc-per-node", "--nproc_per_node", type=cli.positive_int, default=None, metavar="N",
-                   help="processes on this node; without it, one per visible GPU (2 on the CPU)")
-    g.add_argument("--nodes", type=cli.positive_int, default=1, metavar="N", help="nodes in the job")
-    g.add_argument("--node-rank", "--node_rank", type=cli.non_negative_int, default=0, metavar="R",
-                   help="this node's number, 0 .. nodes-1; node 0 hosts the rendezvous")
-    g.add_argument("--ip", default="127.0.0.1", help="address of node 0, reachable from every node")
-    g.add_argument("--port", type=cli.port, default=None,
-                   help="a free TCP port on node 0, the same on every node; required with --nodes > 1, "
-                        "picked for you on one node")
-    g.add_argument("--init-method", "--init_method", default=None, metavar="URL",
-                   help="tcp://HOST:PORT, or file:///PATH: a new file on a file system that every node "
-                        "sees; without it, tcp://IP:PORT")
+    spawn.add_flags(parser)  # --nproc-per-node, --nodes, --node-rank, --ip, --port, --init-method
     args = cli.parse_args(parser, argv)
 
     # --- distributed setup ------------------------------------------------------------
-    # Everything is checked here, before a process starts: bad input ends with one line,
-    # not with N tracebacks or N processes waiting for a peer that will never come.
-    world_size = check_launch(args)
+    # The launch flags are checked before a process starts (utils/spawn.py): bad input ends
+    # with one line, not with N tracebacks or N processes waiting for a peer that never comes.
+    world_size = spawn.check_launch(args)
     per_device_batch = cli.split_batch(args.batch_size, world_size)
-    if args.node_rank == 0:
-        print(f"starting {args.nproc_per_node} process{'es' if args.nproc_per_node > 1 else ''} on node 0 "
-              f"of {args.nodes} (world size {world_size}), rendezvous at {args.init_method}", flush=True)
     # worker(local_rank, ...) runs in nproc_per_node fresh Python processes ("spawn": CUDA
-    # cannot be used in a forked child); this one waits for them and reports how they ended.
-    with tempfile.TemporaryDirectory(prefix="distributed_mp-") as error_dir:
-        try:
-            workers = mp.spawn(worker, args=(args, world_size, per_device_batch, error_dir),
-                               nprocs=args.nproc_per_node, join=False)
-            forward_stop_signals(workers)
-            # When one fails, the others get 10 s to finish failing on their own (the same bad
-            # input reaches every rank), then are terminated.
-            while not workers.join(grace_period=10):
-                pass
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
-            exit_like(err, args, error_dir)
-        finally:
-            remove_rendezvous_file(args)
+    # cannot be used in a forked child). This one passes stop signals on to them, waits for
+    # them, and ends as the first that failed, as torchrun would.
+    with spawn.Supervisor(args) as supervisor:
+        workers = mp.spawn(worker, args=(args, world_size, per_device_batch, supervisor.error_dir),
+                           nprocs=args.nproc_per_node, join=False)
+        supervisor.watch(workers)
 
 
 def worker(local_rank, args, world_size, per_device_batch, error_dir):
     rank = args.node_rank * args.nproc_per_node + local_rank
-    code = 0
-    try:
+    with spawn.worker_exit(error_dir, local_rank):  # exit status 2 for bad input, 0 after a stop signal
         env = dist_utils.setup(rank, world_size, local_rank, args.nproc_per_node, args.init_method,
                                timeout_s=args.dist_timeout)
         try:
             train(args, env, per_device_batch)
         finally:
             dist_utils.cleanup()  # also when training raises: no rank is left in the group
-    except cli.UsageError as err:
-        # Each rank meets the same bad input; the parent prints one line for all of them.
-        with open(os.path.join(error_dir, f"{local_rank:05d}"), "w") as f:
-            f.write(str(err))
-        code = 2
-    except preemption.Preempted:
-        code = 0  # stopped on a signal, checkpoint saved
-    cli.leave(code)  # the work is done: skip the interpreter's teardown (see cli.leave)
 
 
 def train(args, env, per_device_batch):
@@ -179,115 +138,6 @@ def train(args, env, per_device_batch):
     run.finish()
     if args.verify_sync:
         replicas.verify_sync(model)
-
-
-# --- starting and supervising the processes -------------------------------------------
-
-def check_launch(args) -> int:
-    """Fill in the defaults, validate the launch flags; returns the world size."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if args.nproc_per_node is None:
-        args.nproc_per_node = gpus or 2
-    elif gpus and args.nproc_per_node > gpus:
-        raise cli.UsageError(f"--nproc-per-node {args.nproc_per_node} but only {gpus} GPU"
-                             f"{'s' if gpus != 1 else ''} visible: use {gpus} or fewer (one process per GPU)")
-    if args.node_rank >= args.nodes:
-        raise cli.UsageError(f"--node-rank {args.node_rank} with --nodes {args.nodes}: "
-                             f"node ranks go from 0 to {args.nodes - 1}")
-    world_size = args.nodes * args.nproc_per_node
-
-    if args.init_method is None:
-        if args.port is None:
-            if args.nodes > 1:
-                raise cli.UsageError(f"--nodes {args.nodes} needs --port: the same free port of node 0 "
-                                     "on every node, e.g. --port 29500")
-            args.port = bind_port(args.ip)
-        host = f"[{args.ip}]" if ":" in args.ip else args.ip  # an IPv6 address needs brackets
-        args.init_method = f"tcp://{host}:{args.port}"
-    url = urlparse(args.init_method)
-    if url.scheme == "tcp":
-        try:
-            host, port = url.hostname, url.port
-        except ValueError:
-            host, port = None, None
-        if not host or not port:
-            raise cli.UsageError(f"--init-method {args.init_method}: expected tcp://HOST:PORT")
-        if args.node_rank == 0:  # rank 0 listens there: check now that it can
-            bind_port(host, port)
-    elif url.scheme == "file":
-        path = url.path
-        if url.netloc or not path.startswith("/"):
-            raise cli.UsageError(f"--init-method {args.init_method}: expected file:///ABSOLUTE/PATH")
-        if not os.path.isdir(os.path.dirname(path) or "/"):
-            raise cli.UsageError(f"--init-method {args.init_method}: directory {os.path.dirname(path)} "
-                                 "does not exist")
-        # A file left by an earlier run that crashed would be joined as if it were this
-        # run's. With several nodes a peer may already have created it, so only one node checks.
-        if args.nodes == 1 and os.path.exists(path) and os.path.getsize(path) > 0:
-            raise cli.UsageError(f"--init-method {args.init_method}: the file exists (left by an earlier "
-                                 "run?); delete it or name a new file")
-    else:
-        raise cli.UsageError(f"--init-method {args.init_method}: use tcp://HOST:PORT or file:///PATH")
-    return world_size
-
-
-def bind_port(host, port=0) -> int:
-    """Bind host:port as rank 0's rendezvous server will, then let it go; returns the port
-    (port 0: any free one). Bad input raises UsageError."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as s:
-        # As the rendezvous server does: a port still in TIME_WAIT after an earlier run is free.
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except socket.gaierror:
-            raise cli.UsageError(f"cannot resolve --ip {host}") from None
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise cli.UsageError(f"port {port} on {host} is already in use; choose another "
-                                     f"--port, e.g. --port {bind_port(host)}") from None
-            if exc.errno == errno.EADDRNOTAVAIL:
-                raise cli.UsageError(f"{host} is not an address of this machine: node 0 (--node-rank 0) "
-                                     "must run on the host that --ip names") from None
-            raise cli.UsageError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-        return s.getsockname()[1]
-
-
-def forward_stop_signals(workers):
-    """Pass SIGTERM/SIGUSR1 on to the workers, as torchrun does: they checkpoint at a step
-    all ranks agree on and exit 0 (utils/preemption.py). Dying here instead would take
-    them down mid-step, before they could save."""
-    def forward(signum, frame):
-        for pid in workers.pids():
-            try:
-                os.kill(pid, signum)
-            except ProcessLookupError:  # already gone
-                pass
-    for sig in preemption.SIGNALS:
-        signal.signal(sig, forward)
-
-
-def exit_like(err, args, error_dir):
-    """End this process as its failed worker ended: bad input as one line and exit status 2,
-    a bug with the worker's traceback (not ours), a signal or exit status as such."""
-    rank = args.node_rank * args.nproc_per_node + err.error_index
-    names = sorted(os.listdir(error_dir))
-    if names:  # bad input that only the workers could see: the lowest local rank's line
-        with open(os.path.join(error_dir, names[0])) as f:
-            raise cli.UsageError(f.read()) from None
-    if isinstance(err, mp.ProcessRaisedException):
-        sys.exit(f"{err}".strip() + f"\n(in global rank {rank})")
-    prog = os.path.basename(sys.argv[0])
-    print(f"{prog}: error: {err.msg} (global rank {rank})", file=sys.stderr, flush=True)
-    sys.exit(err.exit_code if err.exit_code > 0 else 128 - err.exit_code)
-
-
-def remove_rendezvous_file(args):
-    # The file store often leaves its file behind, and a stale file would be joined as if it
-    # were the next run's. On one node, every process that used it has exited by now.
-    if args.nodes == 1 and args.init_method.startswith("file://"):
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(urlparse(args.init_method).path)
 
 
 if __name__ == "__main__":

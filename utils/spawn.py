@@ -1,0 +1,204 @@
+"""Starting and supervising the processes of distributed_mp.py, a script that is its own
+launcher. torchrun does all of this for distributed.py; here it sits apart, so that the
+script shows only what differs from distributed.py: mp.spawn and each process's setup.
+
+- add_flags, check_launch: the launch flags, checked before any process starts, so that
+  bad input ends with one line, not with N tracebacks or N processes waiting for a peer
+  that never comes (a port already in use, an address of another host, a stale file).
+- Supervisor: in the parent, passes stop signals on to the workers, waits for them, ends
+  as the first one that failed, and removes the rendezvous file of a one-node run.
+- worker_exit: in each worker, bad input written for the parent's one line, a stop on a
+  signal as exit status 0, and cli.leave at the end.
+"""
+import contextlib
+import errno
+import os
+import signal
+import socket
+import sys
+import tempfile
+from urllib.parse import urlparse
+
+import torch
+import torch.multiprocessing as mp
+
+from . import cli, preemption
+
+
+def add_flags(parser):
+    g = parser.add_argument_group("ddp-spawn")
+    g.add_argument("--nproc-per-node", "--nproc_per_node", type=cli.positive_int, default=None, metavar="N",
+                   help="processes on this node; without it, one per visible GPU (2 on the CPU)")
+    g.add_argument("--nodes", type=cli.positive_int, default=1, metavar="N", help="nodes in the job")
+    g.add_argument("--node-rank", "--node_rank", type=cli.non_negative_int, default=0, metavar="R",
+                   help="this node's number, 0 .. nodes-1; node 0 hosts the rendezvous")
+    g.add_argument("--ip", default="127.0.0.1", help="address of node 0, reachable from every node")
+    g.add_argument("--port", type=cli.port, default=None,
+                   help="a free TCP port on node 0, the same on every node; required with --nodes > 1, "
+                        "picked for you on one node")
+    g.add_argument("--init-method", "--init_method", default=None, metavar="URL",
+                   help="tcp://HOST:PORT, or file:///PATH: a new file on a file system that every node "
+                        "sees; without it, tcp://IP:PORT")
+
+
+def check_launch(args) -> int:
+    """Fill in the defaults, validate the launch flags; returns the world size."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.nproc_per_node is None:
+        args.nproc_per_node = gpus or 2
+    elif gpus and args.nproc_per_node > gpus:
+        raise cli.UsageError(f"--nproc-per-node {args.nproc_per_node} but only {gpus} GPU"
+                             f"{'s' if gpus != 1 else ''} visible: use {gpus} or fewer (one process per GPU)")
+    if args.node_rank >= args.nodes:
+        raise cli.UsageError(f"--node-rank {args.node_rank} with --nodes {args.nodes}: "
+                             f"node ranks go from 0 to {args.nodes - 1}")
+    world_size = args.nodes * args.nproc_per_node
+
+    if args.init_method is None:
+        if args.port is None:
+            if args.nodes > 1:
+                raise cli.UsageError(f"--nodes {args.nodes} needs --port: the same free port of node 0 "
+                                     "on every node, e.g. --port 29500")
+            args.port = bind_port(args.ip)
+        host = f"[{args.ip}]" if ":" in args.ip else args.ip  # an IPv6 address needs brackets
+        args.init_method = f"tcp://{host}:{args.port}"
+    url = urlparse(args.init_method)
+    if url.scheme == "tcp":
+        try:
+            host, port = url.hostname, url.port
+        except ValueError:
+            host, port = None, None
+        if not host or not port:
+            raise cli.UsageError(f"--init-method {args.init_method}: expected tcp://HOST:PORT")
+        if args.node_rank == 0:  # rank 0 listens there: check now that it can
+            bind_port(host, port)
+    elif url.scheme == "file":
+        path = url.path
+        if url.netloc or not path.startswith("/"):
+            raise cli.UsageError(f"--init-method {args.init_method}: expected file:///ABSOLUTE/PATH")
+        if not os.path.isdir(os.path.dirname(path) or "/"):
+            raise cli.UsageError(f"--init-method {args.init_method}: directory {os.path.dirname(path)} "
+                                 "does not exist")
+        # A file left by an earlier run that crashed would be joined as if it were this
+        # run's. With several nodes a peer may already have created it, so only one node checks.
+        if args.nodes == 1 and os.path.exists(path) and os.path.getsize(path) > 0:
+            raise cli.UsageError(f"--init-method {args.init_method}: the file exists (left by an earlier "
+                                 "run?); delete it or name a new file")
+    else:
+        raise cli.UsageError(f"--init-method {args.init_method}: use tcp://HOST:PORT or file:///PATH")
+    return world_size
+
+
+def bind_port(host, port=0) -> int:
+    """Bind host:port as rank 0's rendezvous server will, then let it go; returns the port
+    (port 0: any free one). Bad input raises UsageError."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        # As the rendezvous server does: a port still in TIME_WAIT after an earlier run is free.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except socket.gaierror:
+            raise cli.UsageError(f"cannot resolve --ip {host}") from None
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise cli.UsageError(f"port {port} on {host} is already in use; choose another "
+                                     f"--port, e.g. --port {bind_port(host)}") from None
+            if exc.errno == errno.EADDRNOTAVAIL:
+                raise cli.UsageError(f"{host} is not an address of this machine: node 0 (--node-rank 0) "
+                                     "must run on the host that --ip names") from None
+            raise cli.UsageError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+        return s.getsockname()[1]
+
+
+class Supervisor:
+    """The parent's side of a spawned run: `with Supervisor(args) as s:` start the workers
+    with s.error_dir among their arguments, then s.watch(the context mp.spawn returned)."""
+
+    def __init__(self, args):
+        self.args = args
+        self._error_dir = None
+
+    def __enter__(self):
+        args = self.args
+        if args.node_rank == 0:
+            world_size = args.nodes * args.nproc_per_node
+            print(f"starting {args.nproc_per_node} process{'es' if args.nproc_per_node > 1 else ''} on node 0 "
+                  f"of {args.nodes} (world size {world_size}), rendezvous at {args.init_method}", flush=True)
+        self._error_dir = tempfile.TemporaryDirectory(prefix="distributed_mp-")
+        self.error_dir = self._error_dir.name  # where a worker leaves a bad-input line (worker_exit)
+        return self
+
+    def watch(self, workers):
+        """Wait for the workers, passing stop signals on; end this process as the first of
+        them that failed ended."""
+        forward_stop_signals(workers)
+        try:
+            # When one fails, the others get 10 s to finish failing on their own (the same bad
+            # input reaches every rank), then are terminated.
+            while not workers.join(grace_period=10):
+                pass
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
+            exit_like(err, self.args, self.error_dir)
+
+    def __exit__(self, *exc_info):
+        try:
+            remove_rendezvous_file(self.args)
+        finally:
+            self._error_dir.cleanup()
+
+
+@contextlib.contextmanager
+def worker_exit(error_dir, local_rank):
+    """Around a worker's whole life: bad input (UsageError) is written to error_dir for the
+    parent's one line, exit status 2; a stop on a signal, checkpoint saved, is status 0;
+    then cli.leave. Any other exception goes on to mp.spawn, which shows the parent its
+    traceback."""
+    code = 0
+    try:
+        yield
+    except cli.UsageError as err:
+        # Each rank meets the same bad input; the parent prints one line for all of them.
+        with open(os.path.join(error_dir, f"{local_rank:05d}"), "w") as f:
+            f.write(str(err))
+        code = 2
+    except preemption.Preempted:
+        code = 0  # stopped on a signal, checkpoint saved
+    cli.leave(code)  # the work is done: skip the interpreter's teardown (see cli.leave)
+
+
+def forward_stop_signals(workers):
+    """Pass SIGTERM/SIGINT/SIGUSR1 on to the workers, as torchrun does: they checkpoint at a
+    step all ranks agree on and exit 0 (utils/preemption.py). Dying here instead would take
+    them down mid-step, before they could save."""
+    def forward(signum, frame):
+        for pid in workers.pids():
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:  # already gone
+                pass
+    for sig in preemption.SIGNALS:
+        signal.signal(sig, forward)
+
+
+def exit_like(err, args, error_dir):
+    """End this process as its failed worker ended: bad input as one line and exit status 2,
+    a bug with the worker's traceback (not ours), a signal or exit status as such."""
+    rank = args.node_rank * args.nproc_per_node + err.error_index
+    names = sorted(os.listdir(error_dir))
+    if names:  # bad input that only the workers could see: the lowest local rank's line
+        with open(os.path.join(error_dir, names[0])) as f:
+            raise cli.UsageError(f.read()) from None
+    if isinstance(err, mp.ProcessRaisedException):
+        sys.exit(f"{err}".strip() + f"\n(in global rank {rank})")
+    prog = os.path.basename(sys.argv[0])
+    print(f"{prog}: error: {err.msg} (global rank {rank})", file=sys.stderr, flush=True)
+    sys.exit(err.exit_code if err.exit_code > 0 else 128 - err.exit_code)
+
+
+def remove_rendezvous_file(args):
+    # The file store often leaves its file behind, and a stale file would be joined as if it
+    # were the next run's. On one node, every process that used it has exited by now.
+    if args.nodes == 1 and args.init_method.startswith("file://"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(urlparse(args.init_method).path)
