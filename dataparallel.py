@@ -14,6 +14,11 @@ on the CPU.
 
 --batch-size is the global batch: the one process loads all of it and
 DataParallel hands each of the N GPUs batch-size / N.
+
+Unlike its siblings, this script is not distributed.py plus a few lines: one
+process, no process group, a list of GPUs instead of one GPU per process, and
+autocast inside each GPU's thread. What it shares with them (data, evaluation,
+checkpoints, metrics) is the same code in utils/.
 """
 import argparse
 
