@@ -29,6 +29,8 @@ Faults, when global step S completes on global rank R:
     signal-during-eval
                     the first evaluation takes --eval-seconds longer, and --send SIG
                     reaches this process in the middle of it.
+    sigbus-loader   SIGBUS to one of this process's DataLoader workers: what a worker
+                    gets when the shared-memory folder (/dev/shm) is full.
 
 kill and raise act after the step's bookkeeping (a checkpoint due at step S is
 written first). The signals are sent just before it, so that the run's own stop
@@ -47,7 +49,7 @@ import sys
 import time
 
 FAULTS = ("kill", "raise", "sigterm-self", "sigterm-parent", "kill-during-save", "signal-group",
-          "signal-job", "kill-launcher", "signal-during-eval")
+          "signal-job", "kill-launcher", "signal-during-eval", "sigbus-loader")
 SIGNAL = signal.SIGTERM  # set from --send
 
 
@@ -90,6 +92,11 @@ def _fire(kind: str, rank: int, step: int):
                 pass
     elif kind == "kill-launcher":
         os.kill(_launcher(), signal.SIGKILL)
+    elif kind == "sigbus-loader":
+        import multiprocessing
+        workers = [child for child in multiprocessing.active_children() if child.daemon]
+        assert workers, "sigbus-loader needs loader workers (--workers 1 or more)"
+        os.kill(workers[0].pid, signal.SIGBUS)
 
 
 def _launcher() -> int:

@@ -274,7 +274,8 @@ def test_leave_ends_loader_workers_that_are_still_alive(tmp_path):
     # An exception's traceback (a stop on a signal raised through a worker's `with`) or a
     # caller's reference can keep a loader with persistent workers alive at leave().
     # multiprocessing's exit handler ends such children with SIGTERM and joins them; ours
-    # ignore SIGTERM, so leave() must end them itself, or the process waits forever.
+    # ignore SIGTERM, so they must be ended otherwise (preemption.end_loader_workers_at_exit),
+    # or the process waits forever.
     import subprocess
     import sys
     program = tmp_path / "program.py"
@@ -282,6 +283,38 @@ def test_leave_ends_loader_workers_that_are_still_alive(tmp_path):
     proc = subprocess.run([sys.executable, str(program)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "workers: 2" in proc.stdout, proc.stdout + proc.stderr
     assert "DataLoader worker" not in proc.stderr, proc.stderr  # not reported as a failure
+
+
+BUS_ERROR = ("DataLoader worker (pid 4242) is killed by signal: Bus error. It is possible that "
+             "dataloader's workers are out of shared memory. Please try to raise your shared memory limit.")
+
+
+def test_a_bus_error_in_a_loader_worker_is_explained_in_one_line():
+    message = cli.bus_error_message(RuntimeError(BUS_ERROR))
+    assert "\n" not in message and "bus error" in message and "--shm-size" in message and "/dev/shm" in message
+    assert cli.bus_error_message(RuntimeError("DataLoader worker (pid 1) is killed by signal: Killed.")) is None
+    assert cli.bus_error_message(RuntimeError("CUDA out of memory")) is None
+
+
+SPAWNED_WORKER_WITH_A_BUS_ERROR = """
+import sys
+sys.path.insert(0, {root!r})
+from utils import spawn
+with spawn.worker_exit({error_dir!r}, 0):
+    raise RuntimeError({error!r})
+"""
+
+
+def test_a_spawned_worker_reports_a_bus_error_in_one_line_and_exits_1(tmp_path):
+    import subprocess
+    import sys
+    program = tmp_path / "worker.py"
+    program.write_text(SPAWNED_WORKER_WITH_A_BUS_ERROR.format(
+        root=os.path.dirname(os.path.dirname(__file__)), error_dir=str(tmp_path), error=BUS_ERROR))
+    proc = subprocess.run([sys.executable, str(program)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "error: a DataLoader worker died of a bus error" in lines[0], proc.stderr
 
 
 def test_resolved_config_is_plain_json(no_local_rank):

@@ -388,6 +388,33 @@ def long_reference(tmp_path_factory):
     return ckpt_dir / "checkpoint.pt"
 
 
+def test_a_single_process_that_fails_with_loader_workers_exits_at_once(tmp_path):
+    # `python distributed.py` with loader workers and a bug at step 2: its traceback and
+    # exit status 1. The workers ignore SIGTERM, which is how Python's exit ends them:
+    # without more, the process printed its traceback and then waited for them forever.
+    proc = run([FAULTS, "--fault", "raise", "--step", "2", "--", "distributed.py", *TINY, *WORKERS,
+                "--checkpoint-dir", tmp_path], timeout=60)
+    assert proc.rc == 1 and "RuntimeError: injected failure on rank 0" in proc.output(), proc.output()
+
+
+@pytest.mark.parametrize("launch", ["python", "torchrun"])
+def test_a_loader_worker_killed_by_a_bus_error_ends_the_run_with_one_line(tmp_path, launch):
+    # What a DataLoader worker gets when the shared-memory folder is full (Docker gives a
+    # container 64 MB): the run ends at once with the line that says what to do.
+    rank = "0" if launch == "python" else "1"
+    args = [FAULTS, "--fault", "sigbus-loader", "--rank", rank, "--step", "2", "--",
+            "distributed.py", *TINY, *WORKERS, "--checkpoint-dir", tmp_path, "--dist-timeout", "20"]
+    proc = run(args, timeout=120) if launch == "python" else torchrun(args, timeout=120)
+    output = proc.output()
+    assert proc.rc != 0, output
+    line = "distributed.py: error: a DataLoader worker died of a bus error"
+    assert output.count(line) == 1 and "--shm-size" in output.split(line, 1)[1].splitlines()[0], output
+    fired = re.search(r"fault_injection: sigbus-loader on rank \d at step 2 \(pid \d+, time ([\d.]+)\)", output)
+    assert fired and proc.ended - float(fired.group(1)) < 30, output  # every rank gone, not at a timeout
+    if launch == "python":
+        assert proc.rc == 1 and "Traceback" not in output, output
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_mp_spawn_stops_on_a_signal_to_its_process_group(long_reference, tmp_path, sig):
     # distributed_mp.py in a terminal (Ctrl-C) or killed with `kill -- -PGID`: the parent,

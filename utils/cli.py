@@ -11,6 +11,8 @@ import math
 import os
 import signal
 import sys
+import time
+import traceback
 
 
 
@@ -231,6 +233,10 @@ def plain_config(args: argparse.Namespace) -> dict:
             for k, v in sorted(vars(args).items())}
 
 
+# What a rank's error says when a peer died or left (gloo's sockets; utils.distributed.meeting).
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Another rank never came")
+
+
 def run_main(main, argv=None):
     """Call main(argv); a UsageError becomes one line on stderr and exit status 2.
 
@@ -241,8 +247,10 @@ def run_main(main, argv=None):
     first, not the timeouts of the ranks that were waiting for it.
 
     Called as the program (argv None, the scripts' `cli.run_main(main)`) in a process
-    that joined a process group, a run that ended (finished, stopped by a signal, or
-    refused bad input) leaves through `leave`; otherwise SystemExit as usual.
+    that joined a process group, a run that ended (finished, stopped by a signal,
+    refused bad input, or failed, after its traceback) leaves through `leave`;
+    otherwise SystemExit as usual. A DataLoader worker killed by a bus error (shared
+    memory full) ends the run with one line that says so (bus_error_message).
     """
     from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -256,6 +264,18 @@ def run_main(main, argv=None):
             sys.exit(2)
         except KeyboardInterrupt:
             sys.exit(130)
+        except Exception as err:
+            message = bus_error_message(err)
+            if message is not None:
+                prog = os.path.basename(sys.argv[0]) or "train"
+                sys.exit(f"{prog}: error: {message}")  # this rank's own line (its loader failed), status 1
+            if _joined_a_group and isinstance(err, RuntimeError) and any(words in str(err) for words in _PEER_LOST):
+                # Only a consequence of a peer's failure: report it a second later. torchrun
+                # names as the root cause the failure whose error file (written by @record)
+                # has the earliest time, in whole seconds, and this rank now fails as fast
+                # as the peer that caused it.
+                time.sleep(1.0)
+            raise
 
     if argv is not None:
         record(guarded)()
@@ -269,6 +289,20 @@ def run_main(main, argv=None):
         code = stop.code
         leave(code if isinstance(code, int) else (0 if code is None else 1), message=
               None if code is None or isinstance(code, int) else str(code))
+    except Exception as err:
+        message = bus_error_message(err)  # raised where guarded could not catch it
+        if message is not None:
+            line = f"{os.path.basename(sys.argv[0]) or 'train'}: error: {message}"
+            if not _joined_a_group:
+                sys.exit(line)
+            leave(1, message=line)
+        if not _joined_a_group:
+            raise
+        # A failure after joining (a bug, a peer that died): the traceback, as Python would
+        # print it, then out through leave. Through the interpreter's teardown, a rank whose
+        # peer had died stayed until torchrun killed it 30 s later (measured).
+        traceback.print_exc()
+        leave(1)
     if _joined_a_group:
         leave(0)
 
@@ -282,6 +316,66 @@ def joined_a_group():
     exits normally)."""
     global _joined_a_group
     _joined_a_group = True
+
+
+SHM_DIR = "/dev/shm"  # where DataLoader workers put the batches they hand over (Linux)
+
+
+def shm_free_bytes(path: str = None):
+    """Free bytes in the shared-memory folder, or None where there is none."""
+    try:
+        st = os.statvfs(path or SHM_DIR)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def bus_error_message(err: BaseException):
+    """One line for a DataLoader worker killed by SIGBUS, or None for any other error.
+
+    A worker hands each batch over in shared memory (/dev/shm); when that folder is
+    full, writing to it kills the worker with a bus error. Docker gives a container
+    64 MB of it unless told otherwise."""
+    # The loader's SIGCHLD handler raises it wherever the main thread is, possibly while
+    # another error (the dead worker's socket) is being handled: look down the chain too.
+    chain = []
+    while err is not None and not ("DataLoader worker" in str(err) and "Bus error" in str(err)):
+        chain.append(err)
+        err = err.__cause__ or err.__context__
+    if err is None:
+        # A worker that dies while handing a batch over closes its socket a moment before
+        # it can be seen as dead: give it a second when that is what failed here.
+        lost_a_socket = any(isinstance(e, (ConnectionError, EOFError)) for e in chain)
+        if not _a_loader_worker_died_of_sigbus(wait_s=1.0 if lost_a_socket else 0.0):
+            return None
+    free = shm_free_bytes()
+    where = f"{SHM_DIR}: {free / 2**20:.0f} MB free now" if free is not None else f"no {SHM_DIR} here"
+    return (f"a DataLoader worker died of a bus error, which in a loader worker almost always means "
+            f"that the shared-memory folder ran out ({where}). "
+            "In Docker run with --ipc=host or --shm-size=2g; elsewhere make the folder larger "
+            "(mount -o remount,size=2G /dev/shm) or lower --workers or --batch-size; "
+            "scripts/preflight.py shows what the workers need")
+
+
+def _a_loader_worker_died_of_sigbus(wait_s: float = 0.0) -> bool:
+    """Whether a daemonic child (a DataLoader worker) of this process ended by SIGBUS. When
+    the worker dies while handing a batch over, the error seen first is its closed socket
+    (ConnectionResetError), not the loader's. (multiprocessing keeps its started children
+    in process._children until they are joined: not public, hence the care.)"""
+    import multiprocessing.process
+    bus = getattr(signal, "SIGBUS", None)
+    deadline = time.monotonic() + wait_s
+    while bus is not None:
+        for child in list(getattr(multiprocessing.process, "_children", ())):
+            try:
+                if child.daemon and child.exitcode == -bus:
+                    return True
+            except (AssertionError, OSError, ValueError):  # not ours to poll, or closed
+                continue
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return False
 
 
 def leave(code: int = 0, message: str = None):
@@ -300,26 +394,13 @@ def leave(code: int = 0, message: str = None):
     190489). It strikes most often when a collective is the last thing a rank does
     before exiting; tutorials/09-debugging.md has the measurements.
 
-    Before exiting this ends the DataLoader workers still alive, runs the atexit handlers
-    (which also flush logging) and flushes stdout and stderr; nothing else (__del__
-    methods, other open files) runs."""
+    Before exiting this runs the atexit handlers (which also end the DataLoader workers
+    still alive, see preemption.end_loader_workers_at_exit, and flush logging) and
+    flushes stdout and stderr; nothing else (__del__ methods, other open files) runs."""
     if message:
         print(message, file=sys.stderr)
     try:
         import atexit
-        import multiprocessing
-        # multiprocessing's atexit handler ends daemonic children, the workers of a loader
-        # still alive (persistent ones, kept by a caller or an exception's traceback), with
-        # SIGTERM and then waits for them. Our loader workers ignore SIGTERM (a stop signal
-        # is their rank's to handle, utils/preemption.py), so it would wait forever: the
-        # work is done, SIGKILL them, with the SIGCHLD handler of torch's loader (which
-        # would report each as a failed worker) put back to the default first.
-        children = [child for child in multiprocessing.active_children() if child.daemon]
-        if children:
-            with contextlib.suppress(AttributeError, ValueError):  # no SIGCHLD; not the main thread
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            for child in children:
-                child.kill()
         atexit._run_exitfuncs()
     finally:
         for stream in (sys.stdout, sys.stderr):

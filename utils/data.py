@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from .cli import UsageError
 from .distributed import DistEnv, all_ranks_ok
-from .preemption import ignore_stop_signals, stop_signals_blocked
+from .preemption import end_loader_workers_at_exit, ignore_stop_signals, stop_signals_blocked
 
 NUM_CLASSES = 100
 IMAGE_SHAPE = (3, 32, 32)
@@ -476,6 +476,8 @@ class Loader(DataLoader):
     signal to the whole process group cannot kill one before `_worker_init` runs."""
 
     def __iter__(self):
+        if self.num_workers:
+            end_loader_workers_at_exit()  # they ignore SIGTERM, which exit handlers would send
         with stop_signals_blocked():
             return super().__iter__()
 

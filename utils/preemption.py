@@ -15,6 +15,7 @@ run first in every worker) and leave the decision to their rank; the loader crea
 workers with the signals blocked (`stop_signals_blocked`), so that none can arrive
 between a worker's start and that call.
 """
+import atexit
 import contextlib
 import os
 import signal
@@ -86,6 +87,34 @@ def ignore_stop_signals():
     for sig in SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
+
+
+_workers_ended_at_exit = False
+
+
+def end_loader_workers_at_exit():
+    """Once per process, before its first loader workers start: at exit, SIGKILL the
+    daemonic children (the loader workers) still alive. multiprocessing's own exit handler
+    ends them with SIGTERM and then waits for them, and ours ignore SIGTERM: a process
+    that ends while a loader still holds workers (persistent ones, kept by an exception's
+    traceback or a caller) would wait forever. Registered after multiprocessing's handler,
+    so it runs before it (atexit runs handlers last in, first out)."""
+    global _workers_ended_at_exit
+    if not _workers_ended_at_exit:
+        atexit.register(_end_loader_workers)
+        _workers_ended_at_exit = True
+
+
+def _end_loader_workers():
+    import multiprocessing
+    children = [child for child in multiprocessing.active_children() if child.daemon]
+    if not children:
+        return
+    # torch's loader would report each kill as a failed worker from its SIGCHLD handler.
+    with contextlib.suppress(AttributeError, ValueError):  # no SIGCHLD; not the main thread
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in children:
+        child.kill()
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ script shows only what differs from distributed.py: mp.spawn and each process's 
 - Supervisor: in the parent, passes stop signals on to the workers, waits for them, ends
   as the first one that failed, and removes the rendezvous file of a one-node run.
 - worker_exit: in each worker, bad input written for the parent's one line, a stop on a
-  signal as exit status 0, and cli.leave at the end.
+  signal as exit status 0, a loader worker's bus error as one line, and cli.leave at the end.
 """
 import contextlib
 import errno
@@ -164,6 +164,12 @@ def worker_exit(error_dir, local_rank):
         code = 2
     except preemption.Preempted:
         code = 0  # stopped on a signal, checkpoint saved
+    except Exception as err:
+        message = cli.bus_error_message(err)  # a loader worker that ran out of shared memory
+        if message is None:
+            raise
+        print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr, flush=True)
+        code = 1
     cli.leave(code)  # the work is done: skip the interpreter's teardown (see cli.leave)
 
 
