@@ -413,6 +413,10 @@ def test_a_loader_worker_killed_by_a_bus_error_ends_the_run_with_one_line(tmp_pa
     assert fired and proc.ended - float(fired.group(1)) < 30, output  # every rank gone, not at a timeout
     if launch == "python":
         assert proc.rc == 1 and "Traceback" not in output, output
+    else:  # torchrun's summary names the rank whose loader failed, not its peer's lost connection
+        assert "Root Cause (first observed failure):" in output, output
+        root_cause = output.split("Root Cause (first observed failure):", 1)[1]
+        assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", root_cause), output
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

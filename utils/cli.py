@@ -259,16 +259,11 @@ def run_main(main, argv=None):
             main(argv)
         except UsageError as err:
             if _prints_errors():
-                prog = os.path.basename(sys.argv[0]) or "train"
-                print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
+                print(error_line(err), file=sys.stderr, flush=True)
             sys.exit(2)
         except KeyboardInterrupt:
             sys.exit(130)
         except Exception as err:
-            message = bus_error_message(err)
-            if message is not None:
-                prog = os.path.basename(sys.argv[0]) or "train"
-                sys.exit(f"{prog}: error: {message}")  # this rank's own line (its loader failed), status 1
             if _joined_a_group and isinstance(err, RuntimeError) and any(words in str(err) for words in _PEER_LOST):
                 # Only a consequence of a peer's failure: report it a second later. torchrun
                 # names as the root cause the failure whose error file (written by @record)
@@ -290,12 +285,13 @@ def run_main(main, argv=None):
         leave(code if isinstance(code, int) else (0 if code is None else 1), message=
               None if code is None or isinstance(code, int) else str(code))
     except Exception as err:
-        message = bus_error_message(err)  # raised where guarded could not catch it
+        # A loader worker killed by a bus error: this rank's own line, exit status 1 (under
+        # torchrun, @record has written the loader's error to the error file already).
+        message = bus_error_message(err)
         if message is not None:
-            line = f"{os.path.basename(sys.argv[0]) or 'train'}: error: {message}"
             if not _joined_a_group:
-                sys.exit(line)
-            leave(1, message=line)
+                sys.exit(error_line(message))
+            leave(1, message=error_line(message))
         if not _joined_a_group:
             raise
         # A failure after joining (a bug, a peer that died): the traceback, as Python would
@@ -305,6 +301,11 @@ def run_main(main, argv=None):
         leave(1)
     if _joined_a_group:
         leave(0)
+
+
+def error_line(message) -> str:
+    """`PROGRAM: error: MESSAGE`, the form of argparse's own errors."""
+    return f"{os.path.basename(sys.argv[0]) or 'train'}: error: {message}"
 
 
 _joined_a_group = False  # set by utils.distributed.setup: only such a process needs `leave`
@@ -321,10 +322,10 @@ def joined_a_group():
 SHM_DIR = "/dev/shm"  # where DataLoader workers put the batches they hand over (Linux)
 
 
-def shm_free_bytes(path: str = None):
+def shm_free_bytes():
     """Free bytes in the shared-memory folder, or None where there is none."""
     try:
-        st = os.statvfs(path or SHM_DIR)
+        st = os.statvfs(SHM_DIR)
     except OSError:
         return None
     return st.f_bavail * st.f_frsize
@@ -365,16 +366,21 @@ def _a_loader_worker_died_of_sigbus(wait_s: float = 0.0) -> bool:
     import multiprocessing.process
     bus = getattr(signal, "SIGBUS", None)
     deadline = time.monotonic() + wait_s
-    while bus is not None:
-        for child in list(getattr(multiprocessing.process, "_children", ())):
-            try:
-                if child.daemon and child.exitcode == -bus:
-                    return True
-            except (AssertionError, OSError, ValueError):  # not ours to poll, or closed
-                continue
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.05)
+    try:
+        while bus is not None:
+            for child in list(getattr(multiprocessing.process, "_children", ())):
+                try:
+                    if child.daemon and child.exitcode == -bus:
+                        return True
+                except (AssertionError, OSError, ValueError):  # not ours to poll, or closed
+                    continue
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+    except RuntimeError as err:  # the loader's SIGCHLD handler, raising while we wait
+        if "DataLoader worker" in str(err) and "Bus error" in str(err):
+            return True
+        raise
     return False
 
 
