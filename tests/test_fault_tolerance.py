@@ -412,7 +412,12 @@ def test_a_loader_worker_killed_by_a_bus_error_ends_the_run_with_one_line(tmp_pa
     fired = re.search(r"fault_injection: sigbus-loader on rank \d at step 2 \(pid \d+, time ([\d.]+)\)", output)
     assert fired and proc.ended - float(fired.group(1)) < 30, output  # every rank gone, not at a timeout
     if launch == "python":
-        assert proc.rc == 1 and "Traceback" not in output, output
+        # No traceback from our code. A worker that dies while handing a batch over can make
+        # multiprocessing's resource-sharer thread print its own ConnectionResetError first.
+        ours = [line for line in output.splitlines() if line.strip().startswith('File "')
+                and ("utils/" in line or "distributed.py" in line or "fault_injection.py" in line)]
+        assert proc.rc == 1 and not ours, output
+        assert "distributed.py: error: a DataLoader worker" in output.rstrip().splitlines()[-1], output
     else:  # torchrun's summary names the rank whose loader failed, not its peer's lost connection
         assert "Root Cause (first observed failure):" in output, output
         root_cause = output.split("Root Cause (first observed failure):", 1)[1]
