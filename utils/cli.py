@@ -7,6 +7,7 @@ raises `UsageError`; `run_main` turns it into one line on stderr and exit status
 """
 import argparse
 import contextlib
+import importlib.util
 import math
 import os
 import signal
@@ -145,6 +146,9 @@ def build_parser(doc: str, model_names) -> argparse.ArgumentParser:
     g.add_argument("--warmup-epochs", type=_non_negative_float, default=1.0,
                    help="linear learning-rate warm-up from 0, in epochs")
     g.add_argument("--seed", type=_seed, default=0)
+    g.add_argument("--clip-grad-norm", "--clip-grad", type=_positive_float, default=None, metavar="MAX_NORM",
+                   help="clip the global L2 norm of the gradients to MAX_NORM, once per optimizer step "
+                        "(after unscaling under mixed precision, after the last micro-batch with accumulation)")
 
     g = parser.add_argument_group("run")
     g.add_argument("--max-steps", type=_positive_int, default=None,
@@ -165,6 +169,14 @@ def build_parser(doc: str, model_names) -> argparse.ArgumentParser:
     g.add_argument("--dist-timeout", type=_positive_float, default=1800.0, metavar="SECONDS",
                    help="how long a rank waits in a collective for a peer before the job fails "
                         "(bounds the hang when a peer dies)")
+    g.add_argument("--device", default="auto", metavar="{auto,cpu,cuda,xpu,mps,...}",
+                   help="auto: this machine's accelerator (torch.accelerator) if it has one, else the CPU; "
+                        "cpu: the CPU even where there is a GPU; or name the accelerator's type")
+    g.add_argument("--profile", default=None, metavar="DIR",
+                   help="write a torch.profiler trace of a few steps after warm-up, one file per rank "
+                        "(open it in https://ui.perfetto.dev or chrome://tracing)")
+    g.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="also write the per-epoch scalars for TensorBoard (needs: pip install tensorboard)")
     # torch.distributed.launch (deprecated) passes --local-rank=N (--local_rank before 2.0).
     g.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser
@@ -201,6 +213,9 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
         parser.error("--resume without a PATH needs --checkpoint-dir")
     if args.checkpoint_every is not None and not args.checkpoint_dir:
         parser.error("--checkpoint-every needs --checkpoint-dir")
+    if getattr(args, "tensorboard", None) and importlib.util.find_spec("tensorboard") is None:
+        parser.error("--tensorboard needs the tensorboard package, which is not installed: "
+                     "pip install tensorboard")
     if args.check_args:
         try:
             world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)

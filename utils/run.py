@@ -43,7 +43,7 @@ import time
 
 import torch
 
-from . import checkpoint
+from . import checkpoint, observe
 from .cli import UsageError, plain_config
 from .distributed import DistEnv, all_ranks_ok, meeting, print0
 from .metrics import EpochTimer, MetricsLog, TrainMeter
@@ -102,6 +102,8 @@ class TrainingRun:
         if resume_from:
             self._resume(resume_from)
         self.stop_signal = StopSignal(env.distributed)
+        # --profile and --tensorboard (utils/observe.py); nothing when neither is given.
+        self.observers = observe.Observers(args, env, start_step=self.global_step)
         if args.checkpoint_dir and env.is_main:
             checkpoint.remove_stale_temporaries(self.checkpoint_path)
             # The resolved configuration beside the checkpoint, for whoever finds it later.
@@ -297,6 +299,7 @@ class TrainingRun:
         self.step_in_epoch += 1
         self.global_step += 1
         self.timer.step()
+        self.observers.step(self.global_step)
         if self.step_in_epoch >= self.steps_per_epoch or self.done():
             # The epoch's training ends here: stop the clock before the evaluation that
             # the script runs next, so that images/s measures training alone.
@@ -317,6 +320,7 @@ class TrainingRun:
             self.save()
             self.stop_signal.announce(self.global_step, self.checkpoint_path)
             self.stop_signal.close()
+            self.observers.close()
             raise Preempted()  # exit status 0; the script's `finally` still tears down
         return self.done()
 
@@ -341,6 +345,7 @@ class TrainingRun:
         # Checkpoint first, then record: a record that fails to write loses no training.
         self.save()
         self.log.write(record)
+        self.observers.epoch(record)
         acc5 = eval_metrics["test_acc5"]
         acc5 = "" if math.isnan(acc5) and eval_metrics["test_samples"] else f"acc5 {acc5:.2f}% "
         print0(f"epoch {self.epoch + 1}/{self.args.epochs} step {self.global_step} | "
@@ -360,6 +365,7 @@ class TrainingRun:
     def finish(self):
         """The end-of-run record (rank 0), with the last evaluation."""
         self.stop_signal.close()
+        self.observers.close()
         if self.last_record is None or not self.complete():
             return  # stopped by a signal: the run goes on with --resume, it has not ended
         record = dict(self.last_record, event="end", step=self.global_step,
