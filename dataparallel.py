@@ -3,8 +3,9 @@ r"""Train a CIFAR ResNet with nn.DataParallel: one process drives all the GPUs.
 At every step DataParallel copies the model to each GPU, splits the batch over
 them, runs the copies in parallel threads and gathers the outputs on the first
 GPU. It is the shortest way to use several GPUs and the slowest (see "why
-DistributedDataParallel is faster" below). Without GPUs the plain module trains
-on the CPU.
+DistributedDataParallel is faster" below). It is for CUDA GPUs (NVIDIA's, or
+AMD's under ROCm) by nature; without them, or with --device cpu, the plain
+module trains on the CPU.
 
     # all visible GPUs (or the CPU)
     python dataparallel.py --dataset synthetic --epochs 1
@@ -59,7 +60,7 @@ def main(argv=None):
 
     # --- devices ----------------------------------------------------------------------
     # One process and no process group: DataParallel threads the GPUs of this process.
-    device_ids = pick_gpus(args.gpus)
+    device_ids = pick_gpus(args.gpus, args.device)
     device = torch.device("cuda", device_ids[0]) if device_ids else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)  # the replicas are copied from, and gathered on, this GPU
@@ -119,6 +120,9 @@ def train(args, env, per_process_batch, device_ids, amp_dtype):
             loss = F.cross_entropy(logits.float(), targets)  # float32 loss, as autocast would
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()  # gradients of every copy are summed on the first GPU
+            if args.clip_grad_norm is not None:
+                scaler.unscale_(optimizer)  # the true gradients, before their norm is measured
+                run.clip_grad_norm(model.parameters())
             scaler.step(optimizer)  # skipped if float16 gradients overflowed
             scaler.update()
             scheduler.step()
@@ -159,9 +163,16 @@ def gpu_list(text):
                                          f"got {text!r}") from None
 
 
-def pick_gpus(requested):
-    """The GPU ids to use (all visible ones by default); [] without CUDA."""
-    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+def pick_gpus(requested, device="auto"):
+    """The GPU ids to use (all visible ones by default); [] without CUDA or with --device cpu."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise cli.UsageError(f"--device {device}: DataParallel runs on CUDA GPUs only; use --device cuda, "
+                             "cpu or auto, or distributed.py, which runs on any accelerator")
+    if device == "cpu" and requested is not None:
+        raise cli.UsageError("--gpus with --device cpu: leave out one or the other")
+    visible = torch.cuda.device_count() if device != "cpu" and torch.cuda.is_available() else 0
+    if device == "cuda" and visible == 0:
+        raise cli.UsageError("--device cuda but no CUDA GPU is visible: use --device cpu, or auto")
     if requested is None:
         return list(range(visible))
     if visible == 0:

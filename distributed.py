@@ -37,7 +37,7 @@ def main(argv=None):
     # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; init_process_group
     # reads them (env://). Under plain `python` none is set: one process, no process group.
     per_device_batch = cli.split_batch(args.batch_size, dist_utils.world_size_from_env())
-    env = dist_utils.setup_from_env(timeout_s=args.dist_timeout)
+    env = dist_utils.setup_from_env(timeout_s=args.dist_timeout, device=args.device)
     try:
         train(args, env, per_device_batch)
     finally:
@@ -72,7 +72,7 @@ def train(args, env, per_device_batch):
         # which saves a copy of every gradient and the memory for it.
         # broadcast_buffers=False: no broadcast of rank 0's batch-norm statistics before
         # every forward; evaluation and checkpoints take rank 0's buffers anyway.
-        ddp_model = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
+        ddp_model = DDP(model, device_ids=env.device_ids,
                         gradient_as_bucket_view=True, broadcast_buffers=False)
     else:
         ddp_model = model  # one process: no gradients to average, no DDP hooks to run
@@ -82,10 +82,10 @@ def train(args, env, per_device_batch):
         ddp_model = torch.compile(ddp_model, mode=args.compile_mode)
 
     # --- optimizer --------------------------------------------------------------------
-    # fused on GPUs: one kernel updates every parameter instead of a few per tensor.
+    # fused on accelerators: one kernel updates every parameter instead of a few per tensor.
     optimizer = torch.optim.SGD(model.parameters(), lr=schedule.scaled_lr(args), momentum=args.momentum,
                                 nesterov=args.nesterov, weight_decay=args.weight_decay,
-                                fused=True if env.device.type == "cuda" else None)
+                                fused=True if env.device.type != "cpu" else None)
     scheduler = schedule.warmup_multistep(optimizer, args, steps_per_epoch)
     run = TrainingRun(args, env, model, optimizer, scheduler, steps_per_epoch=steps_per_epoch,
                       strategy="ddp-torchrun")  # all ranks meet here; resumes with --resume
@@ -103,6 +103,7 @@ def train(args, env, per_device_batch):
             loss = F.cross_entropy(logits, targets)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP's hooks all-reduce the gradients during this call
+            run.clip_grad_norm(model.parameters())  # --clip-grad-norm: of the averaged gradient, on every rank
             optimizer.step()
             scheduler.step()
             run.meter.update(loss.detach(), logits.detach(), targets)

@@ -33,8 +33,9 @@ The name is historical: this used to be done with NVIDIA apex (apex.amp and
 apex.parallel.DistributedDataParallel). NVIDIA removed both from apex in 2025;
 torch.amp is their upstream successor and the default here. `--amp-impl apex`
 uses a source build of NVIDIA apex (github.com/NVIDIA/apex) where one is
-installed: its FusedSGD, and apex.amp with --opt-level O0..O3 if that apex is old
-enough to still have it. The PyPI package called `apex` is unrelated.
+installed (CUDA GPUs only): its FusedSGD, and apex.amp with --opt-level O0..O3 if
+that apex is old enough to still have it. The PyPI package called `apex` is
+unrelated. torch.amp runs on any accelerator and on the CPU.
 """
 import importlib
 from typing import Any, NamedTuple
@@ -65,17 +66,15 @@ def main(argv=None):
     g.add_argument("--opt-level", choices=["O0", "O1", "O2", "O3"], default=None,
                    help="apex.amp's level (O1 when apex.amp is used); with torch.amp: O0 = float32, "
                         "O1/O2 = autocast + GradScaler, O3 (pure fp16) is refused")
-    g.add_argument("--clip-grad", type=cli.positive_float, default=None, metavar="MAX_NORM",
-                   help="clip the gradients' global L2 norm to MAX_NORM (after unscaling)")
     args = cli.parse_args(parser, argv)
     # Settled before joining the process group: a bad choice ends every rank at once.
-    precision = choose_precision(args, "cuda" if torch.cuda.is_available() else "cpu")
+    precision = choose_precision(args, dist_utils.device_type(args.device, dist_utils.launched_by_torchrun()))
 
     # --- distributed setup ------------------------------------------------------------
     # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; init_process_group
     # reads them (env://). Under plain `python` none is set: one process, no process group.
     per_device_batch = cli.split_batch(args.batch_size, dist_utils.world_size_from_env())
-    env = dist_utils.setup_from_env(timeout_s=args.dist_timeout)
+    env = dist_utils.setup_from_env(timeout_s=args.dist_timeout, device=args.device)
     try:
         train(args, env, per_device_batch, precision)
     finally:
@@ -121,7 +120,7 @@ def train(args, env, per_device_batch, precision):
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=schedule.scaled_lr(args), momentum=args.momentum,
                                     nesterov=args.nesterov, weight_decay=args.weight_decay,
-                                    fused=True if env.device.type == "cuda" else None)
+                                    fused=True if env.device.type != "cpu" else None)
 
     # --- mixed precision --------------------------------------------------------------
     apex_amp, dtype = precision.apex_amp, precision.dtype
@@ -147,7 +146,7 @@ def train(args, env, per_device_batch, precision):
         # which saves a copy of every gradient and the memory for it.
         # broadcast_buffers=False: no broadcast of rank 0's batch-norm statistics before
         # every forward; evaluation and checkpoints take rank 0's buffers anyway.
-        ddp_model = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
+        ddp_model = DDP(model, device_ids=env.device_ids,
                         gradient_as_bucket_view=True, broadcast_buffers=False)
     else:
         ddp_model = model  # one process: no gradients to average, no DDP hooks to run
@@ -180,10 +179,9 @@ def train(args, env, per_device_batch, precision):
             else:
                 with apex_amp.scale_loss(loss, optimizer) as scaled_loss:  # unscales on exit
                     scaled_loss.backward()
-            if args.clip_grad is not None:
+            if args.clip_grad_norm is not None:  # the norm of the averaged gradient, on every rank
                 scaler.unscale_(optimizer)  # the true gradients, before their norm is measured
-                params = apex_amp.master_params(optimizer) if apex_amp else model.parameters()
-                torch.nn.utils.clip_grad_norm_(params, args.clip_grad)
+                run.clip_grad_norm(apex_amp.master_params(optimizer) if apex_amp else model.parameters())
             scaler.step(optimizer)  # skipped if a gradient is inf/nan (the scale was too high)
             scaler.update()  # halve the scale after an overflow, double it after 2000 clean steps
             # Stepped even when the scaler skipped optimizer.step: the schedule stays aligned
@@ -251,7 +249,7 @@ def choose_precision(args, device_type: str) -> Precision:
         # (no loss scaling needed), fp16 on older GPUs.
         name = "fp16" if args.opt_level else default_amp(device_type)
         if not args.opt_level:
-            dist_utils.print0(f"no --amp given: using {name} on the {'GPU' if device_type == 'cuda' else 'CPU'}")
+            dist_utils.print0(f"no --amp given: using {name} on the {'CPU' if device_type == 'cpu' else 'GPU'}")
     dtype = autocast_dtype(name, device_type) if name else None
     if fused_sgd is not None and dtype == torch.float16:
         # GradScaler.step gives an optimizer without built-in scaling support (apex's FusedSGD)

@@ -45,7 +45,7 @@ def main(argv=None):
     # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; init_process_group
     # reads them (env://). Under plain `python` none is set: one process, no process group.
     micro_batch = cli.split_batch(args.batch_size, dist_utils.world_size_from_env(), args.accum_steps)
-    env = dist_utils.setup_from_env(timeout_s=args.dist_timeout)
+    env = dist_utils.setup_from_env(timeout_s=args.dist_timeout, device=args.device)
     try:
         train(args, env, micro_batch)
     finally:
@@ -77,7 +77,7 @@ def train(args, env, micro_batch):
         # which saves a copy of every gradient and the memory for it.
         # broadcast_buffers=False: no broadcast of rank 0's batch-norm statistics before
         # every forward; evaluation and checkpoints take rank 0's buffers anyway.
-        ddp_model = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
+        ddp_model = DDP(model, device_ids=env.device_ids,
                         gradient_as_bucket_view=True, broadcast_buffers=False)
         no_sync = ddp_model.no_sync
     else:
@@ -85,10 +85,10 @@ def train(args, env, micro_batch):
         no_sync = contextlib.nullcontext  # one process: there is no all-reduce to skip
 
     # --- optimizer --------------------------------------------------------------------
-    # fused on GPUs: one kernel updates every parameter instead of a few per tensor.
+    # fused on accelerators: one kernel updates every parameter instead of a few per tensor.
     optimizer = torch.optim.SGD(model.parameters(), lr=schedule.scaled_lr(args), momentum=args.momentum,
                                 nesterov=args.nesterov, weight_decay=args.weight_decay,
-                                fused=True if env.device.type == "cuda" else None)
+                                fused=True if env.device.type != "cpu" else None)
     scheduler = schedule.warmup_multistep(optimizer, args, steps_per_epoch)
     run = TrainingRun(args, env, model, optimizer, scheduler, steps_per_epoch=steps_per_epoch,
                       strategy="ddp-accum", extra_record={"accum_steps": accum_steps})  # all ranks meet here
@@ -117,6 +117,9 @@ def train(args, env, micro_batch):
             run.meter.update(loss.detach(), logits.detach(), targets)  # mean over micro-batches
             if not last_micro_batch:
                 continue
+            # --clip-grad-norm: once per optimizer step, on the complete averaged gradient;
+            # clipping each micro-batch's part would clip a different vector.
+            run.clip_grad_norm(model.parameters())
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)

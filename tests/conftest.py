@@ -114,3 +114,20 @@ def keep_on_cpu(monkeypatch):
     import torch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 0)
+
+
+def fake_accelerator(monkeypatch, kind, count=1):
+    """Stand in for a machine whose accelerator is `kind` ('cuda', 'xpu', 'mps') with
+    `count` devices, or for one without (kind None), as torch.accelerator reports it.
+    Selecting a device index is a no-op here: nothing may run on the stand-in."""
+    import torch
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: kind is not None and count > 0)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator",
+                        lambda check_available=False: torch.device(kind) if kind else None)
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: count if kind else 0)
+    monkeypatch.setattr(torch.accelerator, "set_device_index", lambda index: None)
+    # dataparallel.py asks torch.cuda: it runs on CUDA GPUs only.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: kind == "cuda" and count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count if kind == "cuda" else 0)

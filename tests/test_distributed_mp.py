@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import distributed_mp
-from conftest import ROOT, SMALL, free_port, read_metrics, run_script, subprocess_env
+from conftest import ROOT, SMALL, fake_accelerator, free_port, read_metrics, run_script, subprocess_env
 
 
 def _one_error_line(proc):
@@ -72,8 +72,7 @@ def _run_in_process(argv, capsys, monkeypatch, gpus=0):
     def no_spawn(*args, **kwargs):
         raise AssertionError("a process was started")
     monkeypatch.setattr(distributed_mp.mp, "spawn", no_spawn)
-    monkeypatch.setattr(distributed_mp.torch.cuda, "is_available", lambda: gpus > 0)
-    monkeypatch.setattr(distributed_mp.torch.cuda, "device_count", lambda: gpus)
+    fake_accelerator(monkeypatch, "cuda" if gpus else None, gpus)
     with pytest.raises(SystemExit) as exit_info:
         distributed_mp.cli.run_main(distributed_mp.main, argv)
     assert exit_info.value.code == 2

@@ -214,26 +214,3 @@ def test_missing_offline_dataset_is_one_line(in_process, tmp_path):
     assert str(tmp_path) in line and "--data-dir" in line and "--dataset synthetic" in line
 
 
-# --- more processes per node than GPUs --------------------------------------------------------
-
-def fake_gpus(monkeypatch, count):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
-
-
-@pytest.mark.parametrize("gpus, processes, fragment", [(2, 4, "only 2 GPUs"), (1, 2, "only 1 GPU ")])
-def test_more_processes_than_gpus_is_a_usage_error(monkeypatch, gpus, processes, fragment):
-    fake_gpus(monkeypatch, gpus)
-    with pytest.raises(cli.UsageError) as excinfo:
-        dist_utils.pick_device(0, processes)
-    message = str(excinfo.value)
-    assert f"{processes} processes per node" in message and fragment in message
-    assert f"--nproc_per_node={gpus}" in message
-
-
-def test_one_process_per_gpu_picks_its_own_gpu(monkeypatch):
-    fake_gpus(monkeypatch, 4)
-    assert dist_utils.pick_device(2, 4) == torch.device("cuda", 2)
-    fake_gpus(monkeypatch, 0)
-    assert dist_utils.pick_device(0, 8) == torch.device("cpu")  # CPU processes: any number
-

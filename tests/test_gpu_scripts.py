@@ -38,7 +38,8 @@ def assert_trained_on_the_gpu(record, world_size):
     assert record["world_size"] == world_size
     assert record["test_samples"] == 100  # every test image once
     assert math.isfinite(record["train_loss"]) and 0 < record["train_loss"] < 10
-    assert record["peak_memory_mb"] > 0
+    # This epoch's high-water marks: the caching allocator reserves at least what tensors held.
+    assert 0 < record["peak_memory_mb"] <= record["peak_reserved_mb"]
 
 
 # --- every script through its launcher ---------------------------------------------------
@@ -47,8 +48,8 @@ def assert_trained_on_the_gpu(record, world_size):
     ("distributed.py", ["--channels-last"], "torchrun"),
     ("distributed.py", ["--data-on-gpu", "--channels-last"], "python"),
     ("distributed_apex.py", ["--data-on-gpu", "--channels-last"], "torchrun"),  # the default --amp
-    ("distributed_apex.py", ["--amp", "fp16", "--clip-grad", "1.0"], "python"),
-    ("distributed_gradient_accumulation.py", ["--accum-steps", "2"], "torchrun"),
+    ("distributed_apex.py", ["--amp", "fp16", "--clip-grad-norm", "1.0"], "python"),
+    ("distributed_gradient_accumulation.py", ["--accum-steps", "2", "--clip-grad-norm", "1.0"], "torchrun"),
 ])
 def test_script_trains_on_cuda(tmp_path, script, extra, launcher):
     metrics = tmp_path / "m.jsonl"

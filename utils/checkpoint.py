@@ -70,9 +70,21 @@ def rng_state() -> dict:
                   "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
         "python": random.getstate(),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    accelerator = _accelerator_module()
+    if accelerator is not None:
+        # Saved under the device type's name ("cuda", "xpu"): a resume on another kind of
+        # machine leaves that generator alone.
+        state[torch.accelerator.current_accelerator().type] = accelerator.get_rng_state_all()
     return state
+
+
+def _accelerator_module():
+    """torch.cuda, torch.xpu...: the module that holds the accelerator's random generators,
+    if it keeps one per device (get_rng_state_all)."""
+    if not torch.accelerator.is_available():
+        return None
+    module = torch.get_device_module(torch.accelerator.current_accelerator())
+    return module if hasattr(module, "get_rng_state_all") else None
 
 
 def set_rng_state(state: dict):
@@ -82,8 +94,11 @@ def set_rng_state(state: dict):
                          n["cached_gaussian"]))
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    accelerator = _accelerator_module()
+    if accelerator is not None:
+        saved = state.get(torch.accelerator.current_accelerator().type)
+        if saved is not None and len(saved) == torch.accelerator.device_count():
+            accelerator.set_rng_state_all(saved)
 
 
 def read_file(path: str, what: str = "checkpoint"):

@@ -1,10 +1,11 @@
 """Process setup and the few helpers every rank needs.
 
-Devices: CUDA with nccl when there are GPUs, otherwise CPU with gloo, with no
-code change. The launcher tells us who we are through the environment
-(torchrun: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT);
-`python script.py` sets none of them and runs as a single process without a
-process group.
+Devices: this machine's accelerator when it has one (torch.accelerator: NVIDIA or
+AMD GPUs with nccl, Intel GPUs with xccl), otherwise the CPU with gloo, with no code
+change; --device cpu forces the CPU. The launcher tells us who we are through the
+environment (torchrun: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT);
+`python script.py` sets none of them and runs as a single process without a process
+group.
 """
 import contextlib
 import datetime
@@ -36,6 +37,11 @@ class DistEnv:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def device_ids(self):
+        """DDP's device_ids: this rank's one device, or None on the CPU."""
+        return None if self.device.type == "cpu" else [self.device.index]
+
 
 def _env_int(name, default):
     """An integer the launcher set; anything else is a launch error, said in one line."""
@@ -56,35 +62,79 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def pick_device(local_rank: int, local_world_size: int) -> torch.device:
-    if not torch.cuda.is_available():
+def accelerator_type():
+    """This machine's accelerator as torch.device type ('cuda' for NVIDIA and AMD ROCm GPUs,
+    'xpu' for Intel GPUs, 'mps' for Apple silicon, ...), or None: torch.accelerator asks the
+    one PyTorch was built for, so no code here names a vendor."""
+    if not torch.accelerator.is_available():
+        return None
+    return torch.accelerator.current_accelerator().type
+
+
+def device_type(choice: str = "auto", distributed: bool = False) -> str:
+    """The device type --device asks for, checked against this machine. `distributed`:
+    the process joins a group (torchrun, mp.spawn)."""
+    accelerator = accelerator_type()
+    if choice == "cpu":
+        return "cpu"
+    if choice == "auto":
+        kind = accelerator or "cpu"
+    elif accelerator is None:
+        raise UsageError(f"--device {choice}: PyTorch sees no accelerator on this machine "
+                         "(torch.accelerator.is_available() is False): use --device cpu, or auto")
+    elif choice != accelerator:
+        raise UsageError(f"--device {choice}: this machine's accelerator is {accelerator}: "
+                         f"use --device {accelerator}, cpu, or auto")
+    else:
+        kind = choice
+    if kind == "mps" and distributed:
+        # No backend moves MPS tensors between processes; DDP refuses them.
+        raise UsageError("DDP does not run on Apple's MPS devices: train one process with plain python, "
+                         "or several on the CPU with --device cpu")
+    return kind
+
+
+def device_count(choice: str = "auto") -> int:
+    """How many devices of the --device type this node has (0 for the CPU)."""
+    kind = device_type(choice)
+    return 0 if kind == "cpu" else torch.accelerator.device_count()
+
+
+def pick_device(local_rank: int, local_world_size: int, choice: str = "auto",
+                distributed: bool = False) -> torch.device:
+    kind = device_type(choice, distributed)
+    if kind == "cpu":
         return torch.device("cpu")
-    n_gpus = torch.cuda.device_count()
-    if local_world_size > n_gpus:
+    count = torch.accelerator.device_count()
+    if local_world_size > count:
+        plural = "s" if count != 1 else ""
+        gpus = f"GPU{plural}" if kind in ("cuda", "xpu") else f"{kind} device{plural}"
         raise UsageError(
-            f"{local_world_size} processes per node but only {n_gpus} GPU"
-            f"{'s' if n_gpus != 1 else ''} visible: use --nproc_per_node={n_gpus} or fewer "
-            "(one process per GPU)")
-    return torch.device("cuda", local_rank)
+            f"{local_world_size} processes per node but only {count} {gpus} visible: use "
+            f"--nproc_per_node={count} or fewer (one process per device), or --device cpu")
+    return torch.device(kind, local_rank)
 
 
 def setup(rank: int, world_size: int, local_rank: int, local_world_size: int,
-          init_method: str = "env://", timeout_s: float = 1800.0) -> DistEnv:
-    """Join the process group (nccl on GPUs, gloo on CPU) and pin this rank's device.
+          init_method: str = "env://", timeout_s: float = 1800.0, device: str = "auto") -> DistEnv:
+    """Join the process group (nccl on NVIDIA and AMD GPUs, xccl on Intel's, gloo on the
+    CPU) and pin this rank's device. device: --device (auto, cpu, or the accelerator's type).
 
     The timeout bounds how long a rank waits in a collective for a peer that died,
     so a failed job ends instead of hanging.
     """
+    device = pick_device(local_rank, local_world_size, device, distributed=True)  # may refuse: before the watcher starts
     watch_launcher()
     # PyTorch 2.15 renames DDP's broadcast_buffers to forward_sync_buffers and warns on every
     # wrap; the old name means the same there and is the only one PyTorch 2.11 knows.
     warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
-    device = pick_device(local_rank, local_world_size)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    if device.type != "cpu":
+        torch.accelerator.set_device_index(device.index)
+    # device_id binds the group to this rank's device: NCCL connects here rather than in the
+    # first collective, so a broken setup fails now, with the launch, and not minutes later.
+    dist.init_process_group(dist.get_default_backend_for_device(device), init_method=init_method,
+                            rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s),
+                            device_id=device if device.type != "cpu" else None)
     joined_a_group()  # the process now ends through cli.leave (see there)
     return DistEnv(rank, local_rank, world_size, local_world_size, device, distributed=True)
 
@@ -115,12 +165,13 @@ def watch_launcher(grace_s: float = 30.0, poll_s: float = 1.0):
     return thread
 
 
-def setup_from_env(timeout_s: float = 1800.0) -> DistEnv:
-    """Set up from torchrun's environment, or as one process under plain `python`."""
+def setup_from_env(timeout_s: float = 1800.0, device: str = "auto") -> DistEnv:
+    """Set up from torchrun's environment, or as one process under plain `python`.
+    device: --device (auto, cpu, or the accelerator's type)."""
     if not launched_by_torchrun():
-        device = pick_device(0, 1)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        device = pick_device(0, 1, device)
+        if device.type != "cpu":
+            torch.accelerator.set_device_index(device.index)
         return DistEnv(0, 0, 1, 1, device, distributed=False)
     rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
@@ -128,7 +179,7 @@ def setup_from_env(timeout_s: float = 1800.0) -> DistEnv:
     if not (world_size >= 1 and rank < world_size and local_rank < local_world_size):
         raise UsageError(f"RANK={rank}, WORLD_SIZE={world_size}, LOCAL_RANK={local_rank}, "
                          f"LOCAL_WORLD_SIZE={local_world_size} do not fit together: start the job with torchrun")
-    return setup(rank, world_size, local_rank, local_world_size, "env://", timeout_s)
+    return setup(rank, world_size, local_rank, local_world_size, "env://", timeout_s, device)
 
 
 def cleanup():

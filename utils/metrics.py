@@ -32,13 +32,20 @@ def correct_topk(logits: torch.Tensor, targets: torch.Tensor, ks=(1, 5)) -> torc
 
 
 class TrainMeter:
-    """Running training loss and top-1 accuracy, summed on the device."""
+    """Running training loss and top-1 accuracy, summed on the device; with
+    --clip-grad-norm, also the gradient norms of the epoch's optimizer steps."""
 
     def __init__(self, device, initial=None):
         # [loss x samples, correct top-1, samples], float64 so that sums stay exact.
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)
+        # [sum of the finite gradient norms, how many]. Not summed over ranks: the norm of
+        # DDP's averaged gradient is the same on every rank.
+        self.norms = torch.zeros(2, dtype=torch.float64, device=device)
         if initial is not None:  # partial sums of an epoch interrupted by a checkpoint
-            self.sums += torch.tensor(initial, dtype=torch.float64, device=device)
+            initial = torch.tensor(initial, dtype=torch.float64, device=device)
+            self.sums += initial[:3]
+            if len(initial) == 5:
+                self.norms += initial[3:]
 
     def update(self, loss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor):
         # Python numbers enter as kernel arguments: a tensor made from n would be a
@@ -48,18 +55,27 @@ class TrainMeter:
         self.sums[1] += (logits.argmax(dim=1) == targets).sum()
         self.sums[2] += n
 
+    def add_grad_norm(self, norm: torch.Tensor):
+        # An fp16 step whose gradients overflowed has an infinite norm (GradScaler skips
+        # that step): left out of the mean, which it would make infinite.
+        finite = torch.isfinite(norm)
+        self.norms[0] += torch.where(finite, norm.double(), 0.0)
+        self.norms[1] += finite
+
     def local_loss(self) -> float:
         """This rank's mean loss so far (one device sync; for the progress bar)."""
         loss_sum, _, n = self.sums.tolist()
         return loss_sum / max(n, 1)
 
     def global_sums(self) -> list:
-        """[loss x samples, correct, samples] over all ranks (a collective)."""
-        return all_reduce_sum(self.sums.clone()).tolist()  # the caller names the meeting
+        """[loss x samples, correct, samples] over all ranks (a collective), then this
+        rank's [gradient norm sum, count]."""
+        return all_reduce_sum(self.sums.clone()).tolist() + self.norms.tolist()  # the caller names the meeting
 
     def summary(self) -> dict:
-        loss_sum, correct, n = self.global_sums()
-        return {"train_loss": loss_sum / max(n, 1), "train_acc1": 100.0 * correct / max(n, 1)}
+        loss_sum, correct, n, norm_sum, norms = self.global_sums()
+        return {"train_loss": loss_sum / max(n, 1), "train_acc1": 100.0 * correct / max(n, 1),
+                "grad_norm": norm_sum / norms if norms else None}
 
 
 def evaluation_due(epoch: int, args, last: bool) -> bool:
@@ -127,10 +143,32 @@ def evaluate(model: torch.nn.Module, loader, device, autocast=None, memory_forma
             "test_samples": int(count)}
 
 
+def peak_memory_mb(device) -> dict:
+    """The device memory high-water marks since the last reset_peak_memory: allocated
+    (what tensors held) and reserved (what PyTorch's caching allocator took from the
+    device, which is what the device sees). None on the CPU and on accelerators that
+    keep no such statistics."""
+    try:
+        if device.type != "cpu":
+            return {"peak_memory_mb": torch.accelerator.max_memory_allocated(device) / 2**20,
+                    "peak_reserved_mb": torch.accelerator.max_memory_reserved(device) / 2**20}
+    except (RuntimeError, NotImplementedError):
+        pass
+    return {"peak_memory_mb": None, "peak_reserved_mb": None}
+
+
+def reset_peak_memory(device):
+    try:
+        if device.type != "cpu":
+            torch.accelerator.reset_peak_memory_stats(device)
+    except (RuntimeError, NotImplementedError):
+        pass
+
+
 def synchronize(device):
     """Wait for queued GPU work, so that a clock reading means something."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
 
 
 class EpochTimer:

@@ -23,9 +23,9 @@ def add_flags(parser):
 
 
 def convert_sync_bn(model: nn.Module, env: DistEnv) -> nn.Module:
-    if env.device.type != "cuda":
-        raise UsageError("--sync-bn needs GPUs: PyTorch's SyncBatchNorm runs only on CUDA "
-                         "(on CPU, leave it out)")
+    if env.device.type not in ("cuda", "xpu"):  # where SyncBatchNorm's kernels exist
+        raise UsageError("--sync-bn needs GPUs: PyTorch's SyncBatchNorm runs only on CUDA and XPU "
+                         "devices (on CPU, leave it out)")
     return nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
 

@@ -46,14 +46,15 @@ import torch
 from . import checkpoint, observe
 from .cli import UsageError, plain_config
 from .distributed import DistEnv, all_ranks_ok, meeting, print0
-from .metrics import EpochTimer, MetricsLog, TrainMeter
+from .metrics import EpochTimer, MetricsLog, TrainMeter, peak_memory_mb, reset_peak_memory
 from .preemption import Preempted, StopSignal
 
 
 def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return "cpu"
+    if device.type == "cpu":
+        return "cpu"
+    module = torch.get_device_module(device)
+    return module.get_device_name(device) if hasattr(module, "get_device_name") else str(device)
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -255,6 +256,7 @@ class TrainingRun:
             self._partial_sums = None
             remaining = self.steps_per_epoch - self.step_in_epoch
             self.timer = EpochTimer(self.env.device, self.args.batch_size, remaining)
+            reset_peak_memory(self.env.device)  # each epoch's record has its own peaks
             yield self.epoch
             if self.step_in_epoch >= self.steps_per_epoch:
                 self.epoch, self.step_in_epoch = self.epoch + 1, 0
@@ -294,6 +296,21 @@ class TrainingRun:
             delivered += 1
             yield batch
 
+    def clip_grad_norm(self, parameters):
+        """--clip-grad-norm: scale the gradients down to that global L2 norm if theirs is
+        larger; the norm before clipping goes into the epoch's record (its mean over the
+        epoch's steps). Nothing without the flag.
+
+        Call it once per optimizer step, where the gradients are final: after backward
+        (under DDP they are averaged by then, so every rank computes the same norm and
+        clips the same way), after the last micro-batch with accumulation, and after
+        GradScaler.unscale_ under float16, or the norm would be that of the scaled loss."""
+        if self.args.clip_grad_norm is None:
+            return None
+        norm = torch.nn.utils.clip_grad_norm_(parameters, self.args.clip_grad_norm)
+        self.meter.add_grad_norm(norm)
+        return norm
+
     def step_done(self) -> bool:
         """Count one optimizer step; checkpoint when due. True when the run must stop."""
         self.step_in_epoch += 1
@@ -331,13 +348,13 @@ class TrainingRun:
         with meeting(f"run.end_epoch() after step {self.global_step} (the epoch's training sums)"):
             train = self.meter.summary()
         self.last_eval = eval_metrics
+        memory = peak_memory_mb(self.env.device)
         record = {
             "event": "epoch", "epoch": self.epoch + 1, "step": self.global_step,
             "epoch_complete": self.step_in_epoch >= self.steps_per_epoch,
             **train, **eval_metrics, **timing,
             "lr": self.optimizer.param_groups[0]["lr"],
-            "peak_memory_mb": (torch.cuda.max_memory_allocated(self.env.device) / 2**20
-                               if self.env.device.type == "cuda" else None),
+            **memory,  # this epoch's peaks, on GPUs
             "world_size": self.env.world_size, "global_batch": self.args.batch_size,
             "strategy": self.strategy, "device": device_name(self.env.device), **self.extra_record,
         }
@@ -349,10 +366,13 @@ class TrainingRun:
         acc5 = eval_metrics["test_acc5"]
         acc5 = "" if math.isnan(acc5) and eval_metrics["test_samples"] else f"acc5 {acc5:.2f}% "
         print0(f"epoch {self.epoch + 1}/{self.args.epochs} step {self.global_step} | "
-               f"train loss {train['train_loss']:.4f} acc1 {train['train_acc1']:.2f}% | "
+               f"train loss {train['train_loss']:.4f} acc1 {train['train_acc1']:.2f}% "
+               + (f"grad norm {train['grad_norm']:.3g} " if train["grad_norm"] is not None else "") + "| "
                f"test loss {eval_metrics['test_loss']:.4f} acc1 {eval_metrics['test_acc1']:.2f}% "
                f"{acc5}({eval_metrics['test_samples']} images) | "
-               f"{timing['epoch_seconds']:.1f} s, {timing['images_per_second']:.0f} img/s")
+               f"{timing['epoch_seconds']:.1f} s, {timing['images_per_second']:.0f} img/s"
+               + (f" | peak memory {memory['peak_memory_mb']:,.0f} MB allocated, "
+                  f"{memory['peak_reserved_mb']:,.0f} MB reserved" if memory["peak_memory_mb"] is not None else ""))
         # A signal that came during the evaluation is honoured now, with the epoch just
         # checkpointed, not ten steps into the next one (an evaluation longer than the
         # launcher's grace period would otherwise end in SIGKILL). All ranks meet here.

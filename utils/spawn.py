@@ -19,10 +19,9 @@ import sys
 import tempfile
 from urllib.parse import urlparse
 
-import torch
 import torch.multiprocessing as mp
 
-from . import cli, preemption
+from . import cli, distributed as dist_utils, preemption
 
 
 def add_flags(parser):
@@ -43,12 +42,14 @@ def add_flags(parser):
 
 def check_launch(args) -> int:
     """Fill in the defaults, validate the launch flags; returns the world size."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    dist_utils.device_type(args.device, distributed=True)  # refuses what no process group can use
+    gpus = dist_utils.device_count(args.device)
     if args.nproc_per_node is None:
         args.nproc_per_node = gpus or 2
     elif gpus and args.nproc_per_node > gpus:
         raise cli.UsageError(f"--nproc-per-node {args.nproc_per_node} but only {gpus} GPU"
-                             f"{'s' if gpus != 1 else ''} visible: use {gpus} or fewer (one process per GPU)")
+                             f"{'s' if gpus != 1 else ''} visible: use {gpus} or fewer (one process per GPU), "
+                             "or --device cpu")
     if args.node_rank >= args.nodes:
         raise cli.UsageError(f"--node-rank {args.node_rank} with --nodes {args.nodes}: "
                              f"node ranks go from 0 to {args.nodes - 1}")

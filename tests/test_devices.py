@@ -1,0 +1,133 @@
+"""Which device a rank trains on: torch.accelerator picks this machine's accelerator,
+whoever made it, and --device can force the CPU. The machines are stood in for
+(conftest.fake_accelerator): nothing here runs on an accelerator; the GPU-marked tests
+do that on CUDA."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import dataparallel
+import distributed
+import distributed_apex
+import distributed_mp
+from conftest import SMALL, fake_accelerator, run_script
+from utils import cli, distributed as dist_utils, metrics
+
+
+@pytest.mark.parametrize("kind, count, local_rank, expected", [
+    (None, 0, 0, torch.device("cpu")),        # no accelerator: the CPU, any number of processes
+    ("cuda", 4, 2, torch.device("cuda", 2)),  # NVIDIA, or AMD under ROCm: one GPU per process
+    ("xpu", 2, 1, torch.device("xpu", 1)),    # Intel GPUs
+    ("mps", 1, 0, torch.device("mps", 0)),    # Apple silicon, one process
+])
+def test_auto_picks_the_accelerator_and_this_ranks_device(monkeypatch, kind, count, local_rank, expected):
+    fake_accelerator(monkeypatch, kind, count)
+    assert dist_utils.pick_device(local_rank, max(count, 1)) == expected
+
+
+@pytest.mark.parametrize("kind", ["cuda", "xpu", "mps"])
+def test_device_cpu_trains_on_the_cpu_beside_an_accelerator(monkeypatch, kind):
+    fake_accelerator(monkeypatch, kind, 8)
+    assert dist_utils.pick_device(0, 16, "cpu", distributed=True) == torch.device("cpu")
+    assert dist_utils.device_count("cpu") == 0 and dist_utils.device_count("auto") == 8
+
+
+@pytest.mark.parametrize("kind, choice, fragment", [
+    (None, "cuda", "--device cuda: PyTorch sees no accelerator on this machine"),
+    ("cuda", "xpu", "--device xpu: this machine's accelerator is cuda: use --device cuda, cpu, or auto"),
+    ("xpu", "tpu", "this machine's accelerator is xpu"),
+])
+def test_a_device_this_machine_lacks_is_refused(monkeypatch, kind, choice, fragment):
+    fake_accelerator(monkeypatch, kind, 2)
+    with pytest.raises(cli.UsageError, match=fragment):
+        dist_utils.pick_device(0, 1, choice)
+
+
+@pytest.mark.parametrize("kind, count, processes, fragment", [
+    ("cuda", 2, 4, "only 2 GPUs visible"), ("cuda", 1, 2, "only 1 GPU visible"),
+    ("xpu", 1, 2, "only 1 GPU visible"),
+])
+def test_more_processes_than_devices_is_a_usage_error(monkeypatch, kind, count, processes, fragment):
+    fake_accelerator(monkeypatch, kind, count)
+    with pytest.raises(cli.UsageError) as excinfo:
+        dist_utils.pick_device(0, processes, distributed=True)
+    message = str(excinfo.value)
+    assert f"{processes} processes per node" in message and fragment in message
+    assert f"--nproc_per_node={count}" in message and "--device cpu" in message
+
+
+def test_mps_trains_one_process_and_refuses_a_process_group(monkeypatch):
+    fake_accelerator(monkeypatch, "mps", 1)
+    assert dist_utils.pick_device(0, 1) == torch.device("mps", 0)
+    with pytest.raises(cli.UsageError, match="DDP does not run on Apple's MPS"):
+        dist_utils.pick_device(0, 1, distributed=True)  # even one process under torchrun joins a group
+
+
+@pytest.mark.parametrize("kind, backend", [(None, "gloo"), ("cuda", "nccl"), ("xpu", "xccl")])
+def test_setup_binds_the_group_to_the_ranks_device(monkeypatch, kind, backend):
+    """The backend PyTorch names for the device, and device_id on accelerators, so that
+    NCCL (and XCCL) connect at init_process_group, where a broken setup should fail."""
+    fake_accelerator(monkeypatch, kind, 2)
+    calls = []
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: calls.append((backend, kwargs)))
+    monkeypatch.setattr(dist_utils, "watch_launcher", lambda: None)
+    monkeypatch.setattr(cli, "_joined_a_group", False)  # put back afterwards: nothing joined here
+    env = dist_utils.setup(1, 2, 1, 2, "env://")
+    (used, kwargs), = calls
+    assert used == backend == dist.get_default_backend_for_device(env.device)
+    if kind is None:
+        assert env.device == torch.device("cpu") and kwargs["device_id"] is None and env.device_ids is None
+    else:
+        assert env.device == torch.device(kind, 1) == kwargs["device_id"] and env.device_ids == [1]
+
+
+LAUNCHED = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
+@pytest.mark.parametrize("module", [distributed, distributed_apex, distributed_mp])
+def test_ddp_scripts_on_mps_refuse_several_processes_in_one_line(monkeypatch, capsys, module):
+    fake_accelerator(monkeypatch, "mps", 1)
+    if module is not distributed_mp:
+        for key, value in LAUNCHED.items():
+            monkeypatch.setenv(key, value)  # as torchrun starts a rank
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: pytest.fail("joined a group"))
+    monkeypatch.setattr(distributed_mp.mp, "spawn", lambda *a, **k: pytest.fail("started workers"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.run_main(module.main, [*map(str, SMALL), "--nproc-per-node", "2"] if module is distributed_mp
+                     else list(map(str, SMALL)))
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "DDP does not run on Apple's MPS" in lines[0], lines
+
+
+def test_dataparallel_is_cuda_only(monkeypatch):
+    fake_accelerator(monkeypatch, "cuda", 2)
+    assert dataparallel.pick_gpus(None) == [0, 1]
+    assert dataparallel.pick_gpus(None, "cpu") == []  # --device cpu beside GPUs
+    with pytest.raises(cli.UsageError, match="--gpus with --device cpu"):
+        dataparallel.pick_gpus([0], "cpu")
+    fake_accelerator(monkeypatch, "xpu", 2)
+    assert dataparallel.pick_gpus(None) == []  # auto: no CUDA GPU, the CPU
+    with pytest.raises(cli.UsageError, match="DataParallel runs on CUDA GPUs only"):
+        dataparallel.pick_gpus(None, "xpu")
+
+
+def test_asking_for_a_gpu_on_a_machine_without_one_is_one_line():
+    proc = run_script(["distributed.py", *SMALL, "--device", "cuda"], check=False, timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "--device cuda: PyTorch sees no accelerator" in lines[0] and "--device cpu" in lines[0]
+
+
+def test_peak_memory_is_read_through_torch_accelerator(monkeypatch):
+    assert metrics.peak_memory_mb(torch.device("cpu")) == {"peak_memory_mb": None, "peak_reserved_mb": None}
+    monkeypatch.setattr(torch.accelerator, "max_memory_allocated", lambda device=None: 3 * 2**20)
+    monkeypatch.setattr(torch.accelerator, "max_memory_reserved", lambda device=None: 5 * 2**20)
+    assert metrics.peak_memory_mb(torch.device("xpu", 0)) == {"peak_memory_mb": 3.0, "peak_reserved_mb": 5.0}
+
+    def unsupported(device=None):
+        raise RuntimeError("no memory statistics on this device")
+    monkeypatch.setattr(torch.accelerator, "max_memory_allocated", unsupported)
+    assert metrics.peak_memory_mb(torch.device("mps", 0))["peak_memory_mb"] is None
