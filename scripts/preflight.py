@@ -46,7 +46,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from models import MODEL_NAMES, build_model  # noqa: E402
-from utils import cli  # noqa: E402
+from utils import cli, data  # noqa: E402
 from utils.cli import UsageError  # noqa: E402
 
 DEFAULT_SHM = "/dev/shm"
@@ -689,7 +689,10 @@ class Report:
         args, world = self.args, self.world
         sample_bytes = math.prod(args.sample_shape) * 4 + 8  # float32 sample + int64 label
         per_process_batch = math.ceil(args.batch_size / world)
-        per_process = args.workers * args.prefetch_factor * per_process_batch * sample_bytes
+        eval_batch = 2 * per_process_batch  # the training scripts evaluate with twice the batch
+        # The training and the evaluation loader, as the training scripts count them (data.shm_estimate).
+        per_process = sum(data.shm_bytes(args.workers, args.prefetch_factor, batch, sample_bytes)
+                          for batch in (per_process_batch, eval_batch))
         if args.batch_size % world:
             multiple = max(world, args.batch_size // world * world)
             self.problem(f"--batch-size {args.batch_size} is not divisible by {world} processes "
@@ -697,8 +700,9 @@ class Report:
         for node, _, nf in self.each_node():
             shm, local = nf["shm"], nf["local_world_size"]
             need = per_process * local
-            formula = (f"{args.workers} workers x {args.prefetch_factor} x {per_process_batch} samples x "
-                       f"{sample_bytes:,} B = {size(per_process)} per process, {size(need)} for {local} on the node")
+            formula = (f"{args.workers} workers x {args.prefetch_factor} x ({per_process_batch} training + "
+                       f"{eval_batch} evaluation samples) x {sample_bytes:,} B = {size(per_process)} per process, "
+                       f"{size(need)} for {local} on the node")
             if not shm["exists"]:
                 print(f"  node {node}: no {shm['path']} (not Linux?): {formula}")
                 continue
@@ -710,7 +714,7 @@ class Report:
                 if ram and need * 1.5 > ram:
                     fix = f"{lower}: {size(need)} is more than this node's memory can hold ({size(ram)} RAM)"
                 else:
-                    gib = max(1, math.ceil(need * 1.5 / GiB))  # with room for the main process's own tensors
+                    gib = data.shm_size_gib(need)
                     fix = (f"in Docker: docker run --ipc=host (or --shm-size={gib}g); otherwise "
                            f"mount -o remount,size={gib}G {shm['path']}, or {lower}")
                 self.problem(f"node {node}: {shm['path']} has {size(shm['free'])} free, the loader workers would "

@@ -196,7 +196,7 @@ def test_report_two_gpus_that_hang_get_nccl_p2p_disable_and_docker_shm(capsys):
     assert re.search(r"^ +0 +- +yes$", out, re.M) and re.search(r"^ +1 +yes +-$", out, re.M), out
     fixes = [fix for _, fix in problems]
     assert any(fix.startswith("export NCCL_P2P_DISABLE=1") for fix in fixes), fixes
-    # 4 workers x 2 x 128 samples x 602 KB = 617 MB per process: Docker's default 64 MB is not enough.
+    # 4 workers x 2 x (128 + 256 evaluation) samples x 602 KB = 1.8 GB per process: Docker's 64 MB is not enough.
     assert any("docker run --ipc=host (or --shm-size=" in fix for fix in fixes), fixes
     assert len(problems) == 2, problems
 
@@ -221,6 +221,27 @@ def test_report_two_nodes_with_different_versions_and_variables(capsys):
     assert "NCCL_SOCKET_IFNAME=ib matches none of its interfaces" in whats
     assert "different NCCL_*/GLOO_* variables" in whats
     assert len(problems) == 3, problems
+
+
+def test_shared_memory_figure_is_what_the_training_scripts_warn_with(capsys):
+    """preflight counts the bytes that the training scripts' own check (data.shm_estimate)
+    counts for real loaders built with the same flags: both loaders, both processes."""
+    from utils import data
+    from utils.distributed import DistEnv
+    role = preflight.Role(0, 2, 0, 2, 0, "python")
+    facts = {0: rank_facts(0, 0, local=node_facts(["H100", "H100"], None, 2**40)), 1: rank_facts(1, 0)}
+    ok = {"status": "ok", "value": None}
+    results = {r: {"backend": "nccl", "join": ok,
+                   "all_reduce": {"status": "ok", "value": {"seconds": 0.002, "correct": True}}} for r in (0, 1)}
+    preflight.report(facts, results, args_for(sample_shape=(3, 32, 32), batch_size=128), role)
+    out = capsys.readouterr().out
+    args = argparse.Namespace(dataset="synthetic", train_samples=256, test_samples=100, seed=0, workers=4)
+    env = DistEnv(0, 0, 2, 2, torch.device("cpu"), True)
+    train_set, test_set = data.build_datasets(args, env)
+    loaders = [data.train_loader(train_set, 64, 128, env, args), data.eval_loader(test_set, 128, env, args)]
+    sample = next(iter(data.train_loader(train_set, 64, 128, env, argparse.Namespace(**{**vars(args), "workers": 0}))))
+    need, _ = data.shm_estimate(loaders, env.local_world_size, data.batch_sample_bytes(sample))
+    assert f"{preflight.size(need)} for 2 on the node" in out, out
 
 
 @pytest.mark.gpu

@@ -337,10 +337,11 @@ def joined_a_group():
 SHM_DIR = "/dev/shm"  # where DataLoader workers put the batches they hand over (Linux)
 
 
-def shm_free_bytes():
-    """Free bytes in the shared-memory folder, or None where there is none."""
+def shm_free_bytes(path: str = None):
+    """Free bytes in the shared-memory folder (free, not its size: other jobs may be
+    using it), or None where there is none."""
     try:
-        st = os.statvfs(SHM_DIR)
+        st = os.statvfs(path or SHM_DIR)
     except OSError:
         return None
     return st.f_bavail * st.f_frsize

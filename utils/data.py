@@ -16,18 +16,27 @@ worker happens to load the sample, which is none of these.
 
 Your own data: `own_datasets(args, train, test)` takes any two map-style data sets
 of (input, label) pairs; `num_classes` reads the number of classes from a data set.
+
+Loader workers hand their batches over in shared memory (/dev/shm), which Docker
+keeps at 64 MB unless told otherwise; a worker that finds it full dies of a bus
+error. When the first batch of a run arrives, local rank 0 compares what the run's
+loaders may hold there (shm_estimate) with the free space, and warns once if it is short.
 """
 
+import math
 import os
 import pickle
 import random
+import sys
+import weakref
 from contextlib import contextmanager
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
-from .cli import UsageError
+from . import cli
+from .cli import UsageError, shm_free_bytes
 from .distributed import DistEnv, all_ranks_ok
 from .preemption import end_loader_workers_at_exit, ignore_stop_signals, stop_signals_blocked
 
@@ -473,13 +482,39 @@ def loader_workers(args, env: DistEnv) -> int:
 
 class Loader(DataLoader):
     """A DataLoader whose worker processes start with the stop signals blocked, so that a
-    signal to the whole process group cannot kill one before `_worker_init` runs."""
+    signal to the whole process group cannot kill one before `_worker_init` runs.
+
+    Given `env` (train_loader and eval_loader pass it), the first batch of a run's first
+    loader checks the shared memory for all of them: warn_if_shm_short."""
+
+    def __init__(self, *args, env: DistEnv = None, purpose: str = "loader", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.env, self.purpose = env, purpose
+        if env is not None and env.local_rank == 0 and self.num_workers:  # once per node
+            _shm_unchecked.add(self)
 
     def __iter__(self):
         if self.num_workers:
             end_loader_workers_at_exit()  # they ignore SIGTERM, which exit handlers would send
         with stop_signals_blocked():
-            return super().__iter__()
+            batches = super().__iter__()
+        if self in _shm_unchecked:
+            return self._check_shm_at_first_batch(batches)
+        return batches
+
+    def _check_shm_at_first_batch(self, batches):
+        # At the first batch, not before: its size is measured on what a worker delivered.
+        # Loading a sample here, in the training process, would open whatever a user's data
+        # set opens on first access (an HDF5 file, say) before the workers fork and share it.
+        # By then the script has built all its loaders (training and evaluation).
+        for batch in batches:
+            if self in _shm_unchecked:
+                siblings = sorted((loader for loader in list(_shm_unchecked) if loader.env is self.env),
+                                  key=lambda loader: loader.purpose != "training")  # training first
+                for loader in siblings:
+                    _shm_unchecked.discard(loader)
+                warn_if_shm_short(siblings, self.env, batch_sample_bytes(batch))
+            yield batch
 
 
 def train_loader(train_set, per_device_batch: int, global_batch: int, env: DistEnv, args) -> DataLoader:
@@ -490,15 +525,101 @@ def train_loader(train_set, per_device_batch: int, global_batch: int, env: DistE
         train_set = SeededSamples(train_set, args.seed)
     sampler = TrainSampler(len(train_set), global_batch, env.rank, env.world_size, args.seed)
     workers = loader_workers(args, env)
+    # Pinned (page-locked) host memory lets the copy to the device run asynchronously
+    # (non_blocking=True); Apple's MPS shares memory with the CPU and has nothing to pin.
     return Loader(train_set, batch_size=per_device_batch, sampler=sampler,
-                  num_workers=workers, pin_memory=env.device.type == "cuda",
+                  num_workers=workers, pin_memory=env.device.type not in ("cpu", "mps"),
                   persistent_workers=workers > 0, worker_init_fn=_worker_init,
-                  drop_last=False)  # the sampler already yields whole batches
+                  drop_last=False,  # the sampler already yields whole batches
+                  env=env, purpose="training")
 
 
 def eval_loader(test_set, batch_size: int, env: DistEnv, args) -> DataLoader:
     workers = loader_workers(args, env)
     return Loader(test_set, batch_size=batch_size,
                   sampler=ShardSampler(len(test_set), env.rank, env.world_size),
-                  num_workers=workers, pin_memory=env.device.type == "cuda",
-                  persistent_workers=workers > 0, worker_init_fn=_worker_init)
+                  num_workers=workers, pin_memory=env.device.type not in ("cpu", "mps"),
+                  persistent_workers=workers > 0, worker_init_fn=_worker_init,
+                  env=env, purpose="evaluation")
+
+
+# --- shared memory -------------------------------------------------------------------
+
+_shm_unchecked = weakref.WeakSet()  # loaders with workers whose shared memory is not checked yet
+
+
+def shm_bytes(workers: int, prefetch_factor: int, batch_size: int, sample_bytes: int) -> int:
+    """Shared memory one process's loader may hold at once: each worker keeps up to
+    prefetch_factor batches (DataLoader's default: 2) ready for its process. Also the
+    formula of scripts/preflight.py."""
+    return workers * prefetch_factor * batch_size * sample_bytes
+
+
+def shm_size_gib(need: int) -> int:
+    """The --shm-size (GiB) to suggest for `need` bytes, with room for the training
+    process's own shared tensors."""
+    return max(1, math.ceil(need * 1.5 / 2**30))
+
+
+def _tensor_bytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.nbytes
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0  # strings and other objects travel pickled, not in shared memory
+
+
+def batch_sample_bytes(batch) -> int:
+    """Bytes of one sample as the workers hand it over: the batch's tensors (labels
+    included) over its length. Measured rather than assumed, so that a data set of
+    other shapes or types is counted right."""
+    first = batch
+    while isinstance(first, (list, tuple, dict)) and len(first):
+        first = next(iter(first.values())) if isinstance(first, dict) else first[0]
+    length = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else 1
+    return math.ceil(_tensor_bytes(batch) / max(length, 1))
+
+
+def shm_estimate(loaders, local_world_size: int, sample_bytes: int):
+    """(bytes, formula): the shared memory that `loaders` (one process's) and their like
+    in the other processes of this node, which share its /dev/shm, may hold at once,
+    for samples of `sample_bytes` (a training sample's: an evaluation sample is taken to
+    be as large, as it is for images cropped and flipped to the same size).
+
+    Their sum, not the largest: both loaders keep their workers between epochs, and a
+    training epoch cut short (--max-steps, a stop signal) leaves its prefetched batches in
+    shared memory until the next epoch starts, while evaluation fills its own."""
+    terms = [(loader.purpose, loader.num_workers, loader.prefetch_factor, loader.batch_size,
+              sample_bytes) for loader in loaders if loader.num_workers]
+    need = sum(shm_bytes(*term[1:]) for term in terms) * local_world_size
+    formula = " + ".join(f"{purpose} {workers} worker{'s' if workers != 1 else ''} x {prefetch} prefetched batches "
+                         f"x {batch} samples x {nbytes:,} B" for purpose, workers, prefetch, batch, nbytes in terms)
+    processes = f"{local_world_size} process{'es' if local_world_size != 1 else ''}"
+    return need, f"({formula}) x {processes} on this node"
+
+
+def shm_dir() -> str:
+    # TRAIN_SHM_DIR: check another folder instead. The workers themselves always use
+    # /dev/shm (shm_open); the tests point it at a small tmpfs of their own.
+    return os.environ.get("TRAIN_SHM_DIR") or cli.SHM_DIR
+
+
+def warn_if_shm_short(loaders, env: DistEnv, sample_bytes: int):
+    """One warning on stderr when the shared-memory folder has less free space than
+    `loaders` may hold (shm_estimate). Training goes on: the estimate is an upper bound."""
+    path = shm_dir()
+    free = shm_free_bytes(path)
+    if free is None or not any(loader.num_workers for loader in loaders):
+        return  # no such folder (not Linux), or nothing goes through it
+    need, formula = shm_estimate(loaders, env.local_world_size, sample_bytes)
+    if need <= free:
+        return
+    program = os.path.basename(sys.argv[0]) or "train"
+    print(f"{program}: warning: {path} has {free / 2**20:,.1f} MiB free, less than the "
+          f"{need / 2**20:,.1f} MiB that the DataLoader workers of this node may hold there at once: "
+          f"{formula}. A worker that finds it full dies of a bus error. In Docker: docker run --ipc=host "
+          f"(or --shm-size={shm_size_gib(need)}g); otherwise lower --workers or --batch-size. "
+          "Training goes on: the estimate is an upper bound, the run may still fit.",
+          file=sys.stderr, flush=True)
