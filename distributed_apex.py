@@ -120,7 +120,9 @@ def train(args, env, per_device_batch, precision):
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=schedule.scaled_lr(args), momentum=args.momentum,
                                     nesterov=args.nesterov, weight_decay=args.weight_decay,
-                                    fused=True if env.device.type != "cpu" else None)
+                                    # Not on MPS: its fused kernel in PyTorch 2.11 ignores the scaler's
+                                    # grad_scale and found_inf (a step on scaled or overflowed gradients).
+                                    fused=True if env.device.type not in ("cpu", "mps") else None)
 
     # --- mixed precision --------------------------------------------------------------
     apex_amp, dtype = precision.apex_amp, precision.dtype
@@ -226,7 +228,7 @@ def choose_precision(args, device_type: str) -> Precision:
     if args.amp_impl == "apex":
         fused_sgd, apex_amp = find_nvidia_apex()
         if device_type != "cuda":
-            raise cli.UsageError("NVIDIA apex runs on CUDA GPUs only; on the CPU use --amp-impl torch "
+            raise cli.UsageError("NVIDIA apex runs on CUDA GPUs only; elsewhere use --amp-impl torch "
                                  "(the default)")
         if apex_amp is None:
             dist_utils.print0("apex: FusedSGD from NVIDIA apex; this apex has no apex.amp (removed in "

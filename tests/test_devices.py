@@ -131,3 +131,31 @@ def test_peak_memory_is_read_through_torch_accelerator(monkeypatch):
         raise RuntimeError("no memory statistics on this device")
     monkeypatch.setattr(torch.accelerator, "max_memory_allocated", unsupported)
     assert metrics.peak_memory_mb(torch.device("mps", 0))["peak_memory_mb"] is None
+
+
+def test_a_device_index_is_refused_each_rank_takes_its_own(monkeypatch):
+    fake_accelerator(monkeypatch, "cuda", 2)
+    with pytest.raises(cli.UsageError, match=r"--device cuda:0: name the type alone \(--device cuda\)"):
+        dist_utils.pick_device(0, 1, "cuda:0")
+
+
+def test_a_cpu_run_beside_a_gpu_leaves_the_gpu_alone(monkeypatch):
+    """--device cpu on a GPU machine: the checkpoint's random state must not read the GPU's
+    generators, which would start CUDA (and take memory) on every GPU in every rank."""
+    from utils import checkpoint
+    fake_accelerator(monkeypatch, "cuda", 2)
+
+    def touched(*args):
+        raise AssertionError("the GPU's generators were read")
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", touched)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", touched)
+    state = checkpoint.rng_state(torch.device("cpu"))
+    assert "cuda" not in state
+    checkpoint.set_rng_state(dict(state, cuda=[torch.zeros(1)]), torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: ["saved"])
+    assert checkpoint.rng_state(torch.device("cuda", 0))["cuda"] == ["saved"]  # a GPU run keeps them
+
+
+def test_running_sums_are_float32_on_mps_which_has_no_float64():
+    assert metrics.sum_dtype(torch.device("mps", 0)) == torch.float32
+    assert metrics.sum_dtype(torch.device("cuda", 0)) == metrics.sum_dtype("cpu") == torch.float64

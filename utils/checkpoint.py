@@ -62,7 +62,10 @@ def remove_stale_temporaries(path: str):
                     pass
 
 
-def rng_state() -> dict:
+def rng_state(device: torch.device = None) -> dict:
+    """The random generators' states: the CPU's, numpy's, Python's, and those of the
+    accelerator when `device` (the rank's training device) is one: a run on the CPU
+    beside a GPU never touches the GPU (reading its generators would start CUDA there)."""
     np_state = np.random.get_state()
     state = {
         "torch": torch.get_rng_state(),
@@ -70,7 +73,7 @@ def rng_state() -> dict:
                   "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
         "python": random.getstate(),
     }
-    accelerator = _accelerator_module()
+    accelerator = _accelerator_module(device)
     if accelerator is not None:
         # Saved under the device type's name ("cuda", "xpu"): a resume on another kind of
         # machine leaves that generator alone.
@@ -78,23 +81,23 @@ def rng_state() -> dict:
     return state
 
 
-def _accelerator_module():
+def _accelerator_module(device):
     """torch.cuda, torch.xpu...: the module that holds the accelerator's random generators,
-    if it keeps one per device (get_rng_state_all)."""
-    if not torch.accelerator.is_available():
+    if `device` is on the accelerator and it keeps one per device (get_rng_state_all)."""
+    if device is None or device.type == "cpu" or not torch.accelerator.is_available():
         return None
     module = torch.get_device_module(torch.accelerator.current_accelerator())
     return module if hasattr(module, "get_rng_state_all") else None
 
 
-def set_rng_state(state: dict):
+def set_rng_state(state: dict, device: torch.device = None):
     torch.set_rng_state(state["torch"])
     n = state["numpy"]
     np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
                          n["cached_gaussian"]))
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
-    accelerator = _accelerator_module()
+    accelerator = _accelerator_module(device)
     if accelerator is not None:
         saved = state.get(torch.accelerator.current_accelerator().type)
         if saved is not None and len(saved) == torch.accelerator.device_count():

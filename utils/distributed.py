@@ -77,6 +77,9 @@ def device_type(choice: str = "auto", distributed: bool = False) -> str:
     accelerator = accelerator_type()
     if choice == "cpu":
         return "cpu"
+    if ":" in choice:  # each rank's index comes from its local rank
+        raise UsageError(f"--device {choice}: name the type alone (--device {choice.split(':')[0]}); "
+                         "each process takes the device of its local rank")
     if choice == "auto":
         kind = accelerator or "cpu"
     elif accelerator is None:

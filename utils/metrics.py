@@ -31,18 +31,23 @@ def correct_topk(logits: torch.Tensor, targets: torch.Tensor, ks=(1, 5)) -> torc
     return torch.stack([hits[:, :k].any(dim=1).sum() for k in ks])
 
 
+def sum_dtype(device) -> torch.dtype:
+    """float64 keeps the running sums exact; Apple's MPS has no float64."""
+    return torch.float32 if torch.device(device).type == "mps" else torch.float64
+
+
 class TrainMeter:
     """Running training loss and top-1 accuracy, summed on the device; with
     --clip-grad-norm, also the gradient norms of the epoch's optimizer steps."""
 
     def __init__(self, device, initial=None):
         # [loss x samples, correct top-1, samples], float64 so that sums stay exact.
-        self.sums = torch.zeros(3, dtype=torch.float64, device=device)
+        self.sums = torch.zeros(3, dtype=sum_dtype(device), device=device)
         # [sum of the finite gradient norms, how many]. Not summed over ranks: the norm of
         # DDP's averaged gradient is the same on every rank.
-        self.norms = torch.zeros(2, dtype=torch.float64, device=device)
+        self.norms = torch.zeros(2, dtype=self.sums.dtype, device=device)
         if initial is not None:  # partial sums of an epoch interrupted by a checkpoint
-            initial = torch.tensor(initial, dtype=torch.float64, device=device)
+            initial = torch.tensor(initial, dtype=self.sums.dtype, device=device)
             self.sums += initial[:3]
             if len(initial) == 5:
                 self.norms += initial[3:]
@@ -51,7 +56,7 @@ class TrainMeter:
         # Python numbers enter as kernel arguments: a tensor made from n would be a
         # host-to-device copy, which waits for the device every step.
         n = targets.numel()
-        self.sums[0] += loss.double() * n
+        self.sums[0] += loss.to(self.sums.dtype) * n
         self.sums[1] += (logits.argmax(dim=1) == targets).sum()
         self.sums[2] += n
 
@@ -59,7 +64,7 @@ class TrainMeter:
         # An fp16 step whose gradients overflowed has an infinite norm (GradScaler skips
         # that step): left out of the mean, which it would make infinite.
         finite = torch.isfinite(norm)
-        self.norms[0] += torch.where(finite, norm.double(), 0.0)
+        self.norms[0] += torch.where(finite, norm.to(self.norms.dtype), 0.0)
         self.norms[1] += finite
 
     def local_loss(self) -> float:
@@ -114,7 +119,7 @@ def evaluate(model: torch.nn.Module, loader, device, autocast=None, memory_forma
                 dist.broadcast(buffer, src=0)
     was_training = model.training
     model.eval()
-    sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, top1, top5, count
+    sums = torch.zeros(4, dtype=sum_dtype(device), device=device)  # loss, top1, top5, count
     classes = None
     for images, targets in loader:
         images = images.to(device, non_blocking=True, memory_format=memory_format or torch.preserve_format)
@@ -126,7 +131,7 @@ def evaluate(model: torch.nn.Module, loader, device, autocast=None, memory_forma
             logits = model(images)
         classes = logits.shape[1]
         loss = F.cross_entropy(logits.float(), targets, reduction="sum", ignore_index=PAD_TARGET)
-        sums[0] += loss.double()
+        sums[0] += loss.to(sums.dtype)
         sums[1:3] += correct_topk(logits, targets)  # a PAD_TARGET is never among the top k
         sums[3] += targets.ne(PAD_TARGET).sum()
     loss_sum, top1, top5, count = all_reduce_sum(sums, "metrics.evaluate() (the sums)").tolist()

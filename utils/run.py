@@ -200,7 +200,7 @@ class TrainingRun:
         except (KeyError, RuntimeError, ValueError) as exc:
             first = (str(exc).strip().splitlines() or [""])[0][:200]
             raise UsageError(f"checkpoint {path} does not fit this model/optimizer: {first}") from None
-        checkpoint.set_rng_state(state["rng"])
+        checkpoint.set_rng_state(state["rng"], self.env.device)
         self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
         self.global_step = state["global_step"]
         # The interrupted epoch's training sums are already global: only rank 0 carries
@@ -229,7 +229,7 @@ class TrainingRun:
             "step_in_epoch": self.step_in_epoch,
             "global_step": self.global_step,
             "train_sums": sums,
-            "rng": checkpoint.rng_state(),
+            "rng": checkpoint.rng_state(self.env.device),
             "config": plain_config(self.args),
             "world_size": self.env.world_size,
             "strategy": self.strategy,
