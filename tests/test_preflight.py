@@ -223,6 +223,8 @@ def test_report_two_nodes_with_different_versions_and_variables(capsys):
     assert len(problems) == 3, problems
 
 
+# The loaders are built, never iterated: their 4 workers per loader never start on this small CPU.
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
 def test_shared_memory_figure_is_what_the_training_scripts_warn_with(capsys):
     """preflight counts the bytes that the training scripts' own check (data.shm_estimate)
     counts for real loaders built with the same flags: both loaders, both processes."""
