@@ -36,7 +36,8 @@ test: venv
 # DDP) again on the oldest PyTorch we support, in .venv-floor.
 FLOOR_TESTS := tests/test_launchers.py tests/test_distributed_mp.py tests/test_fault_tolerance.py \
                tests/test_own_data.py tests/test_missed_collective.py tests/test_collectives.py tests/test_ddp.py \
-               tests/test_distributed_script.py tests/test_observe.py tests/test_devices.py tests/test_clip_grad.py
+               tests/test_distributed_script.py tests/test_observe.py tests/test_devices.py tests/test_clip_grad.py \
+               tests/test_fsdp.py
 test-floor: $(FLOOR_VENV)/.installed
 	OMP_NUM_THREADS=1 $(FLOOR_PY) -m pytest -q $(FLOOR_TESTS) $(PYTEST_ARGS)
 

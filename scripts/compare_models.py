@@ -4,7 +4,10 @@
     python scripts/compare_models.py A.pt B.pt --atol 1e-6 --what all
 
 Reads checkpoints written by these scripts (the "model" entry; with --what also the
-optimizer state) or a plain state_dict saved with torch.save. A leading "module."
+optimizer state) or a plain state_dict saved with torch.save. A sharded checkpoint of
+distributed_fsdp.py (its checkpoint.pt, or the sharded-step* folder beside it) is read
+whole, in this one process, with the optimizer state numbered as torch.optim numbers it,
+so that it compares with a DDP checkpoint entry by entry. A leading "module."
 (left by saving a DDP or DataParallel wrapper's state_dict) is ignored, so a
 wrapped and an unwrapped model compare by their real names.
 
@@ -27,11 +30,14 @@ from utils.cli import Parser, UsageError, non_negative_float  # noqa: E402
 
 def read_state(path: str) -> dict:
     """The whole checkpoint, or {"model": state_dict} for a plain state_dict file."""
+    if os.path.isdir(path):  # the shard folder alone: its model (the optimizer needs checkpoint.pt)
+        tensors = checkpoint.read_sharded(path)
+        return {"model": {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}}
     state = checkpoint.read_file(path, what="file")
     if not isinstance(state, dict):
         raise UsageError(f"{path} holds a {type(state).__name__}, not a checkpoint or a state_dict")
     if state.get("format") == checkpoint.FORMAT:
-        return state
+        return checkpoint.load_full(path) if "sharded" in state else state
     if state and all(isinstance(v, torch.Tensor) for v in state.values()):
         return {"model": state}
     raise UsageError(f"{path} is neither a checkpoint of these scripts (format {checkpoint.FORMAT!r}) "
@@ -109,7 +115,7 @@ def compare(a: dict, b: dict, atol: float) -> list:
 
 def main(argv=None):
     parser = Parser(description=__doc__.strip().splitlines()[0])  # bad flags: one line, exit 2
-    parser.add_argument("a", metavar="A.pt")
+    parser.add_argument("a", metavar="A.pt", help="a checkpoint, a state_dict file, or a shard folder")
     parser.add_argument("b", metavar="B.pt")
     parser.add_argument("--atol", type=non_negative_float, default=0.0,
                         help="largest absolute difference still counted as equal (default 0: bitwise)")

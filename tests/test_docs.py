@@ -42,7 +42,7 @@ LESSONS = ["00-basic-theory.md", "01-gradient-accumulation.md", "02-ddp-in-detai
            "03-ddp-training-tricks.md", "04-mixed-precision.md", "05-dp-and-ddp-source.md",
            "06-beyond-one-machine.md", "07-collectives.md", "09-debugging.md"]
 TRAINING_SCRIPTS = ["distributed.py", "distributed_mp.py", "dataparallel.py", "distributed_apex.py",
-                    "distributed_gradient_accumulation.py"]
+                    "distributed_gradient_accumulation.py", "distributed_fsdp.py"]
 TOOLS = ["scripts/collectives.py", "scripts/compare_models.py", "scripts/benchmark.py",
          "scripts/preflight.py", "scripts/plot_metrics.py", "scripts/make_figures.py"]
 TORCHRUN = "torchrun"  # key of torchrun's own parser in the option table

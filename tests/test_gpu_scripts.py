@@ -50,6 +50,7 @@ def assert_trained_on_the_gpu(record, world_size):
     ("distributed_apex.py", ["--data-on-gpu", "--channels-last"], "torchrun"),  # the default --amp
     ("distributed_apex.py", ["--amp", "fp16", "--clip-grad-norm", "1.0"], "python"),
     ("distributed_gradient_accumulation.py", ["--accum-steps", "2", "--clip-grad-norm", "1.0"], "torchrun"),
+    ("distributed_fsdp.py", ["--mp-policy", "bf16", "--clip-grad-norm", "1.0"], "torchrun"),
 ])
 def test_script_trains_on_cuda(tmp_path, script, extra, launcher):
     metrics = tmp_path / "m.jsonl"

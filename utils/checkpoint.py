@@ -9,9 +9,12 @@ epoch, and the RNG states. Only tensors and plain Python values go in, so
 import errno
 import fcntl
 import os
+import pickle
 import random
+import shutil
 import socket
 import tempfile
+import warnings
 
 import numpy as np
 import torch
@@ -170,3 +173,147 @@ def lock_directory(directory: str):
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}\n".encode(), 0)
     _held_locks.append(fd)
+
+
+# --- sharded checkpoints (distributed_fsdp.py) ------------------------------------------------
+#
+# Every rank writes its own shards of the model and optimizer with torch.distributed.checkpoint
+# (DCP) into SHARDED_PREFIX + step, a folder beside checkpoint.pt; rank 0 then writes
+# checkpoint.pt as always (scheduler, RNG, epoch, step, ...), naming that folder. The atomic
+# os.replace of checkpoint.pt is the commit: a crash in the middle of the shards leaves
+# checkpoint.pt naming the previous, complete folder. Only tensors go through DCP, so that
+# DCP never unpickles a value (it would, with torch.load(weights_only=False)); the
+# optimizer's param_groups (plain values) go into checkpoint.pt.
+
+SHARDED_PREFIX = "sharded-step"
+_DCP_METADATA = ".metadata"
+
+
+def sharded_folder(checkpoint_path: str, name: str) -> str:
+    """The shards' folder that a checkpoint.pt names: beside that file, wherever it is."""
+    return os.path.join(os.path.dirname(os.path.abspath(checkpoint_path)), name)
+
+
+def save_sharded(model, optimizer, folder: str) -> list:
+    """Write this rank's shards into `folder` (a collective: every rank calls it). Returns the
+    optimizer's param_groups, for checkpoint.pt. When it returns on any rank, every rank has
+    written (and fsynced) its files and rank 0 the folder's metadata: DCP gathers every
+    rank's result before it writes the metadata, and only then returns."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model_state, optim_state = get_state_dict(model, optimizer)
+    # Buffers (batch-norm statistics) are whole on every rank but differ between ranks; DCP
+    # writes one copy of such a tensor, by default from whichever rank has the least to write.
+    # dedup_save_to_lowest_rank: rank 0's, the buffers a DDP checkpoint holds.
+    dcp.save({"model": model_state, "optimizer": optim_state["state"]}, checkpoint_id=folder,
+             planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+    return optim_state["param_groups"]
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's metadata file is a pickle: read it allowing only DCP's own metadata classes and
+    the torch types they hold, so that a crafted folder cannot run code."""
+
+    ALLOWED = {("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
+        ("torch", "Size"), ("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath")}
+
+    def find_class(self, module, name):
+        if (module, name) in self.ALLOWED or (module == "torch" and isinstance(
+                getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format))):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which DCP's metadata never holds")
+
+
+def check_sharded_folder(folder: str):
+    """DCP's metadata of `folder`, read safely; UsageError in one line if the folder is
+    missing, incomplete (a save that died before its end) or not ours (non-tensor items)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    path = os.path.join(folder, _DCP_METADATA)
+    if not os.path.isfile(path):
+        raise UsageError(f"no sharded checkpoint at {folder} (its {_DCP_METADATA} is missing: never written, "
+                         "or the save did not finish)")
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise UsageError(f"cannot read sharded checkpoint {folder}: {type(exc).__name__}: {first}") from None
+    items = getattr(metadata, "state_dict_metadata", None)
+    if not isinstance(items, dict) or not all(isinstance(v, TensorStorageMetadata) for v in items.values()):
+        raise UsageError(f"sharded checkpoint {folder} holds items other than tensors: "
+                         "it was not written by these scripts")
+    return metadata
+
+
+def load_sharded(model, optimizer, folder: str, param_groups: list):
+    """Load `folder` into the (sharded) model and optimizer, whatever the number of ranks that
+    wrote it: DCP reads the pieces of the saved shards that this rank's shards cover. A
+    collective. UsageError if the folder does not fit the model."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    check_sharded_folder(folder)
+    # The current state is the template: DCP loads into its tensors (this rank's shards).
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state["state"]}
+    try:
+        dcp.load(state, checkpoint_id=folder)
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict={"state": state["optimizer"], "param_groups": param_groups})
+    except (Exception, dcp.CheckpointException) as exc:  # a missing key or another shape: on every rank
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise UsageError(f"sharded checkpoint {folder} does not fit this model/optimizer: {first}") from None
+
+
+def read_sharded(folder: str) -> dict:
+    """Every tensor of a sharded checkpoint, whole, on the CPU, in one process (no process
+    group): {"model.conv1.weight": tensor, "optimizer.<name>.momentum_buffer": tensor, ...}."""
+    import torch.distributed.checkpoint as dcp
+    metadata = check_sharded_folder(folder)
+    state = {name: torch.empty(item.size, dtype=item.properties.dtype)
+             for name, item in metadata.state_dict_metadata.items()}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        try:
+            dcp.load(state, checkpoint_id=folder, no_dist=True)
+        except (Exception, dcp.CheckpointException) as exc:  # a shard file cut short or missing (the
+            # latter a BaseException: DCP's own failures would otherwise pass `except Exception`)
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            raise UsageError(f"cannot read sharded checkpoint {folder}: {type(exc).__name__}: {first}") from None
+    return state
+
+
+def load_full(path: str) -> dict:
+    """A checkpoint of ours as a plain one, whatever wrote it: a sharded checkpoint's model
+    and optimizer are read whole from its folder, the optimizer in torch's own layout
+    (parameters numbered in param_groups order), as a DDP checkpoint holds them."""
+    state = load(path)
+    if "sharded" not in state:
+        return state
+    tensors = read_sharded(sharded_folder(path, state["sharded"]["folder"]))
+    groups = state["sharded"]["param_groups"]
+    names = [name for group in groups for name in group["params"]]
+    optim_state = {}
+    for index, name in enumerate(names):
+        prefix = f"optimizer.{name}."
+        entries = {key[len(prefix):]: value for key, value in tensors.items() if key.startswith(prefix)}
+        if entries:
+            optim_state[index] = entries
+    numbered, start = [], 0
+    for group in groups:
+        numbered.append(dict(group, params=list(range(start, start + len(group["params"])))))
+        start += len(group["params"])
+    model = {key[len("model."):]: value for key, value in tensors.items() if key.startswith("model.")}
+    return dict(state, model=model, optimizer={"state": optim_state, "param_groups": numbered})
+
+
+def remove_unreferenced_shards(directory: str, keep: str = None):
+    """Delete the shard folders in `directory` but `keep` (the one checkpoint.pt names): what a
+    crash during a sharded save left behind, finished or not."""
+    if os.path.isdir(directory):
+        for entry in os.listdir(directory):
+            if entry.startswith(SHARDED_PREFIX) and entry != keep:
+                shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)

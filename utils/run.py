@@ -38,6 +38,7 @@ error that names the call it was waiting in.
 import json
 import math
 import os
+import shutil
 import sys
 import time
 
@@ -76,8 +77,13 @@ def _check_writable(path: str):
 
 class TrainingRun:
     def __init__(self, args, env: DistEnv, model, optimizer, scheduler, *, steps_per_epoch: int,
-                 strategy: str, scaler=None, extra_record=None):
+                 strategy: str, scaler=None, extra_record=None, sharded=False):
         self.args, self.env = args, env
+        # sharded: the model's parameters and the optimizer's state are split across ranks
+        # (FSDP); every rank writes its part with torch.distributed.checkpoint (see save).
+        self.sharded = sharded
+        self._shards = None  # the shard folder that this directory's checkpoint.pt names
+        self._param_groups = None  # the optimizer's param_groups of those shards
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.steps_per_epoch = steps_per_epoch
         self.strategy = strategy
@@ -107,6 +113,8 @@ class TrainingRun:
         self.observers = observe.Observers(args, env, start_step=self.global_step)
         if args.checkpoint_dir and env.is_main:
             checkpoint.remove_stale_temporaries(self.checkpoint_path)
+            if sharded:  # shards of saves that never became the checkpoint (a crash)
+                checkpoint.remove_unreferenced_shards(args.checkpoint_dir, keep=self._shards)
             # The resolved configuration beside the checkpoint, for whoever finds it later.
             os.makedirs(args.checkpoint_dir, exist_ok=True)
             with open(os.path.join(args.checkpoint_dir, "config.json"), "w") as f:
@@ -170,18 +178,24 @@ class TrainingRun:
     _MUST_MATCH = ("model", "batch_size", "dataset", "train_samples", "seed", "epochs", "warmup_epochs",
                    "lr", "momentum", "nesterov", "weight_decay")
     _NEEDED = ("model", "optimizer", "scheduler", "epoch", "step_in_epoch", "global_step", "train_sums", "rng")
+    _NEEDED_SHARDED = ("sharded", *_NEEDED[2:])  # model and optimizer: in the shard folder
 
     def _resume(self, path):
         error = state = None
         try:
             state = checkpoint.load(path)  # every rank reads the file: no broadcast needed
+            if self.sharded != ("sharded" in state):
+                raise UsageError(f"checkpoint {path} is {'' if 'sharded' in state else 'not '}sharded: "
+                                 f"resume it with the script that wrote it ({state.get('strategy', 'unknown')})")
+            if self.sharded:  # every rank must see the shards before DCP's collective load
+                checkpoint.check_sharded_folder(checkpoint.sharded_folder(path, state["sharded"]["folder"]))
         except UsageError as exc:
             error = exc
         # A file that only some ranks can read must stop all of them, not leave the
         # others waiting in the next collective.
         if not all_ranks_ok(error is None, self.env.device, "TrainingRun(...), agreeing that every rank resumed"):
             raise error or UsageError(f"checkpoint {path} could not be read on another rank")
-        missing = [key for key in self._NEEDED if key not in state]
+        missing = [key for key in (self._NEEDED_SHARDED if self.sharded else self._NEEDED) if key not in state]
         if missing:
             raise UsageError(f"checkpoint {path} lacks {', '.join(missing)}: it is not a complete "
                              "checkpoint of these scripts")
@@ -191,9 +205,16 @@ class TrainingRun:
                 flag = "--" + key.replace("_", "-")
                 raise UsageError(f"checkpoint {path} was written with {flag} {saved[key]}, this run has "
                                  f"{flag} {getattr(self.args, key)}: resume with the same value")
+        if self.sharded:  # all ranks: a collective; the whole run fails alike if the shards do not fit
+            shards = state["sharded"]
+            checkpoint.load_sharded(self.model, self.optimizer, checkpoint.sharded_folder(path, shards["folder"]),
+                                    shards["param_groups"])
+            if _same_file(path, self.checkpoint_path or ""):
+                self._shards, self._param_groups = shards["folder"], shards["param_groups"]
         try:
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            if not self.sharded:
+                self.model.load_state_dict(state["model"])
+                self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
             if self.scaler is not None and state.get("scaler"):
                 self.scaler.load_state_dict(state["scaler"])
@@ -215,14 +236,22 @@ class TrainingRun:
         """Checkpoint now (a collective: every rank must call it at the same step)."""
         if not self.checkpoint_path:
             return
+        previous = self._shards
+        if self.sharded and previous != f"{checkpoint.SHARDED_PREFIX}{self.global_step}":  # not saved at this step yet
+            # Every rank writes its shards; DCP returns once all have. The folder is new: rank 0
+            # removed any leftover of a crashed attempt when the run started.
+            self._shards = f"{checkpoint.SHARDED_PREFIX}{self.global_step}"
+            with meeting(f"the sharded checkpoint of step {self.global_step} (in run.step_done() or run.end_epoch())"):
+                self._param_groups = checkpoint.save_sharded(
+                    self.model, self.optimizer, checkpoint.sharded_folder(self.checkpoint_path, self._shards))
         with meeting(f"the checkpoint of step {self.global_step} (in run.step_done() or run.end_epoch())"):
             sums = self.meter.global_sums() if self.meter is not None else [0.0, 0.0, 0.0]
         if not self.env.is_main:
             return
         state = {
             "format": checkpoint.FORMAT,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            **({"sharded": {"folder": self._shards, "param_groups": self._param_groups}} if self.sharded else
+               {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "epoch": self.epoch,
@@ -234,7 +263,9 @@ class TrainingRun:
             "world_size": self.env.world_size,
             "strategy": self.strategy,
         }
-        checkpoint.atomic_save(state, self.checkpoint_path)
+        checkpoint.atomic_save(state, self.checkpoint_path)  # the commit: checkpoint.pt names the new shards
+        if previous is not None and previous != self._shards:
+            shutil.rmtree(checkpoint.sharded_folder(self.checkpoint_path, previous), ignore_errors=True)
 
     # --- the loop -----------------------------------------------------------------
 
@@ -308,6 +339,8 @@ class TrainingRun:
         if self.args.clip_grad_norm is None:
             return None
         norm = torch.nn.utils.clip_grad_norm_(parameters, self.args.clip_grad_norm)
+        if hasattr(norm, "full_tensor"):  # sharded parameters (FSDP): a DTensor; every rank's is the same
+            norm = norm.full_tensor()
         self.meter.add_grad_norm(norm)
         return norm
 

@@ -1,0 +1,194 @@
+r"""Train a CIFAR ResNet with fully sharded data parallel (FSDP2), launched by torchrun.
+
+One process per GPU, as with DDP, but no process holds the whole model: every parameter,
+its gradient and its optimizer state are split in N shards, one per process. Before a
+residual stage runs forward (and again in backward), its parameters are all-gathered from
+the shards; after backward its gradients are reduce-scattered, so each process keeps and
+updates only its shard of the averaged gradient. Memory per GPU falls with N; the price is
+the extra all-gathers. Without GPUs the processes run on the CPU (gloo).
+
+    # one process (one GPU, or the CPU): a group of one, the same code path
+    python distributed_fsdp.py --dataset synthetic --epochs 1
+
+    # one node, all its GPUs (4 here)
+    torchrun --standalone --nproc_per_node=4 distributed_fsdp.py --batch-size 512
+
+    # two nodes with 8 GPUs each: the same command on both (c10d assigns the node ranks)
+    torchrun --nnodes=2 --nproc_per_node=8 \
+        --rdzv-backend=c10d --rdzv-endpoint=HOST_OF_NODE_0:29500 distributed_fsdp.py --batch-size 1024
+
+    # ZeRO-2 (keep the gathered parameters from forward to backward: less communication,
+    # more memory) and bf16 compute with fp32 gradient reduction
+    torchrun --standalone --nproc_per_node=4 distributed_fsdp.py --no-reshard-after-forward --mp-policy bf16
+
+--batch-size is the global batch: each of the N processes gets batch-size / N.
+
+Batch norm: FSDP shards parameters only; buffers (batch-norm running statistics) stay
+whole on every rank and are never synchronised: each rank's follow its own slice of
+the batch, exactly as under DDP. Evaluation uses rank 0's (metrics.evaluate broadcasts
+them) and checkpoints hold rank 0's, so both see the model DDP's checkpoint would hold.
+
+Checkpoints (--checkpoint-dir) are sharded: every rank writes its own part of the model
+and optimizer with torch.distributed.checkpoint into a folder beside checkpoint.pt, which
+rank 0 writes last and which names that folder. They load at any number of processes:
+stop at 8 GPUs, resume at 4. scripts/compare_models.py reads them without processes.
+"""
+import argparse
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from models import MODEL_NAMES, build_model
+from utils import cli, data, distributed as dist_utils, metrics, schedule
+from utils.device_data import DeviceEvalLoader, DeviceTrainLoader
+from utils.run import TrainingRun
+
+try:  # public since PyTorch 2.6
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+except ImportError:
+    fully_shard = None
+
+
+def main(argv=None):
+    # --- arguments --------------------------------------------------------------------
+    parser = cli.build_parser(__doc__, MODEL_NAMES)
+    cli.add_fast_path_flags(parser)
+    g = parser.add_argument_group("sharding")
+    g.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
+                   help="free the gathered parameters after forward and gather them again for backward "
+                        "(ZeRO-3, least memory); --no-reshard-after-forward keeps them (ZeRO-2)")
+    g.add_argument("--mp-policy", choices=["none", "bf16"], default="none",
+                   help="bf16: compute in bfloat16 (parameters gathered in bf16), reduce gradients "
+                        "and keep the sharded weights in fp32")
+    args = cli.parse_args(parser, argv)
+    if args.compile:  # inductor failed on the sharded model in our CPU test (PyTorch 2.15): not offered
+        raise cli.UsageError("--compile is not supported by distributed_fsdp.py: leave it out")
+    if fully_shard is None:
+        raise cli.UsageError(f"distributed_fsdp.py needs PyTorch 2.6 or newer (torch.distributed.fsdp."
+                             f"fully_shard); this is {torch.__version__}")
+
+    # --- distributed setup ------------------------------------------------------------
+    # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; init_process_group
+    # reads them (env://). Under plain `python` none is set: one process.
+    per_device_batch = cli.split_batch(args.batch_size, dist_utils.world_size_from_env())
+    env = dist_utils.setup_from_env(timeout_s=args.dist_timeout, device=args.device)
+    if not env.distributed:
+        # fully_shard needs a process group even for one process: a group of one, its store
+        # in memory (no port). The model, its checkpoints and the code path stay those of N.
+        dist.init_process_group(dist.get_default_backend_for_device(env.device), store=dist.HashStore(),
+                                rank=0, world_size=1)
+        cli.joined_a_group()
+    try:
+        train(args, env, per_device_batch)
+    finally:
+        dist_utils.cleanup()  # also when training raises: no rank is left in the group
+
+
+def even_eval_batches(loader, test_set, env):
+    """The loader's batches, then padding batches (one zero image with target PAD_TARGET,
+    which metrics.evaluate counts nowhere) until this rank has as many as the rank with the
+    most. Every forward of the sharded model all-gathers parameters, so every rank must run
+    the same number: shards that differ by one sample would leave a rank waiting in a gather."""
+    longest = torch.tensor([len(loader)], device=env.device)
+    with dist_utils.meeting("even_eval_batches() (the longest evaluation shard)"):  # all ranks, once
+        dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+    longest = int(longest.item())
+    padding = (torch.zeros_like(test_set[0][0]).unsqueeze(0), torch.tensor([metrics.PAD_TARGET]))
+
+    class EvenBatches:
+        def __len__(self):
+            return longest
+
+        def __iter__(self):
+            count = 0
+            for batch in loader:
+                count += 1
+                yield batch
+            for _ in range(longest - count):
+                yield padding
+    return EvenBatches()
+
+
+def train(args, env, per_device_batch):
+    dist_utils.seed_everything(args.seed)
+    # The input shape never changes: cudnn times its convolution algorithms once, keeps the fastest.
+    torch.backends.cudnn.benchmark = env.device.type == "cuda"
+
+    # --- data -------------------------------------------------------------------------
+    train_set, test_set = data.build_datasets(args, env)
+    if args.data_on_gpu:  # fast path: the data in device memory, augmented and normalised there
+        train_loader = DeviceTrainLoader(train_set, per_device_batch, args.batch_size, env, args)
+        test_loader = DeviceEvalLoader(test_set, 2 * per_device_batch, env, args)
+    else:
+        train_loader = data.train_loader(train_set, per_device_batch, args.batch_size, env, args)
+        test_loader = data.eval_loader(test_set, 2 * per_device_batch, env, args)
+    test_loader = even_eval_batches(test_loader, test_set, env)
+    steps_per_epoch = data.steps_per_epoch(len(train_set), args.batch_size)
+
+    # --- model ------------------------------------------------------------------------
+    # channels_last (NHWC) is the layout tensor-core convolutions want: no transposes.
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    model = build_model(args.model, data.num_classes(train_set)).to(env.device, memory_format=memory_format)
+    # Every rank built the same weights from the same seed; fully_shard keeps its slice of each
+    # (dim 0 split in N) as a DTensor. Each residual stage is a unit of its own: its
+    # parameters are gathered just before it runs and freed after, so only one stage is
+    # whole at a time, and the gather of the next stage overlaps this one's compute. The
+    # root call takes what is left (stem, classifier) and starts the gathers in order.
+    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                 if args.mp_policy == "bf16" else MixedPrecisionPolicy())
+    if args.mp_policy == "bf16":
+        # Batch norm stays in fp32, as FSDP1 kept it by default: its running statistics are fp32
+        # buffers, which bf16 kernels refuse, and bf16 statistics would drift. Each batch-norm
+        # layer is a unit of its own that casts its input up and its output back down.
+        bn_policy = MixedPrecisionPolicy(param_dtype=torch.float32, output_dtype=torch.bfloat16)
+        for module in model.modules():
+            if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+                fully_shard(module, mesh=mesh, reshard_after_forward=args.reshard_after_forward, mp_policy=bn_policy)
+    for stage in (model.layer1, model.layer2, model.layer3, model.layer4):
+        fully_shard(stage, mesh=mesh, reshard_after_forward=args.reshard_after_forward, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=args.reshard_after_forward, mp_policy=mp_policy)
+
+    # --- optimizer --------------------------------------------------------------------
+    # Built on the sharded parameters: each rank keeps momentum for its shard only.
+    # fused on accelerators: one kernel updates every parameter instead of a few per tensor.
+    optimizer = torch.optim.SGD(model.parameters(), lr=schedule.scaled_lr(args), momentum=args.momentum,
+                                nesterov=args.nesterov, weight_decay=args.weight_decay,
+                                fused=True if env.device.type != "cpu" else None)
+    scheduler = schedule.warmup_multistep(optimizer, args, steps_per_epoch)
+    run = TrainingRun(args, env, model, optimizer, scheduler, steps_per_epoch=steps_per_epoch,
+                      strategy="fsdp2", sharded=True)  # all ranks meet here; resumes with --resume
+
+    # --- training loop ----------------------------------------------------------------
+    for epoch in run.epochs():
+        # A new shuffle every epoch; without set_epoch every epoch repeats the first order.
+        # start_step (DistributedSampler has none): a resumed epoch goes on at its next batch.
+        train_loader.sampler.set_epoch(epoch, start_step=run.step_in_epoch)
+        model.train()
+        for images, targets in run.progress(train_loader):
+            images = images.to(env.device, non_blocking=True, memory_format=memory_format)
+            targets = targets.to(env.device, non_blocking=True)
+            logits = model(images)  # all-gathers each stage's parameters as it comes
+            loss = F.cross_entropy(logits.float(), targets)  # bf16 logits under --mp-policy bf16
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # gathers again (ZeRO-3), reduce-scatters the gradients to their shards
+            run.clip_grad_norm(model.parameters())  # --clip-grad-norm: an all-reduce of the shards' norms
+            optimizer.step()  # each rank updates its own shard
+            scheduler.step()
+            run.meter.update(loss.detach(), logits.detach(), targets)
+            if run.step_done():  # all ranks, every step: counts it, checkpoints when due; True at --max-steps
+                break
+        # Evaluate the sharded model itself: its forward all-gathers, so every rank runs the
+        # same number of batches (even_eval_batches). Exact over all ranks, see metrics.evaluate.
+        # All ranks: evaluate and end_epoch communicate (utils/run.py lists every collective).
+        if metrics.evaluation_due(epoch, args, last=run.done()):  # --eval-every
+            run.end_epoch(metrics.evaluate(model, test_loader, env.device, memory_format=memory_format))
+        else:
+            run.end_epoch(metrics.NOT_EVALUATED)
+    run.finish()
+
+
+if __name__ == "__main__":
+    cli.run_main(main)

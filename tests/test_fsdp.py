@@ -1,0 +1,247 @@
+"""distributed_fsdp.py: the same training as distributed.py with the model sharded (FSDP2),
+and sharded checkpoints that resume exactly and load at another world size.
+
+Equivalence to DDP. The same global batch and seed train the same problem: each rank
+computes the gradient of its half of the batch on the same (gathered) weights, and the
+halves are averaged, by DDP with an all-reduce, by FSDP with a reduce-scatter. Measured
+on this CPU (gloo, 2 processes, 16 steps of 32 images): weights, batch-norm buffers and
+momentum are bitwise equal (a sum of two values does not depend on its order; on NCCL
+with more ranks the order may differ, hence a tolerance). With --clip-grad-norm the
+global norm is summed over shards in another order than over DDP's whole tensors: the
+states then differ by 1.8e-7 after 8 steps, 2.4e-7 after 14 (1-2 float32 ulps of numbers
+near 1), so the tests allow 1e-6. (This small problem amplifies any such seed at its
+15th step: DDP against DDP with --clip-grad-norm 1.0000001 differs by 9.6e-4 at step 16,
+exactly as much as FSDP against DDP does; so the clipped comparison stops before.)
+Anything really different (gradients summed rather than averaged, rank 1's batch-norm
+statistics in the checkpoint, a norm of the local shard only) is 1e-4 or more.
+"""
+import os
+import shutil
+import signal
+
+import pytest
+import torch
+
+from conftest import ROOT, SMALL, assert_one_line_error, read_metrics, run_script, torchrun
+from utils import checkpoint
+
+FAULTS = "tests/fault_injection.py"
+# One process: 8 steps of 32 images, no loader workers (bitwise against distributed.py).
+ONE = [*SMALL, "--test-samples", "129", "--checkpoint-every", "2"]
+# Two processes: 16 steps, so that the stop-signal agreement (every 10 steps) comes in the
+# epoch; 129 test images, so that rank 0 has one evaluation batch more than rank 1 (its
+# shard is 65 images, 3 batches of 32; rank 1's 64, 2 batches); the default --workers.
+TWO = ["--dataset", "synthetic", "--model", "resnet_tiny", "--train-samples", "512", "--test-samples", "129",
+       "--batch-size", "32", "--epochs", "1", "--dist-timeout", "120"]
+TOLERANCE = 1e-6  # measured: 0 (2.4e-7 with --clip-grad-norm, see above)
+# torchrun's shared store can hand a restarted worker stale peer addresses (see test_fault_tolerance.py).
+FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def max_difference(a: dict, b: dict) -> float:
+    """The largest absolute difference over every tensor of two nested dicts of equal keys."""
+    assert a.keys() == b.keys()
+    worst = 0.0
+    for key in a:
+        if isinstance(a[key], dict):
+            worst = max(worst, max_difference(a[key], b[key]))
+        elif isinstance(a[key], torch.Tensor):
+            assert a[key].shape == b[key].shape and a[key].dtype == b[key].dtype, key
+            worst = max(worst, (a[key].double() - b[key].double()).abs().max().item())
+        else:
+            assert a[key] == b[key], f"{key}: {a[key]!r} != {b[key]!r}"
+    return worst
+
+
+def training_state(path) -> dict:
+    """What a resumed run must have reproduced: whole weights and buffers, optimizer,
+    scheduler, the epoch's training sums (plain or sharded checkpoints alike)."""
+    state = checkpoint.load_full(str(path))
+    return {"model": state["model"], "optimizer": state["optimizer"], "scheduler": state["scheduler"],
+            "step": state["global_step"], "sums": torch.tensor(state["train_sums"])}
+
+
+# --- runs to compare with ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """distributed.py and distributed_fsdp.py, one process each under plain python."""
+    root = tmp_path_factory.mktemp("one")
+    for script in ("distributed.py", "distributed_fsdp.py"):
+        run_script([script, *ONE, "--checkpoint-dir", root / script])
+    return root
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """distributed.py and distributed_fsdp.py, 2 processes each under torchrun, start to end."""
+    root = tmp_path_factory.mktemp("two")
+    for script in ("distributed.py", "distributed_fsdp.py"):
+        torchrun(2, script, [*TWO, "--checkpoint-dir", root / script, "--metrics", root / f"{script}.jsonl"],
+                 env=None)
+    return root
+
+
+# --- equivalence ------------------------------------------------------------------------
+
+def test_one_process_is_bitwise_distributed_py(one_process):
+    ddp = training_state(one_process / "distributed.py" / "checkpoint.pt")
+    fsdp = training_state(one_process / "distributed_fsdp.py" / "checkpoint.pt")
+    assert fsdp["step"] == ddp["step"] == 8
+    assert max_difference(fsdp, ddp) == 0.0
+
+
+def test_two_processes_match_ddp(two_processes):
+    ddp = training_state(two_processes / "distributed.py" / "checkpoint.pt")
+    fsdp = training_state(two_processes / "distributed_fsdp.py" / "checkpoint.pt")
+    assert fsdp["step"] == ddp["step"] == 16
+    # The whole weights gathered from the shards; the batch-norm buffers are rank 0's, as in
+    # DDP's checkpoint (rank 1's differ from them by 1e-3 and more); momentum per parameter.
+    assert max_difference(fsdp, ddp) <= TOLERANCE
+    # Not vacuous: training moved the weights far more than the tolerance.
+    initial = checkpoint.load_full(str(two_processes / "distributed_fsdp.py" / "checkpoint.pt"))
+    assert initial["optimizer"]["state"] and fsdp["model"]["fc.weight"].abs().sum() > 0
+
+
+def test_evaluation_is_exact_with_uneven_shards(two_processes):
+    ddp = read_metrics(two_processes / "distributed.py.jsonl")[-1]
+    fsdp = read_metrics(two_processes / "distributed_fsdp.py.jsonl")[-1]
+    # Every test image once (the padding batch of rank 1 counted nowhere), and the same
+    # loss and accuracy as DDP's evaluation of the same weights.
+    assert fsdp["test_samples"] == ddp["test_samples"] == 129
+    assert fsdp["test_loss"] == pytest.approx(ddp["test_loss"], abs=1e-5)
+    assert (fsdp["test_acc1"], fsdp["test_acc5"]) == (ddp["test_acc1"], ddp["test_acc5"])
+    assert (fsdp["strategy"], fsdp["world_size"], fsdp["global_batch"]) == ("fsdp2", 2, 32)
+    assert fsdp["train_loss"] == pytest.approx(ddp["train_loss"], abs=1e-5)
+
+
+def test_bf16_and_zero2_train(tmp_path):
+    # --mp-policy bf16 computes in bfloat16 (batch norm in fp32) and keeps fp32 weights;
+    # --no-reshard-after-forward keeps the gathered parameters from forward to backward.
+    run_script(["distributed_fsdp.py", *SMALL, "--max-steps", "2", "--mp-policy", "bf16",
+                "--no-reshard-after-forward", "--checkpoint-dir", tmp_path / "bf16"])
+    bf16 = checkpoint.load_full(str(tmp_path / "bf16" / "checkpoint.pt"))["model"]
+    run_script(["distributed_fsdp.py", *SMALL, "--max-steps", "2", "--checkpoint-dir", tmp_path / "fp32"])
+    fp32 = checkpoint.load_full(str(tmp_path / "fp32" / "checkpoint.pt"))["model"]
+    assert bf16["fc.weight"].dtype == torch.float32
+    # The same training, rounded differently: close, but not the same numbers.
+    assert 1e-6 < max_difference(bf16, fp32) < 0.1
+
+
+# --- sharded checkpoints ------------------------------------------------------------------
+
+def test_sigterm_to_every_process_stops_and_resumes_bitwise(two_processes, tmp_path):
+    # A preemption: SIGTERM to torchrun's agent, both workers and their loader workers. The
+    # ranks agree on step 10, each writes its shards, rank 0 commits checkpoint.pt.
+    stopped = torchrun(2, FAULTS, ["--fault", "signal-job", "--send", "TERM", "--rank", "0", "--step", "3", "--",
+                                   "distributed_fsdp.py", *TWO, "--checkpoint-dir", tmp_path],
+                       check=False, env=None)
+    output = stopped.stdout + stopped.stderr
+    assert "stopping at step 10 on SIGTERM" in output, output
+    assert "DataLoader worker" not in output, output
+    saved = checkpoint.load(str(tmp_path / "checkpoint.pt"))
+    assert saved["global_step"] == 10 and saved["sharded"]["folder"] == "sharded-step10"
+    # Every rank wrote its part; the previous folder is gone: one checkpoint in the directory.
+    assert sorted(p.name for p in (tmp_path / "sharded-step10").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert [p.name for p in tmp_path.glob("sharded-step*")] == ["sharded-step10"]
+
+    resumed = torchrun(2, "distributed_fsdp.py", [*TWO, "--checkpoint-dir", tmp_path, "--resume"])
+    assert "resumed from" in resumed.stdout and "epoch 1, step 10 of 16 in it, 10 steps in all" in resumed.stdout
+    reference = training_state(two_processes / "distributed_fsdp.py" / "checkpoint.pt")
+    assert max_difference(training_state(tmp_path / "checkpoint.pt"), reference) == 0.0
+
+
+GROUP_NORM_RUNNER = """
+import runpy, sys
+sys.path.insert(0, {root!r})
+import models
+build = models.build_model
+models.build_model = lambda name, classes, norm="batch": build(name, classes, norm="group")
+sys.argv = [{script!r}, *sys.argv[1:]]
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def test_resume_at_another_world_size(tmp_path):
+    # Stopped at 2 processes, resumed at 1. Batch norm would make the two differ by design
+    # (its statistics are per process), so the model uses group norm here: then 1 and 2
+    # processes train the same problem and only the order of sums differs.
+    runner = tmp_path / "group_norm.py"
+    runner.write_text(GROUP_NORM_RUNNER.format(root=str(ROOT), script=str(ROOT / "distributed_fsdp.py")))
+    # --clip-grad-norm: the norm over both shards (at 2 processes) is the norm of the whole
+    # tensors (at 1); a norm of the local shard alone would differ by far more than TOLERANCE.
+    flags = [*TWO, "--workers", "0", "--train-samples", "256", "--clip-grad-norm", "1"]  # 8 steps
+    torchrun(2, runner, [*flags, "--checkpoint-dir", tmp_path / "straight"])
+    torchrun(2, runner, [*flags, "--max-steps", "3", "--checkpoint-dir", tmp_path / "moved"])
+    assert checkpoint.load(str(tmp_path / "moved" / "checkpoint.pt"))["world_size"] == 2
+    resumed = run_script([runner, *flags, "--checkpoint-dir", tmp_path / "moved", "--resume"])
+    assert "epoch 1, step 3 of 8 in it, 3 steps in all" in resumed.stdout, resumed.stdout
+    moved = training_state(tmp_path / "moved" / "checkpoint.pt")
+    straight = training_state(tmp_path / "straight" / "checkpoint.pt")
+    assert checkpoint.load(str(tmp_path / "moved" / "checkpoint.pt"))["world_size"] == 1
+    assert moved["step"] == straight["step"] == 8
+    # The training sums (loss x images, about 1200) carry the fp32 rounding of each loss.
+    assert torch.allclose(moved.pop("sums"), straight.pop("sums"), rtol=1e-6, atol=0)
+    assert max_difference(moved, straight) <= TOLERANCE
+
+
+def test_crash_during_a_sharded_save_keeps_the_previous_checkpoint(one_process, tmp_path):
+    # Killed while rank 0 commits its second save (step 4): the shards of step 4 are on disk,
+    # checkpoint.pt still names those of step 2, which are whole.
+    crashed = run_script([FAULTS, "--fault", "kill-during-save", "--save", "2", "--",
+                          "distributed_fsdp.py", *ONE, "--checkpoint-dir", tmp_path], check=False)
+    assert crashed.returncode == -signal.SIGKILL, crashed.stdout + crashed.stderr
+    assert checkpoint.load(str(tmp_path / "checkpoint.pt"))["sharded"]["folder"] == "sharded-step2"
+    assert (tmp_path / "sharded-step2" / ".metadata").exists() and (tmp_path / "sharded-step4").exists()
+    resumed = run_script(["distributed_fsdp.py", *ONE, "--checkpoint-dir", tmp_path, "--resume"])
+    assert "step 2 of 8 in it, 2 steps in all" in resumed.stdout, resumed.stdout
+    # The orphaned shards are removed, and the run ends where the uninterrupted one did.
+    assert [p.name for p in tmp_path.glob("sharded-step*")] == ["sharded-step8"]
+    reference = training_state(one_process / "distributed_fsdp.py" / "checkpoint.pt")
+    assert max_difference(training_state(tmp_path / "checkpoint.pt"), reference) == 0.0
+
+
+def test_checkpoints_refuse_what_does_not_fit(one_process, tmp_path):
+    fsdp_checkpoint = one_process / "distributed_fsdp.py" / "checkpoint.pt"
+    # DDP cannot continue a sharded checkpoint (nor FSDP a plain one): one line, exit 2.
+    proc = run_script(["distributed.py", *SMALL, "--resume", fsdp_checkpoint], check=False)
+    assert_one_line_error(proc, "is sharded", "resume it with the script that wrote it (fsdp2)")
+    # Flags that would change the run are refused as for the other scripts.
+    proc = run_script(["distributed_fsdp.py", *SMALL, "--lr", "0.2", "--resume", fsdp_checkpoint], check=False)
+    assert_one_line_error(proc, "--lr 0.1", "resume with the same value")
+    # A shard folder whose save never finished (no metadata) is not read.
+    copy = tmp_path / "copy"
+    shutil.copytree(fsdp_checkpoint.parent, copy)
+    os.unlink(copy / "sharded-step8" / ".metadata")
+    with pytest.raises(Exception, match="is missing"):
+        checkpoint.load_full(str(copy / "checkpoint.pt"))
+
+
+def test_refuses_a_pytorch_without_fully_shard(monkeypatch, capsys):
+    import importlib
+    script = importlib.import_module("distributed_fsdp")
+    monkeypatch.setattr(script, "fully_shard", None)
+    from utils.cli import UsageError
+    with pytest.raises(UsageError, match=r"needs PyTorch 2.6 or newer .* this is 2\."):
+        script.main([*SMALL])
+
+
+def test_compare_models_reads_a_sharded_checkpoint(two_processes, tmp_path):
+    ddp = two_processes / "distributed.py" / "checkpoint.pt"
+    fsdp = two_processes / "distributed_fsdp.py" / "checkpoint.pt"
+    # The 2-process shards read whole, without processes; the optimizer numbered as DDP's.
+    proc = run_script(["scripts/compare_models.py", ddp, fsdp, "--what", "all", "--atol", str(TOLERANCE)],
+                      check=False)
+    assert proc.returncode == 0 and "match: 160 entries (all)" in proc.stdout, proc.stdout + proc.stderr
+    # The folder alone: its model.
+    proc = run_script(["scripts/compare_models.py", ddp, fsdp.parent / "sharded-step16"], check=False)
+    assert proc.returncode == 0 and "match: 74 entries (model)" in proc.stdout, proc.stdout + proc.stderr
+    # A shard file cut short: one line, exit 2.
+    broken = tmp_path / "broken"
+    shutil.copytree(fsdp.parent / "sharded-step16", broken)
+    shard = broken / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    proc = run_script(["scripts/compare_models.py", ddp, broken], check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "cannot read sharded checkpoint" in proc.stderr
