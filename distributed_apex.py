@@ -120,8 +120,9 @@ def train(args, env, per_device_batch, precision):
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=schedule.scaled_lr(args), momentum=args.momentum,
                                     nesterov=args.nesterov, weight_decay=args.weight_decay,
-                                    # Not on MPS: its fused kernel in PyTorch 2.11 ignores the scaler's
-                                    # grad_scale and found_inf (a step on scaled or overflowed gradients).
+                                    # Not on MPS: its fused kernel did not honour the scaler's grad_scale
+                                    # and found_inf before a fix that came after PyTorch 2.11 (a step on
+                                    # scaled or overflowed gradients).
                                     fused=True if env.device.type not in ("cpu", "mps") else None)
 
     # --- mixed precision --------------------------------------------------------------
