@@ -318,9 +318,10 @@ def run_main(main, argv=None):
         leave(0)
 
 
-def error_line(message) -> str:
-    """`PROGRAM: error: MESSAGE`, the form of argparse's own errors."""
-    return f"{os.path.basename(sys.argv[0]) or 'train'}: error: {message}"
+def error_line(message, kind: str = "error") -> str:
+    """`PROGRAM: error: MESSAGE`, the form of argparse's own errors (kind "warning" for
+    a warning)."""
+    return f"{os.path.basename(sys.argv[0]) or 'train'}: {kind}: {message}"
 
 
 _joined_a_group = False  # set by utils.distributed.setup: only such a process needs `leave`

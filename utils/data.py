@@ -507,14 +507,16 @@ class Loader(DataLoader):
         # Loading a sample here, in the training process, would open whatever a user's data
         # set opens on first access (an HDF5 file, say) before the workers fork and share it.
         # By then the script has built all its loaders (training and evaluation).
+        # Only the first batch is looked at; the rest pass straight through.
         for batch in batches:
-            if self in _shm_unchecked:
-                siblings = sorted((loader for loader in list(_shm_unchecked) if loader.env is self.env),
-                                  key=lambda loader: loader.purpose != "training")  # training first
-                for loader in siblings:
-                    _shm_unchecked.discard(loader)
-                warn_if_shm_short(siblings, self.env, batch_sample_bytes(batch))
+            siblings = sorted((loader for loader in list(_shm_unchecked) if loader.env is self.env),
+                              key=lambda loader: loader.purpose != "training")  # training first
+            for loader in siblings:
+                _shm_unchecked.discard(loader)
+            warn_if_shm_short(siblings, self.env, batch_sample_bytes(batch))
             yield batch
+            break
+        yield from batches
 
 
 def train_loader(train_set, per_device_batch: int, global_batch: int, env: DistEnv, args) -> DataLoader:
@@ -616,10 +618,9 @@ def warn_if_shm_short(loaders, env: DistEnv, sample_bytes: int):
     need, formula = shm_estimate(loaders, env.local_world_size, sample_bytes)
     if need <= free:
         return
-    program = os.path.basename(sys.argv[0]) or "train"
-    print(f"{program}: warning: {path} has {free / 2**20:,.1f} MiB free, less than the "
-          f"{need / 2**20:,.1f} MiB that the DataLoader workers of this node may hold there at once: "
-          f"{formula}. A worker that finds it full dies of a bus error. In Docker: docker run --ipc=host "
-          f"(or --shm-size={shm_size_gib(need)}g); otherwise lower --workers or --batch-size. "
-          "Training goes on: the estimate is an upper bound, the run may still fit.",
-          file=sys.stderr, flush=True)
+    print(cli.error_line(
+        f"{path} has {free / 2**20:,.1f} MiB free, less than the {need / 2**20:,.1f} MiB that the "
+        f"DataLoader workers of this node may hold there at once: {formula}. A worker that finds it full "
+        f"dies of a bus error. In Docker: docker run --ipc=host (or --shm-size={shm_size_gib(need)}g); "
+        "otherwise lower --workers or --batch-size. Training goes on: the estimate is an upper bound, "
+        "the run may still fit.", kind="warning"), file=sys.stderr, flush=True)
