@@ -111,6 +111,31 @@ def even_eval_batches(loader, test_set, env):
     return EvenBatches()
 
 
+def shard(model, env, reshard_after_forward: bool, mp_policy: str):
+    """Shard the model in place over all ranks with fully_shard (scripts/benchmark.py --memory
+    measures what this leaves on each rank)."""
+    # Every rank built the same weights from the same seed; fully_shard keeps its slice of each
+    # (dim 0 split in N) as a DTensor. Each residual stage is a unit of its own: its
+    # parameters are gathered just before it runs and freed after, so only one stage is
+    # whole at a time, and the gather of the next stage overlaps this one's compute. The
+    # root call takes what is left (stem, classifier) and starts the gathers in order.
+    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if mp_policy == "bf16" else MixedPrecisionPolicy())
+    if mp_policy == "bf16":
+        # Batch norm stays in fp32, as FSDP1 kept it by default: its running statistics are fp32
+        # buffers, which bf16 kernels refuse, and bf16 statistics would drift. Each batch-norm
+        # layer is a unit of its own that casts its input up and its output back down.
+        bn_policy = MixedPrecisionPolicy(param_dtype=torch.float32, output_dtype=torch.bfloat16)
+        for module in model.modules():
+            if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+                fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=bn_policy)
+    for stage in (model.layer1, model.layer2, model.layer3, model.layer4):
+        fully_shard(stage, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    return model
+
+
 def train(args, env, per_device_batch):
     dist_utils.seed_everything(args.seed)
     # The input shape never changes: cudnn times its convolution algorithms once, keeps the fastest.
@@ -131,25 +156,7 @@ def train(args, env, per_device_batch):
     # channels_last (NHWC) is the layout tensor-core convolutions want: no transposes.
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     model = build_model(args.model, data.num_classes(train_set)).to(env.device, memory_format=memory_format)
-    # Every rank built the same weights from the same seed; fully_shard keeps its slice of each
-    # (dim 0 split in N) as a DTensor. Each residual stage is a unit of its own: its
-    # parameters are gathered just before it runs and freed after, so only one stage is
-    # whole at a time, and the gather of the next stage overlaps this one's compute. The
-    # root call takes what is left (stem, classifier) and starts the gathers in order.
-    mesh = init_device_mesh(env.device.type, (env.world_size,))
-    mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-                 if args.mp_policy == "bf16" else MixedPrecisionPolicy())
-    if args.mp_policy == "bf16":
-        # Batch norm stays in fp32, as FSDP1 kept it by default: its running statistics are fp32
-        # buffers, which bf16 kernels refuse, and bf16 statistics would drift. Each batch-norm
-        # layer is a unit of its own that casts its input up and its output back down.
-        bn_policy = MixedPrecisionPolicy(param_dtype=torch.float32, output_dtype=torch.bfloat16)
-        for module in model.modules():
-            if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
-                fully_shard(module, mesh=mesh, reshard_after_forward=args.reshard_after_forward, mp_policy=bn_policy)
-    for stage in (model.layer1, model.layer2, model.layer3, model.layer4):
-        fully_shard(stage, mesh=mesh, reshard_after_forward=args.reshard_after_forward, mp_policy=mp_policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=args.reshard_after_forward, mp_policy=mp_policy)
+    shard(model, env, args.reshard_after_forward, args.mp_policy)  # all ranks: fully_shard, below
 
     # --- optimizer --------------------------------------------------------------------
     # Built on the sharded parameters: each rank keeps momentum for its shard only.

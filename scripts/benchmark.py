@@ -32,6 +32,10 @@ processes) still leaves every finished row behind.
 
     # a quick check of the harness on the CPU (tiny model, 2 processes, a few minutes)
     python scripts/benchmark.py --quick --device cpu --out /tmp/bench
+
+    # instead of the rows: what each rank holds under DDP and FSDP2 at 1, 2, 4 processes
+    # (memory.md and memory.json; on GPUs with the peak allocated, see scripts/memory_table.py)
+    python scripts/benchmark.py --memory --device cpu
 """
 import argparse
 import ctypes
@@ -58,6 +62,9 @@ import torch.nn.functional as F  # noqa: E402
 from models import MODEL_NAMES, build_model  # noqa: E402
 from utils import cli, precision  # noqa: E402
 from utils.data import NUM_CLASSES  # noqa: E402
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))  # also when this file is imported from elsewhere (tests)
+import memory_table  # noqa: E402
 
 EPOCH_IMAGES = 50_000  # one CIFAR-100 training epoch: a row's epoch is the whole global batches it holds
 WARMUP_EPOCHS = 1      # epochs left out of a row's median
@@ -139,6 +146,9 @@ ROWS = [
         gpu_only="fp16 convolutions on the CPU are a slow fallback, not a measurement"),
     Row("ddp-accum2", "distributed_gradient_accumulation.py", "torchrun", True, ("--accum-steps", "2"),
         "DDP, 2 accumulated micro-batches per step"),
+    Row("fsdp2", "distributed_fsdp.py", "torchrun", True, (), "FSDP2 fully_shard (ZeRO-3), fp32, the template path"),
+    Row("fsdp2-bf16", "distributed_fsdp.py", "torchrun", True, ("--mp-policy", "bf16"),
+        "FSDP2 with bf16 compute (MixedPrecisionPolicy), fp32 gradient reduction", needs_bf16=True),
     Row("fast-fp32", "distributed.py", "torchrun", True, FAST, "DDP, data on the device, channels_last",
         fast_loader=True),
     Row("fast-bf16", "distributed_apex.py", "torchrun", True, ("--amp", "bf16", *FAST),
@@ -186,6 +196,8 @@ COMPARISONS = [
     ("ddp-1proc", "ddp-1proc-noddp", "torchrun and a process group, one process, against plain python"),
     ("ddp", "ddp-1proc", "all devices against one (scaling; 1.00 with one GPU)"),
     ("ddp-bf16", "ddp", "bf16 autocast against fp32, template path"),
+    ("fsdp2", "ddp", "sharded (FSDP2) against replicated (DDP), fp32"),
+    ("fsdp2-bf16", "ddp-bf16", "FSDP2 bf16 policy against DDP bf16 autocast"),
     ("fast-bf16", "ddp-bf16", "data on the device + channels_last against the loader, bf16"),
     ("fast-bf16-compile", "fast-bf16", "torch.compile against eager"),
     ("fast-bf16-compile-1024", "fast-bf16-compile", "1024 against 512 images per device, compiled"),
@@ -881,6 +893,17 @@ def build_parser():
                    help="cpu: CPU processes even where GPUs are visible (default auto: GPUs when there are any)")
     g.add_argument("--nproc", type=cli.positive_int, default=None,
                    help="processes of the multi-process rows (default: every visible GPU, or 2 on the CPU)")
+    g = parser.add_argument_group("memory per rank (instead of the rows)")
+    g.add_argument("--memory", action="store_true",
+                   help="measure what each rank holds under DDP and FSDP2 (parameters, gradients, optimizer "
+                        "state, whole parameters at once, GPU peak) beside the formula: memory.md and "
+                        "memory.json in --out (scripts/memory_table.py)")
+    g.add_argument("--world-sizes", default=None, metavar="N,N,...",
+                   help="processes to measure --memory at (default 1,2,4 on the CPU; on GPUs 1, 2, 4, ... "
+                        "up to the GPUs visible)")
+    g.add_argument("--memory-batch", type=cli.positive_int, default=None, metavar="N",
+                   help=f"images per process in --memory's steps (default 32 on the CPU, "
+                        f"{full.per_device_batch} on GPUs)")
     g = parser.add_argument_group("the training problem (the same in every row)")
     g.add_argument("--model", choices=MODEL_NAMES, default=None,
                    help=f"default {full.model} (--quick: {quick.model})")
@@ -982,12 +1005,69 @@ class Report:
         return report
 
 
+def memory_report(args, argv):
+    """--memory: DDP and FSDP2 per rank at each world size, into memory.md and memory.json."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise cli.UsageError("--device cuda but no CUDA GPU is visible; use --device cpu")
+    use_cuda = args.device != "cpu" and torch.cuda.is_available()
+    gpus = torch.cuda.device_count() if use_cuda else 0
+    if args.world_sizes:
+        try:
+            sizes = [int(n) for n in args.world_sizes.split(",") if n.strip()]
+        except ValueError:
+            sizes = []
+        if not sizes or min(sizes) < 1:
+            raise cli.UsageError(f"--world-sizes {args.world_sizes!r}: give process counts such as 1,2,4")
+        if use_cuda and max(sizes) > gpus:
+            raise cli.UsageError(f"--world-sizes {args.world_sizes}: only {gpus} GPU{'s' if gpus != 1 else ''} "
+                                 "visible (one process per GPU); --device cpu measures CPU processes")
+    else:
+        sizes = [2 ** k for k in range(8) if 2 ** k <= gpus] if use_cuda else [1, 2, 4]
+    model = args.model or DEFAULTS["full"].model
+    batch = args.memory_batch or (DEFAULTS["full"].per_device_batch if use_cuda else 32)
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as exc:
+        raise cli.UsageError(f"--out: cannot create {exc.filename} ({exc.strerror})") from None
+    header = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "hardware": describe_hardware(use_cuda, max(sizes) if use_cuda else 0),
+        "torch": torch.__version__, "python": platform.python_version(),
+        "command": shlex.join(["python", *(sys.argv if argv is None else [sys.argv[0], *argv])]),
+    }
+    print(f"{header['hardware']}; PyTorch {header['torch']}")
+    print(f"memory per rank, {model}, {batch} images per process, world sizes {sizes}", flush=True)
+    timeout = args.row_timeout or DEFAULTS["full"].row_timeout
+    results = memory_table.measure(sizes, model, batch, "cuda" if use_cuda else "cpu", args.out, timeout, print)
+    parameters = sum(p.numel() for p in build_model(model, NUM_CLASSES).parameters())
+    report = {"header": header,
+              "settings": {"model": model, "parameters": parameters, "batch": batch, "world_sizes": sizes,
+                           "device": "cuda" if use_cuda else "cpu"},
+              "rows": memory_table.table_rows(results), "measurements": results}
+    paths = {ext: os.path.join(args.out, f"memory.{ext}") for ext in ("md", "json")}
+    memory_table.write_markdown(paths["md"], report)
+    write_atomically(paths["json"], json.dumps(report, indent=1) + "\n")
+    for size in sizes:  # each launch's raw figures are in memory.json now
+        raw = os.path.join(args.out, f"memory-w{size}.json")
+        if os.path.exists(raw):
+            os.remove(raw)
+    with open(paths["md"]) as f:
+        print(f.read())
+    print(f"wrote {paths['md']}, {paths['json']}")
+    failed = [r for r in report["rows"] if "error" in r or not r["matches_formula"]]
+    if failed:
+        print(f"{len(failed)} row(s) failed or differ from the formula", file=sys.stderr)
+        sys.exit(1)
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
     if args.measure_ceiling:
         result = measure_ceiling(json.loads(args.measure_ceiling))
         write_atomically(args.out, json.dumps(result))
         return
+    if args.memory:
+        return memory_report(args, argv)
     plan = resolve_plan(args)
     try:
         os.makedirs(args.out, exist_ok=True)

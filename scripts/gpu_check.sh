@@ -4,21 +4,22 @@
 #
 #   1. the environment: GPU, driver, torch/CUDA/cuDNN/NCCL versions, /dev/shm, CPU, memory
 #   2. the GPU-marked tests (pytest -m gpu), with a per-test timeout and a junit report
-#   3. a benchmark sized to what time is left, rows in order of importance
+#   3. memory per rank under DDP and FSDP2 (benchmark.py --memory), at most 90 s
+#   4. a benchmark sized to what time is left, rows in order of importance
 #
 #   make gpu-check                              # writes results/gpu-check/
 #   OUT=/somewhere bash scripts/gpu_check.sh    # or there
 #   PYTHON=/opt/py/bin/python make gpu-check    # another interpreter
 #
 # Writes at most 8 plain files, no folders, to $OUT (default results/gpu-check/):
-#   environment.txt  gpu_check.log  pytest.xml  benchmark.md  benchmark.json  benchmark.png
-#   benchmark-logs.tar.gz (each benchmark row's output and metrics)
+#   environment.txt  gpu_check.log  pytest.xml  memory.md  benchmark.md  benchmark.json  benchmark.png
+#   benchmark-logs.tar.gz (each benchmark row's output and metrics, and memory.json)
 # Exit status: 0 when every stage passed, 1 when one failed or ran out of time, 2 without CUDA.
 #
 # Knobs (environment): GPU_CHECK_SECONDS (whole run, default 510 = 8.5 minutes),
 # GPU_CHECK_PYTEST_SECONDS (the test stage, default 220), GPU_CHECK_TEST_TIMEOUT (one test,
-# default 150), GPU_CHECK_PYTEST_ARGS (default: -m gpu tests), GPU_CHECK_BENCH_ARGS (default:
-# the rows below, 3 epochs each). GPU_CHECK_REQUIRE_CUDA=0 runs the stages without a GPU
+# default 150), GPU_CHECK_PYTEST_ARGS (default: -m gpu tests), GPU_CHECK_MEMORY_ARGS (default:
+# none, every visible GPU), GPU_CHECK_BENCH_ARGS (default: the rows below, 3 epochs each). GPU_CHECK_REQUIRE_CUDA=0 runs the stages without a GPU
 # (the harness's own tests do that).
 set -u
 
@@ -32,7 +33,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="$(realpath -m "${OUT:-$ROOT/results/gpu-check}")"
 # Most telling first: a row that no longer fits the budget is reported as not run.
 BENCH_ROWS="ddp,ddp-bf16,fast-bf16,fast-bf16-compile,ceiling-bf16,ceiling-bf16-compile,fast-bf16-compile-1024"
-BENCH_ROWS="$BENCH_ROWS,fast-bf16-cudagraphs,ddp-1proc-noddp"
+BENCH_ROWS="$BENCH_ROWS,fast-bf16-cudagraphs,ddp-1proc-noddp,fsdp2,fsdp2-bf16"
+MEMORY_SECONDS=90
 SECONDS=0
 cd "$ROOT" || exit 2
 
@@ -142,7 +144,21 @@ run_stage pytest "$stage_seconds" INT "$PYTHON" -m pytest -q -p no:cacheprovider
     "${pytest_args[@]}"
 tail -n 25 "$WORK/pytest.out"
 
-# --- 3. the benchmark ----------------------------------------------------------------------
+# --- 3. memory per rank ------------------------------------------------------------------
+memory_seconds=$(( $(left) < MEMORY_SECONDS ? $(left) : MEMORY_SECONDS ))
+if [ "$memory_seconds" -lt 30 ]; then
+    say "== memory: not run, ${memory_seconds} s left"
+    FAILED+=("memory (no time left)")
+else
+    mkdir -p "$WORK/benchmark-logs"
+    # memory.md beside the other reports; its json travels in the logs' archive (8 files at most).
+    run_stage memory "$memory_seconds" TERM "$PYTHON" scripts/benchmark.py --memory ${GPU_CHECK_MEMORY_ARGS:-} \
+        --row-timeout $((memory_seconds - 5)) --out "$WORK/benchmark-logs"
+    [ -f "$WORK/benchmark-logs/memory.md" ] && cp "$WORK/benchmark-logs/memory.md" "$OUT/memory.md"
+    sed -n '/^| strategy/,/^$/p' "$WORK/memory.out"
+fi
+
+# --- 4. the benchmark ----------------------------------------------------------------------
 bench_seconds=$(left)
 if [ "$bench_seconds" -lt 60 ]; then
     say "== benchmark: not run, ${bench_seconds} s left"

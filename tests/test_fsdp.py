@@ -245,3 +245,91 @@ def test_compare_models_reads_a_sharded_checkpoint(two_processes, tmp_path):
     proc = run_script(["scripts/compare_models.py", ddp, broken], check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "cannot read sharded checkpoint" in proc.stderr
+
+
+# --- memory per rank: scripts/benchmark.py --memory ---------------------------------------------
+
+@pytest.mark.parametrize("rows", [1, 3, 7, 8, 9, 64, 100])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_the_formula_splits_dim_0_as_torch_chunk_does(rows, world_size):
+    import sys
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import memory_table
+    chunks = [c.numel() for c in torch.empty(rows).chunk(world_size)]
+    chunks += [0] * (world_size - len(chunks))  # torch.chunk returns fewer pieces when they run out
+    for rank in range(world_size):
+        held, padded = memory_table.shard_rows(rows, world_size, rank)
+        assert held == chunks[rank]
+        assert padded == max(chunks)
+
+
+def test_memory_table_measures_what_each_rank_holds(tmp_path):
+    """Three processes, so that dim 0 of resnet_tiny's tensors (8, 16, 32, 64, 100 rows) does
+    not divide and the shards are padded, unevenly. The figures are read from the tool's
+    json and checked against our own arithmetic here, rank by rank."""
+    import json
+    import math
+    from models import build_model
+    proc = run_script(["scripts/benchmark.py", "--memory", "--device", "cpu", "--model", "resnet_tiny",
+                       "--world-sizes", "3", "--memory-batch", "4", "--out", tmp_path], timeout=240)
+    assert "| fsdp2 | 3 |" in proc.stdout
+    report = json.loads((tmp_path / "memory.json").read_text())
+    assert "| ddp | 3 |" in (tmp_path / "memory.md").read_text()
+    assert not list(tmp_path.glob("memory-w*.json"))  # the raw files are folded into memory.json
+
+    model = build_model("resnet_tiny", 100)
+    numel = sum(p.numel() for p in model.parameters())
+    root = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("layer"))
+    largest_stage = max(sum(p.numel() for p in getattr(model, f"layer{i}").parameters()) for i in range(1, 5))
+    [result] = report["measurements"]
+    ranks = {(r["strategy"], r["rank"]): r for r in result["ranks"]}
+    assert len(ranks) == 9
+    for rank in range(3):
+        ddp = ranks["ddp", rank]
+        assert ddp["params"] == ddp["grads"] == ddp["optimizer"] == 4 * numel  # everything, on every rank
+        assert ddp["whole_params_peak"] == 4 * numel
+        padded = held = 0
+        for p in model.parameters():
+            pieces = [c.shape[0] for c in torch.empty(p.shape[0]).chunk(3)] + [0, 0]
+            rest = math.prod(p.shape[1:])
+            padded += max(pieces) * rest
+            held += pieces[rank] * rest
+        for name in ("fsdp2", "fsdp2-zero2"):
+            fsdp = ranks[name, rank]
+            # parameters and gradients in FSDP2's padded shards, momentum only the rank's rows
+            assert (fsdp["params"], fsdp["grads"], fsdp["optimizer"]) == (4 * padded, 4 * padded, 4 * held)
+        # ZeRO-3: one residual stage whole at a time, beside the root's own parameters; ZeRO-2:
+        # every stage gathered in forward is still whole when the last one runs.
+        assert ranks["fsdp2", rank]["whole_params_peak"] == 4 * (root + largest_stage)
+        assert ranks["fsdp2-zero2", rank]["whole_params_peak"] == 4 * numel
+    rows = {(r["strategy"], r["world_size"]): r for r in report["rows"]}
+    assert all(r["matches_formula"] for r in rows.values())
+    assert rows["fsdp2", 3]["total"] < 0.4 * rows["ddp", 3]["total"]
+    assert rows["fsdp2", 3]["vs_ddp"] == pytest.approx(rows["fsdp2", 3]["total"] / rows["ddp", 3]["total"])
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--world-sizes", "0,2"], "give process counts"),
+    (["--world-sizes", "two"], "give process counts"),
+    (["--device", "cuda"], "no CUDA GPU is visible"),
+])
+def test_memory_table_bad_input_is_one_line(argv, fragment, tmp_path):
+    if fragment.startswith("no CUDA") and torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible here")
+    proc = run_script(["scripts/benchmark.py", "--memory", *argv, "--out", tmp_path], check=False, timeout=120)
+    assert_one_line_error(proc, fragment)
+
+
+@pytest.mark.gpu
+def test_memory_table_on_a_gpu_reads_the_peak(tmp_path):
+    """On CUDA the table adds max_memory_allocated of the measured step: at least what the
+    rank holds between steps (parameters, gradients, momentum), plus the activations."""
+    import json
+    from conftest import gpu_subprocess_env
+    run_script(["scripts/benchmark.py", "--memory", "--world-sizes", "1", "--memory-batch", "64",
+                "--out", tmp_path], timeout=240, env=gpu_subprocess_env())
+    rows = json.loads((tmp_path / "memory.json").read_text())["rows"]
+    assert {r["strategy"] for r in rows} == {"ddp", "fsdp2", "fsdp2-zero2"}
+    for row in rows:
+        assert row["matches_formula"], row
+        assert row["peak_allocated"] > row["total"], row

@@ -34,13 +34,14 @@ def test_stages_keep_to_their_time_and_out_holds_at_most_8_files(tmp_path):
     began = time.monotonic()
     proc = run_check(out, 240, GPU_CHECK_REQUIRE_CUDA="0", GPU_CHECK_SECONDS="150", GPU_CHECK_PYTEST_SECONDS="8",
                      GPU_CHECK_PYTEST_ARGS=str(hang),
+                     GPU_CHECK_MEMORY_ARGS="--device cpu --model resnet_tiny --world-sizes 1 --memory-batch 2",
                      GPU_CHECK_BENCH_ARGS="--quick --device cpu --rows ceiling-fp32")
     took = time.monotonic() - began
     assert proc.returncode == 1, proc.stdout + proc.stderr  # the test stage ran out of time
     assert took < 150, took
     log = (out / "gpu_check.log").read_text()
     assert "== pytest: timed out after 8 s" in log, log
-    assert "== benchmark: ok" in log, log
+    assert "== benchmark: ok" in log and "== memory: ok" in log, log
     assert "1 stage(s) failed" in log and "pytest (timed out)" in log
 
     # The hung test was stopped like Ctrl-C, so pytest still wrote its report.
@@ -50,12 +51,13 @@ def test_stages_keep_to_their_time_and_out_holds_at_most_8_files(tmp_path):
     assert report["state"] == "complete" and report["settings"]["time_budget_s"] > 0
     assert [(r["name"], r["status"]) for r in report["rows"]] == [("ceiling-fp32", "ok")]
     with tarfile.open(out / "benchmark-logs.tar.gz") as tar:
-        assert "benchmark-logs/ceiling-fp32.log" in tar.getnames()
+        assert {"benchmark-logs/ceiling-fp32.log", "benchmark-logs/memory.json"} <= set(tar.getnames())
+    assert "| fsdp2 | 1 |" in (out / "memory.md").read_text()
     assert "torch" in (out / "environment.txt").read_text()
 
     # Everything can be brought back: few plain files, plain names, no folders.
     entries = list(out.iterdir())
     assert len(entries) <= 8 and all(e.is_file() for e in entries), entries
     assert all(re.fullmatch(r"[A-Za-z0-9._-]+", e.name) for e in entries)
-    assert {e.name for e in entries} == {"environment.txt", "gpu_check.log", "pytest.xml", "benchmark.md",
+    assert {e.name for e in entries} == {"environment.txt", "gpu_check.log", "pytest.xml", "memory.md", "benchmark.md",
                                          "benchmark.json", "benchmark.png", "benchmark-logs.tar.gz"}

@@ -1,0 +1,302 @@
+"""What each rank holds under DDP and under FSDP2, measured, beside the formula it should follow.
+
+`python scripts/benchmark.py --memory` runs this: one torchrun launch per world size
+(1, 2 and 4 processes by default), each measuring three strategies in turn on a fresh
+model: DDP as distributed.py wraps it (the bare model with one process, as the script
+runs it), and FSDP2 as distributed_fsdp.py shards it, with and without
+--reshard-after-forward. Each rank trains two steps of SGD with momentum on random
+images, then counts, after the second step:
+
+- parameter, gradient and optimizer-state bytes: the bytes of the distinct storages
+  behind its parameters (the local shard of a DTensor), their .grad (DDP's buckets when
+  the gradients are views into them) and the optimizer's state tensors;
+- whole parameters at once: the largest number of parameter bytes registered unsharded
+  on the model at any one time, looked at before and after every module's forward and
+  when its backward starts (FSDP2 swaps the gathered parameters onto the module while a
+  unit runs and its shards back after);
+- on a GPU, the peak of torch.cuda.max_memory_allocated during the second step
+  (activations included) and what is allocated after it.
+
+The formula for P fp32 parameters at world size W, per rank, 4 bytes each for the
+parameters, their gradients and SGD's momentum:
+    DDP:   4P + 4P + 4P = 12P, at any W
+    FSDP2: the same three, each split in W along dim 0 of every parameter: a tensor of
+           d0 rows holds ceil(d0 / W) rows per rank (FSDP2 pads dim 0 to a multiple of W;
+           the parameters and gradients live in padded storage, the momentum buffers
+           hold the rank's rows only), about 12P / W in all.
+"""
+import argparse
+import gc
+import json
+import math
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+STRATEGIES = [
+    # name, what it is, FSDP2's reshard_after_forward (None: DDP)
+    ("ddp", "DDP (distributed.py): every rank holds everything", None),
+    ("fsdp2", "FSDP2, reshard after forward (ZeRO-3), distributed_fsdp.py", True),
+    ("fsdp2-zero2", "FSDP2, --no-reshard-after-forward (ZeRO-2-like)", False),
+]
+FP32 = 4  # bytes per parameter, gradient and momentum value
+MB = 2 ** 20
+
+
+# --- the formula ------------------------------------------------------------------------
+
+def shard_rows(rows: int, world_size: int, rank: int) -> tuple:
+    """(rows held, rows of padded storage) of a dim 0 of `rows` split the way FSDP2 splits it:
+    torch.chunk's pieces of ceil(rows / W), the last ranks holding fewer (or none)."""
+    per_rank = math.ceil(rows / world_size)
+    held = max(0, min(per_rank, rows - rank * per_rank))
+    return held, per_rank
+
+
+def expected_bytes(shapes: list, strategy: str, world_size: int, rank: int) -> dict:
+    """What the formula says `rank` holds after a step, for parameters of these shapes."""
+    numel = sum(math.prod(s) for s in shapes)
+    if strategy == "ddp":
+        return {"params": FP32 * numel, "grads": FP32 * numel, "optimizer": FP32 * numel}
+    padded = held = 0
+    for shape in shapes:
+        rest = math.prod(shape[1:])
+        rows_held, rows_padded = shard_rows(shape[0], world_size, rank)
+        padded += rows_padded * rest
+        held += rows_held * rest
+    return {"params": FP32 * padded, "grads": FP32 * padded, "optimizer": FP32 * held}
+
+
+# --- one rank's measurement -----------------------------------------------------------
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind these tensors (a view counts its storage once)."""
+    from torch.distributed.tensor import DTensor
+    seen = {}
+    for t in tensors:
+        if t is None:
+            continue
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def whole_param_bytes(model) -> int:
+    """Bytes of the model's parameters that are whole (not a DTensor shard) right now."""
+    from torch.distributed.tensor import DTensor
+    return sum(p.numel() * p.element_size() for p in model.parameters() if not isinstance(p, DTensor))
+
+
+class WholeParamsPeak:
+    """The largest whole_param_bytes seen before and after every module's forward and when
+    each module's backward starts (a hook on its output's gradient)."""
+
+    def __init__(self, model):
+        self.model, self.peak, self.handles = model, 0, []
+        for module in model.modules():
+            self.handles.append(module.register_forward_pre_hook(lambda *_: self.look()))
+            self.handles.append(module.register_forward_hook(self.after_forward))
+
+    def look(self, *_):
+        self.peak = max(self.peak, whole_param_bytes(self.model))
+
+    def after_forward(self, module, inputs, output):
+        self.look()
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(self.look)  # runs when this module's backward starts
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def measure_strategy(name: str, reshard, spec: dict, env) -> dict:
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import distributed_fsdp
+    from models import build_model
+    from utils import distributed as dist_utils
+
+    dist_utils.seed_everything(spec["seed"])
+    model = build_model(spec["model"], spec["num_classes"]).to(env.device)
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    if reshard is None:
+        if env.world_size > 1:  # distributed.py wraps only when there is someone to all-reduce with
+            model = DDP(model, device_ids=env.device_ids, gradient_as_bucket_view=True, broadcast_buffers=False)
+        watched = model.module if env.world_size > 1 else model
+    else:
+        distributed_fsdp.shard(model, env, reshard_after_forward=reshard, mp_policy="none")
+        watched = model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
+    generator = torch.Generator().manual_seed(spec["seed"] + env.rank)
+    images = torch.randn(spec["batch"], 3, 32, 32, generator=generator).to(env.device)
+    targets = torch.randint(0, spec["num_classes"], (spec["batch"],), generator=generator).to(env.device)
+    use_cuda = env.device.type == "cuda"
+    peak = WholeParamsPeak(watched)
+    for step in range(2):  # the first step creates the momentum buffers; the second is measured
+        if use_cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        peak.peak = 0
+        loss = F.cross_entropy(model(images), targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    peak.remove()
+    params = list(model.parameters())
+    state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    result = {
+        "strategy": name, "rank": env.rank,
+        "params": storage_bytes(params),
+        "grads": storage_bytes(p.grad for p in params),
+        "optimizer": storage_bytes(state),
+        "whole_params_peak": peak.peak,
+        "expected": expected_bytes(shapes, name if reshard is None else "fsdp2", env.world_size, env.rank),
+        "parameters": sum(math.prod(s) for s in shapes),
+    }
+    if use_cuda:
+        torch.cuda.synchronize()
+        result["peak_allocated"] = torch.cuda.max_memory_allocated()
+        result["allocated"] = torch.cuda.memory_allocated()
+    del model, optimizer, params, state, loss, watched
+    gc.collect()
+    if use_cuda:
+        torch.cuda.empty_cache()
+    return result
+
+
+def worker(spec: dict):
+    """One rank, under torchrun: every strategy in turn, rank 0 writes all ranks' figures."""
+    import torch.distributed as dist
+
+    from utils import cli, distributed as dist_utils
+    env = dist_utils.setup_from_env(timeout_s=300, device=spec["device"])
+    if not env.distributed:  # a group of one, as distributed_fsdp.py makes it under plain python
+        dist.init_process_group(dist.get_default_backend_for_device(env.device), store=dist.HashStore(),
+                                rank=0, world_size=1)
+        cli.joined_a_group()
+    try:
+        mine = [measure_strategy(name, reshard, spec, env) for name, _, reshard in STRATEGIES]
+        everyone = [None] * env.world_size
+        dist.all_gather_object(everyone, mine)  # all ranks
+        if env.rank == 0:
+            with open(spec["out"], "w") as f:
+                json.dump({"world_size": env.world_size, "device": str(env.device),
+                           "ranks": [r for rank in everyone for r in rank]}, f)
+    finally:
+        dist_utils.cleanup()
+
+
+# --- the table ------------------------------------------------------------------------
+
+def measure(world_sizes: list, model: str, batch: int, device: str, work_dir: str, timeout: float, log) -> list:
+    """Launch one torchrun per world size; returns their results (or why one failed)."""
+    results = []
+    for world_size in world_sizes:
+        out = os.path.join(work_dir, f"memory-w{world_size}.json")
+        if os.path.exists(out):
+            os.remove(out)
+        spec = {"model": model, "num_classes": 100, "batch": batch, "device": device, "seed": 0, "out": out}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
+               os.path.abspath(__file__), "--worker", json.dumps(spec)]
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        log(f"  {world_size} process{'es' if world_size > 1 else ''}: {' '.join(cmd[:5])} ...")
+        try:
+            proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            results.append({"world_size": world_size, "error": f"timed out after {timeout:.0f} s"})
+            continue
+        if proc.returncode != 0 or not os.path.exists(out):
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            results.append({"world_size": world_size, "error": f"exit status {proc.returncode}: " + " | ".join(tail)})
+            continue
+        with open(out) as f:
+            results.append(json.load(f))
+    return results
+
+
+def table_rows(results: list) -> list:
+    """One row per strategy and world size: the largest rank's figures (rank 0's, under
+    torch.chunk's split), whether every rank matched the formula, and the share of DDP's."""
+    rows = []
+    ddp_total = {}
+    for result in results:
+        if "error" in result:
+            rows.append({"world_size": result["world_size"], "error": result["error"]})
+            continue
+        for name, about, _ in STRATEGIES:
+            ranks = [r for r in result["ranks"] if r["strategy"] == name]
+            top = max(ranks, key=lambda r: r["params"] + r["grads"] + r["optimizer"])
+            total = top["params"] + top["grads"] + top["optimizer"]
+            expected = top["expected"]
+            row = {
+                "strategy": name, "about": about, "world_size": result["world_size"],
+                "parameters": top["parameters"], "params": top["params"], "grads": top["grads"],
+                "optimizer": top["optimizer"], "total": total,
+                "expected_total": sum(expected.values()),
+                "matches_formula": all(r[k] == r["expected"][k] for r in ranks for k in ("params", "grads", "optimizer")),
+                "whole_params_peak": top["whole_params_peak"],
+                "peak_allocated": max((r["peak_allocated"] for r in ranks if "peak_allocated" in r), default=None),
+            }
+            if name == "ddp":
+                ddp_total[result["world_size"]] = total
+            row["vs_ddp"] = total / ddp_total[result["world_size"]] if result["world_size"] in ddp_total else None
+            rows.append(row)
+    return rows
+
+
+def write_markdown(path: str, report: dict):
+    s = report["settings"]
+    lines = [
+        "# Memory per rank: DDP and FSDP2", "",
+        f"{report['header']['hardware']}; PyTorch {report['header']['torch']}; {report['header']['date']}.  ",
+        f"`{report['header']['command']}`", "",
+        f"{s['model']} ({s['parameters']:,} parameters, P), {s['batch']} images per process, two steps of SGD "
+        "with momentum; figures of the rank that holds the most (rank 0), after the second step.", "",
+        "Formula per rank, fp32: DDP 4P + 4P + 4P (parameters, gradients, momentum) at any world size; "
+        "FSDP2 the same split along dim 0 in W shards of ceil(rows / W) rows each, about 12P / W "
+        "(see scripts/memory_table.py).", "",
+        "| strategy | processes | parameters MiB | gradients MiB | optimizer MiB | total MiB | formula MiB | "
+        "x DDP | whole parameters at once MiB | GPU peak MiB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in report["rows"]:
+        if "error" in r:
+            lines.append(f"| (all) | {r['world_size']} | failed: {r['error']} | | | | | | | |")
+            continue
+        formula = f"{r['expected_total'] / MB:.2f}" + ("" if r["matches_formula"] else " (differs)")
+        peak = f"{r['peak_allocated'] / MB:.1f}" if r["peak_allocated"] else "GPU only"
+        lines.append(f"| {r['strategy']} | {r['world_size']} | {r['params'] / MB:.2f} | {r['grads'] / MB:.2f} | "
+                     f"{r['optimizer'] / MB:.2f} | {r['total'] / MB:.2f} | {formula} | {r['vs_ddp']:.2f} | "
+                     f"{r['whole_params_peak'] / MB:.2f} | {peak} |")
+    lines += ["", "Strategies:"] + [f"- `{name}`: {about}" for name, about, _ in STRATEGIES] + [
+        "", "\"Whole parameters at once\" is the largest number of parameter bytes unsharded on the model at "
+        "one time, looked at around every module's forward and at the start of its backward: under FSDP2 "
+        "with resharding, one residual stage (plus what the root holds); without it, every stage gathered "
+        "in forward stays whole until its backward. Buffers being gathered for the next unit are not in "
+        "it; the GPU peak (activations included) has everything.", ""]
+    with open(path + ".tmp", "w") as f:
+        f.write("\n".join(lines))
+    os.replace(path + ".tmp", path)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--worker", required=True, help="a JSON spec: one rank's measurement, under torchrun")
+    args = parser.parse_args(argv)
+    worker(json.loads(args.worker))
+
+
+if __name__ == "__main__":
+    from utils import cli
+    # Through cli.leave once the group is gone: gloo's threads can abort an interpreter's
+    # normal teardown (see cli.leave), which would fail a measurement that completed.
+    cli.run_main(main)
