@@ -95,19 +95,24 @@ def even_eval_batches(loader, test_set, env):
     with dist_utils.meeting("even_eval_batches() (the longest evaluation shard)"):  # all ranks, once
         dist.all_reduce(longest, op=dist.ReduceOp.MAX)
     longest = int(longest.item())
-    padding = (torch.zeros_like(test_set[0][0]).unsqueeze(0), torch.tensor([metrics.PAD_TARGET]))
 
     class EvenBatches:
         def __len__(self):
             return longest
 
         def __iter__(self):
-            count = 0
-            for batch in loader:
+            count, image = 0, None
+            for images, targets in loader:
                 count += 1
-                yield batch
-            for _ in range(longest - count):
-                yield padding
+                image = images[:1]
+                yield images, targets
+            if count < longest:
+                # Shaped like this rank's last image; a rank with no test image at all reads one
+                # here, in this process, after the loader's workers have started (a data set that
+                # opens its file lazily opens it in each worker first).
+                padding = torch.zeros_like(image if image is not None else test_set[0][0].unsqueeze(0))
+                for _ in range(longest - count):
+                    yield padding, torch.full((1,), metrics.PAD_TARGET, device=padding.device)
     return EvenBatches()
 
 

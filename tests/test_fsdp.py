@@ -247,6 +247,47 @@ def test_compare_models_reads_a_sharded_checkpoint(two_processes, tmp_path):
     assert len(proc.stderr.strip().splitlines()) == 1 and "cannot read sharded checkpoint" in proc.stderr
 
 
+
+class Untouchable(torch.utils.data.Dataset):
+    """A test set that must not be read here (as an HDF5 file opened on first access must be
+    read in the loader workers only), unless `allowed`."""
+
+    def __init__(self):
+        self.allowed = False
+
+    def __len__(self):
+        return 3
+
+    def __getitem__(self, index):
+        assert self.allowed, "a test sample was loaded in the training process"
+        return torch.ones(3, 4, 4), 1
+
+
+def test_evaluation_padding_is_shaped_like_the_real_batches(monkeypatch):
+    """A rank with fewer evaluation batches than the longest shard pads with zero images of
+    its own batches' shape (and layout), without loading a sample itself; only a rank with
+    no batch at all reads one to learn the shape."""
+    import distributed_fsdp
+    from utils import metrics
+    from utils.distributed import DistEnv
+
+    def longest_is_4(tensor, op=None):  # as if another rank had 4 batches
+        tensor.fill_(4)
+    monkeypatch.setattr(distributed_fsdp.dist, "all_reduce", longest_is_4)
+    env = DistEnv(0, 0, 2, 2, torch.device("cpu"), True)
+    test_set = Untouchable()
+    real = [(torch.rand(2, 3, 4, 4).to(memory_format=torch.channels_last), torch.tensor([5, 6]))] * 2
+    batches = list(distributed_fsdp.even_eval_batches(real, test_set, env))
+    assert len(batches) == 4 and batches[:2] == real
+    for images, targets in batches[2:]:
+        assert images.shape == (1, 3, 4, 4) and not images.any()
+        assert images.is_contiguous(memory_format=torch.channels_last)
+        assert targets.tolist() == [metrics.PAD_TARGET]
+    test_set.allowed = True  # no batch of its own: one sample gives the shape
+    batches = list(distributed_fsdp.even_eval_batches([], test_set, env))
+    assert len(batches) == 4 and all(images.shape == (1, 3, 4, 4) for images, _ in batches)
+
+
 # --- memory per rank: scripts/benchmark.py --memory ---------------------------------------------
 
 @pytest.mark.parametrize("rows", [1, 3, 7, 8, 9, 64, 100])
