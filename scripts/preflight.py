@@ -46,7 +46,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from models import MODEL_NAMES, build_model  # noqa: E402
-from utils import cli, data  # noqa: E402
+from utils import cli, data, distributed as dist_utils  # noqa: E402
 from utils.cli import UsageError  # noqa: E402
 
 DEFAULT_SHM = "/dev/shm"
@@ -215,14 +215,6 @@ def cpu_model() -> str:
     return platform.processor() or "CPU"
 
 
-def device_name(kind, index) -> str:
-    module = getattr(torch, kind, None)
-    try:
-        return module.get_device_name(index)
-    except (AttributeError, RuntimeError):
-        return f"{kind}:{index}"
-
-
 def peer_access(kind, count):
     """can[i][j]: device i can read and write device j's memory directly (None: not a CUDA/ROCm node)."""
     if kind != "cuda" or count < 2:
@@ -292,14 +284,14 @@ def port_facts(port) -> dict:
 def rank_facts(role: Role, args, device) -> dict:
     facts = {"rank": role.rank, "node": role.node, "host": socket.gethostname(), **versions(),
              "device": str(device), "device_name": cpu_model() if device.type == "cpu" else
-             device_name(device.type, device.index)}
+             dist_utils.device_name(device)}
     facts["mem_free"], facts["mem_total"] = device_memory(device)
     if role.local_rank == 0:  # the node's own facts, once per node
         kind = None if device.type == "cpu" else device.type
         count = device_count(kind)
         facts["node_facts"] = {
             "local_world_size": role.local_world_size,
-            "devices": [device_name(kind, i) for i in range(count)],
+            "devices": [dist_utils.device_name(torch.device(kind, i)) for i in range(count)],
             "peer_access": peer_access(kind, count),
             "shm": shm_facts(args.shm_dir),
             "cpus": cpu_facts(),

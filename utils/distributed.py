@@ -103,6 +103,17 @@ def device_count(choice: str = "auto") -> int:
     return 0 if kind == "cpu" else torch.accelerator.device_count()
 
 
+def device_name(device: torch.device) -> str:
+    """The device's product name for records and reports ("NVIDIA H100 80GB HBM3"); "cpu",
+    or the device itself where its module cannot name it."""
+    if device.type == "cpu":
+        return "cpu"
+    try:
+        return torch.get_device_module(device).get_device_name(device)
+    except (AttributeError, RuntimeError):
+        return str(device)
+
+
 def pick_device(local_rank: int, local_world_size: int, choice: str = "auto",
                 distributed: bool = False) -> torch.device:
     kind = device_type(choice, distributed)

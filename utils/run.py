@@ -46,16 +46,9 @@ import torch
 
 from . import checkpoint, observe
 from .cli import UsageError, plain_config
-from .distributed import DistEnv, all_ranks_ok, meeting, print0
+from .distributed import DistEnv, all_ranks_ok, device_name, meeting, print0
 from .metrics import EpochTimer, MetricsLog, TrainMeter, peak_memory_mb, reset_peak_memory
 from .preemption import Preempted, StopSignal
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cpu":
-        return "cpu"
-    module = torch.get_device_module(device)
-    return module.get_device_name(device) if hasattr(module, "get_device_name") else str(device)
 
 
 def _same_file(a: str, b: str) -> bool:
