@@ -332,7 +332,10 @@ class TrainingRun:
         if self.args.clip_grad_norm is None:
             return None
         norm = torch.nn.utils.clip_grad_norm_(parameters, self.args.clip_grad_norm)
-        if hasattr(norm, "full_tensor"):  # sharded parameters (FSDP): a DTensor; every rank's is the same
+        if hasattr(norm, "full_tensor"):
+            # Sharded parameters (FSDP): clip_grad_norm_ all-reduced the shards' norms once and
+            # returns a replicated DTensor, so full_tensor() is local (CommDebugMode counted one
+            # all-reduce for both calls, on 2 gloo processes with PyTorch 2.11 and 2.15).
             norm = norm.full_tensor()
         self.meter.add_grad_norm(norm)
         return norm
