@@ -121,7 +121,10 @@ def test_under_ddp_every_rank_clips_by_the_same_norm_that_of_the_averaged_gradie
 
 
 def test_torchrun_two_processes_keep_the_replicas_equal_with_clipping(tmp_path):
-    proc = torchrun(2, "distributed.py", [*SMALL, *STEPS, "--clip-grad-norm", MAX_NORM, "--verify-sync",
+    # As users run it: torchrun and the default loader workers.
+    i = SMALL.index("--workers")
+    default_workers = [*SMALL[:i], *SMALL[i + 2:]]
+    proc = torchrun(2, "distributed.py", [*default_workers, *STEPS, "--clip-grad-norm", MAX_NORM, "--verify-sync",
                                           "--metrics", tmp_path / "m.jsonl"])
     # A rank that clipped by its own norm would leave its weights apart from rank 0's.
     assert ("verify-sync: all parameters and buffers agree" in proc.stdout
