@@ -1,10 +1,10 @@
 """What each rank holds under DDP and under FSDP2, measured, beside the formula it should follow.
 
 `python scripts/benchmark.py --memory` runs this: one torchrun launch per world size
-(1, 2 and 4 processes by default), each measuring three strategies in turn on a fresh
+(1, 2 and 4 processes by default), each measuring four strategies in turn on a fresh
 model: DDP as distributed.py wraps it (the bare model with one process, as the script
 runs it), and FSDP2 as distributed_fsdp.py shards it, with and without
---reshard-after-forward. Each rank trains two steps of SGD with momentum on random
+--reshard-after-forward, and with --mp-policy bf16. Each rank trains two steps of SGD with momentum on random
 images, then counts, after the second step:
 
 - parameter, gradient and optimizer-state bytes: the bytes of the distinct storages
@@ -39,10 +39,12 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 STRATEGIES = [
-    # name, what it is, FSDP2's reshard_after_forward (None: DDP)
-    ("ddp", "DDP (distributed.py): every rank holds everything", None),
-    ("fsdp2", "FSDP2, reshard after forward (ZeRO-3), distributed_fsdp.py", True),
-    ("fsdp2-zero2", "FSDP2, --no-reshard-after-forward (ZeRO-2-like)", False),
+    # name, what it is, FSDP2's reshard_after_forward (None: DDP), distributed_fsdp.py's --mp-policy
+    ("ddp", "DDP (distributed.py): every rank holds everything", None, None),
+    ("fsdp2", "FSDP2, reshard after forward (ZeRO-3), distributed_fsdp.py", True, "none"),
+    ("fsdp2-zero2", "FSDP2, --no-reshard-after-forward (ZeRO-2-like)", False, "none"),
+    ("fsdp2-bf16", "FSDP2 (ZeRO-3), --mp-policy bf16: parameters gathered in bf16, batch norm in fp32",
+     True, "bf16"),
 ]
 FP32 = 4  # bytes per parameter, gradient and momentum value
 MB = 2 ** 20
@@ -117,7 +119,7 @@ class WholeParamsPeak:
             h.remove()
 
 
-def measure_strategy(name: str, reshard, spec: dict, env) -> dict:
+def measure_strategy(name: str, reshard, mp_policy, spec: dict, env) -> dict:
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -133,7 +135,7 @@ def measure_strategy(name: str, reshard, spec: dict, env) -> dict:
             model = DDP(model, device_ids=env.device_ids, gradient_as_bucket_view=True, broadcast_buffers=False)
         watched = model.module if env.world_size > 1 else model
     else:
-        distributed_fsdp.shard(model, env, reshard_after_forward=reshard, mp_policy="none")
+        distributed_fsdp.shard(model, env, reshard_after_forward=reshard, mp_policy=mp_policy)
         watched = model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
     generator = torch.Generator().manual_seed(spec["seed"] + env.rank)
@@ -146,7 +148,7 @@ def measure_strategy(name: str, reshard, spec: dict, env) -> dict:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         peak.peak = 0
-        loss = F.cross_entropy(model(images), targets)
+        loss = F.cross_entropy(model(images).float(), targets)  # bf16 logits under the bf16 policy
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -184,7 +186,7 @@ def worker(spec: dict):
                                 rank=0, world_size=1)
         cli.joined_a_group()
     try:
-        mine = [measure_strategy(name, reshard, spec, env) for name, _, reshard in STRATEGIES]
+        mine = [measure_strategy(name, reshard, mp_policy, spec, env) for name, _, reshard, mp_policy in STRATEGIES]
         everyone = [None] * env.world_size
         dist.all_gather_object(everyone, mine)  # all ranks
         if env.rank == 0:
@@ -232,7 +234,7 @@ def table_rows(results: list) -> list:
         if "error" in result:
             rows.append({"world_size": result["world_size"], "error": result["error"]})
             continue
-        for name, about, _ in STRATEGIES:
+        for name, about, _, _ in STRATEGIES:
             ranks = [r for r in result["ranks"] if r["strategy"] == name]
             top = max(ranks, key=lambda r: r["params"] + r["grads"] + r["optimizer"])
             total = top["params"] + top["grads"] + top["optimizer"]
@@ -277,7 +279,7 @@ def write_markdown(path: str, report: dict):
         lines.append(f"| {r['strategy']} | {r['world_size']} | {r['params'] / MB:.2f} | {r['grads'] / MB:.2f} | "
                      f"{r['optimizer'] / MB:.2f} | {r['total'] / MB:.2f} | {formula} | {r['vs_ddp']:.2f} | "
                      f"{r['whole_params_peak'] / MB:.2f} | {peak} |")
-    lines += ["", "Strategies:"] + [f"- `{name}`: {about}" for name, about, _ in STRATEGIES] + [
+    lines += ["", "Strategies:"] + [f"- `{name}`: {about}" for name, about, _, _ in STRATEGIES] + [
         "", "\"Whole parameters at once\" is the largest number of parameter bytes unsharded on the model at "
         "one time, looked at around every module's forward and at the start of its backward: under FSDP2 "
         "with resharding, one residual stage (plus what the root holds); without it, every stage gathered "

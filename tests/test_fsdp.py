@@ -324,7 +324,10 @@ def test_memory_table_measures_what_each_rank_holds(tmp_path):
     largest_stage = max(sum(p.numel() for p in getattr(model, f"layer{i}").parameters()) for i in range(1, 5))
     [result] = report["measurements"]
     ranks = {(r["strategy"], r["rank"]): r for r in result["ranks"]}
-    assert len(ranks) == 9
+    assert len(ranks) == 12
+    batch_norm = {f"{m}.{p}" for m, module in model.named_modules()
+                  if isinstance(module, torch.nn.modules.batchnorm._BatchNorm)
+                  for p, _ in module.named_parameters(recurse=False)}
     for rank in range(3):
         ddp = ranks["ddp", rank]
         assert ddp["params"] == ddp["grads"] == ddp["optimizer"] == 4 * numel  # everything, on every rank
@@ -335,7 +338,7 @@ def test_memory_table_measures_what_each_rank_holds(tmp_path):
             rest = math.prod(p.shape[1:])
             padded += max(pieces) * rest
             held += pieces[rank] * rest
-        for name in ("fsdp2", "fsdp2-zero2"):
+        for name in ("fsdp2", "fsdp2-zero2", "fsdp2-bf16"):
             fsdp = ranks[name, rank]
             # parameters and gradients in FSDP2's padded shards, momentum only the rank's rows
             assert (fsdp["params"], fsdp["grads"], fsdp["optimizer"]) == (4 * padded, 4 * padded, 4 * held)
@@ -343,6 +346,14 @@ def test_memory_table_measures_what_each_rank_holds(tmp_path):
         # every stage gathered in forward is still whole when the last one runs.
         assert ranks["fsdp2", rank]["whole_params_peak"] == 4 * (root + largest_stage)
         assert ranks["fsdp2-zero2", rank]["whole_params_peak"] == 4 * numel
+        # bf16 policy: the same shards in fp32; gathered, the weights take 2 bytes, batch norm's 4
+        # (each its own unit, whole only while it runs).
+        stage = max((f"layer{i}" for i in range(1, 5)),
+                    key=lambda s: sum(p.numel() for p in getattr(model, s).parameters()))
+        gathered_bf16 = sum(p.numel() for name, p in model.named_parameters() if name not in batch_norm
+                            and (name.startswith(stage) or not name.startswith("layer")))
+        all_bn = sum(p.numel() for name, p in model.named_parameters() if name in batch_norm)
+        assert 2 * gathered_bf16 <= ranks["fsdp2-bf16", rank]["whole_params_peak"] <= 2 * gathered_bf16 + 4 * all_bn
     rows = {(r["strategy"], r["world_size"]): r for r in report["rows"]}
     assert all(r["matches_formula"] for r in rows.values())
     assert rows["fsdp2", 3]["total"] < 0.4 * rows["ddp", 3]["total"]
@@ -370,7 +381,7 @@ def test_memory_table_on_a_gpu_reads_the_peak(tmp_path):
     run_script(["scripts/benchmark.py", "--memory", "--world-sizes", "1", "--memory-batch", "64",
                 "--out", tmp_path], timeout=240, env=gpu_subprocess_env())
     rows = json.loads((tmp_path / "memory.json").read_text())["rows"]
-    assert {r["strategy"] for r in rows} == {"ddp", "fsdp2", "fsdp2-zero2"}
+    assert {r["strategy"] for r in rows} == {"ddp", "fsdp2", "fsdp2-zero2", "fsdp2-bf16"}
     for row in rows:
         assert row["matches_formula"], row
         assert row["peak_allocated"] > row["total"], row
