@@ -21,6 +21,10 @@ Figures and where their content comes from:
                       without no_sync(), on 2 gloo CPU processes
     stop_resume       the stop-on-signal protocol of utils/preemption.py and the resume
                       after it (a diagram; the check interval is read from the code)
+    sharding          what each of 4 ranks holds under DDP and ZeRO-1/2/3, and the order of
+                      all-gathers, compute and reduce-scatters in one step of distributed_fsdp.py
+                      (a diagram; ResNet-18's per-unit parameter counts from models.build_model,
+                      the units from the script's own fully_shard loop)
 
 The traced figures keep their events in <name>.events.json beside the SVG (a few
 kilobytes: the spans that are drawn, the machine and the PyTorch version), so a
@@ -39,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 FIGURES = ROOT / "tutorials" / "figures"
-ALL = ["dp_vs_ddp", "ring_allreduce", "ddp_timeline", "no_sync", "stop_resume"]
+ALL = ["dp_vs_ddp", "ring_allreduce", "ddp_timeline", "no_sync", "stop_resume", "sharding"]
 TRACED = {"ddp_timeline", "no_sync"}
 
 COMPUTE, BACKWARD, COMM, IDLE, ACCENT = "#9ecae1", "#3182bd", "#fd8d3c", "#eeeeee", "#31a354"
@@ -245,6 +249,130 @@ def draw_stop_resume(out: Path):
     ax.axis("off")
     ax.set_title("Stop on a signal, checkpoint, resume (utils/preemption.py, utils/run.py)", fontsize=10)
     return _save(fig, "stop_resume", out)
+
+
+# --- sharding: what each rank holds, and the order of one FSDP2 step -----------------------------
+
+def fsdp_units(model_name: str = "resnet18", num_classes: int = 100):
+    """[(unit, parameters)] as distributed_fsdp.py shards the model: the root first (the last
+    fully_shard call, which takes what is left: stem and classifier; its gather starts forward),
+    then one unit per module of the script's `for stage in (...)` loop, in forward order. The
+    loop is read from the script itself."""
+    import re
+    from models import build_model
+    source = (ROOT / "distributed_fsdp.py").read_text()
+    loop = re.search(r"for stage in \(([^)]*)\):\s*\n\s*fully_shard\(stage", source)
+    if loop is None:
+        raise SystemExit("make_figures.py: distributed_fsdp.py no longer shards `for stage in (...)`: "
+                         "update fsdp_units()")
+    model = build_model(model_name, num_classes)
+    units = []
+    for expr in (e.strip() for e in loop.group(1).split(",") if e.strip()):
+        name = expr.removeprefix("model.")
+        units.append((name, sum(p.numel() for p in model.get_submodule(name).parameters())))
+    total = sum(p.numel() for p in model.parameters())
+    return [("root", total - sum(n for _, n in units)), *units]
+
+
+def draw_sharding(out: Path, world_size: int = 4):
+    plt = _pyplot()
+    from matplotlib.patches import Patch
+    units = fsdp_units()
+    total = sum(n for _, n in units)
+    mb = 4 * total / 1e6  # fp32: 4 bytes per parameter, gradient and momentum value
+    fig = plt.figure(figsize=(11, 9.2))
+    top = fig.add_axes([0.0, 0.47, 1.0, 0.5])
+    bottom = fig.add_axes([0.0, 0.0, 1.0, 0.42])
+    held_color = {"parameters": COMPUTE, "gradients": COMM, "optimizer state": ACCENT}
+
+    # (a) four strategies x world_size ranks; each rank: three columns (parameters, gradients,
+    # momentum) cut in world_size shards, filled where the rank keeps that shard.
+    top.set_xlim(0, 4)
+    top.set_ylim(-0.46, 1.12)
+    top.axis("off")
+    top.set_title(f"(a) What each of {world_size} ranks keeps: ResNet-18 ({total:,} fp32 parameters), "
+                  "SGD with momentum", fontsize=10, loc="left")
+    strategies = [  # name, what is sharded, what FSDP2 setting gives it
+        ("DDP", set(), "everything on every rank"),
+        ("ZeRO-1", {"optimizer state"}, "optimizer state sharded"),
+        ("ZeRO-2", {"optimizer state", "gradients"},
+         "+ gradients sharded. FSDP2 with\nreshard_after_forward=False is this\nfrom forward to backward only"),
+        ("ZeRO-3", {"optimizer state", "gradients", "parameters"},
+         "+ parameters sharded. FSDP2 with\nreshard_after_forward=True\n(distributed_fsdp.py's default)"),
+    ]
+    kinds = list(held_color)
+    col_w, gap = 0.055, 0.012
+    for s, (name, sharded, note) in enumerate(strategies):
+        x0 = s + 0.04
+        per_rank = sum(mb / world_size if kind in sharded else mb for kind in kinds)
+        top.text(x0 + 0.44, 1.06, name, fontsize=10, ha="center", weight="bold")
+        top.text(x0 + 0.44, 0.96, f"{per_rank:.1f} MB per rank", fontsize=8.5, ha="center")
+        for rank in range(world_size):
+            rx = x0 + rank * (3 * col_w + 2 * gap + 0.035)
+            top.text(rx + 1.5 * col_w + gap, 0.02, f"rank {rank}", fontsize=7.5, ha="center", color="#666666")
+            for k, kind in enumerate(kinds):
+                cx = rx + k * (col_w + gap)
+                for shard in range(world_size):  # shard 0 at the top
+                    y = 0.9 - (shard + 1) * 0.8 / world_size
+                    held = kind not in sharded or shard == rank
+                    top.add_patch(plt.Rectangle((cx, y + 0.004), col_w, 0.8 / world_size - 0.008,
+                                                facecolor=held_color[kind] if held else "white",
+                                                edgecolor="#999999", linewidth=0.5))
+        top.text(x0 + 0.44, -0.06, note, fontsize=8, ha="center", va="top")
+    top.legend(handles=[Patch(facecolor=c, edgecolor="#999999", label=f"{k} ({mb:.1f} MB whole)")
+                        for k, c in held_color.items()] +
+               [Patch(facecolor="white", edgecolor="#999999", label="a shard another rank keeps")],
+               loc="lower center", bbox_to_anchor=(0.5, 0.0), ncol=4, fontsize=8, frameon=False)
+
+    # (b) the order of one ZeRO-3 step on one rank, in slots (not to scale): compute on one row,
+    # all-gathers and reduce-scatters on their own (on a GPU: their own CUDA streams).
+    stages = [name for name, _ in units[1:]]
+    sizes = {name: f"{4 * n / 1e6:.1f} MB" for name, n in units}
+    rows = {"compute": 2.0, "all-gather": 1.0, "reduce-scatter": 0.0}
+    bottom.set_title("(b) One step of distributed_fsdp.py on one rank (ZeRO-3: every unit, the root too, "
+                     "resharded after forward): the order, not the durations", fontsize=10, loc="left")
+    for label, y in rows.items():
+        bottom.text(-0.2, y + 0.35, label, ha="right", va="center", fontsize=8.5)
+
+    def box(x, row, text, fill):
+        bottom.add_patch(plt.Rectangle((x + 0.04, rows[row] + 0.05), 0.92, 0.6, facecolor=fill,
+                                       edgecolor="#555555", linewidth=0.6))
+        bottom.text(x + 0.5, rows[row] + 0.35, text, ha="center", va="center", fontsize=7.5)
+
+    # Forward: gather a unit, then compute it while the next unit's gather runs; free it after.
+    box(0, "all-gather", f"root\n{sizes['root']}", COMPUTE)
+    box(1, "compute", "stem\n(root)", IDLE)
+    for i, stage in enumerate(stages):
+        box(1 + i, "all-gather", f"{stage}\n{sizes[stage]}", COMPUTE)
+        box(2 + i, "compute", f"{stage},\nthen free", IDLE)
+    forward_end = 3 + len(stages)
+    box(forward_end - 1, "compute", "pool, fc;\nfree root", IDLE)
+    bottom.plot([forward_end, forward_end], [-0.05, 2.75], color="#888888", lw=0.8, ls="--")
+    bottom.text(forward_end / 2, 2.85, "forward", ha="center", fontsize=9)
+    # Backward: gather the root again, then each stage one ahead (the default prefetch, in
+    # reverse forward order); a stage's gradients are reduce-scattered once its backward is done.
+    b0 = forward_end + 0.1
+    box(b0, "all-gather", "root\nagain", COMPUTE)
+    box(b0 + 1, "compute", "fc\nbackward", "#c6dbef")
+    for i, stage in enumerate(reversed(stages)):
+        box(b0 + 1 + i, "all-gather", f"{stage}\nprefetch", COMPUTE)
+        box(b0 + 2 + i, "compute", f"{stage}\nbackward", "#c6dbef")
+        box(b0 + 3 + i, "reduce-scatter", f"{stage}\ngradients", COMM)
+    stem_x = b0 + 2 + len(stages)
+    box(stem_x, "compute", "stem\nbackward", "#c6dbef")
+    box(stem_x + 1, "reduce-scatter", "root\ngradients", COMM)
+    box(stem_x + 2, "compute", "optimizer\nstep", ACCENT)
+    end = stem_x + 3
+    bottom.text((forward_end + end) / 2, 2.85, "backward, then the optimizer step", ha="center", fontsize=9)
+    bottom.text(-1.3, -0.3, "Boxes one above the other run at the same time: the next unit's all-gather overlaps "
+                "this unit's compute, in forward because the CPU issues it while\nthe GPU still computes, in "
+                "backward by the default prefetch. A stage is freed after its backward, the root only at the "
+                "end (the stem's gradient comes last).\nWith --no-reshard-after-forward every unit stays whole "
+                "from its forward to its backward: no all-gathers in backward.", fontsize=8, va="top")
+    bottom.set_xlim(-1.3, end + 0.1)
+    bottom.set_ylim(-0.95, 3.05)
+    bottom.axis("off")
+    return _save(fig, "sharding", out)
 
 
 # --- traces ------------------------------------------------------------------------------------
@@ -481,7 +609,7 @@ def draw_no_sync(out: Path):
 
 
 DRAW = {"dp_vs_ddp": draw_dp_vs_ddp, "ring_allreduce": draw_ring_allreduce, "ddp_timeline": draw_ddp_timeline,
-        "no_sync": draw_no_sync, "stop_resume": draw_stop_resume}
+        "no_sync": draw_no_sync, "stop_resume": draw_stop_resume, "sharding": draw_sharding}
 
 
 def main(argv=None):
