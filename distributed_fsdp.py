@@ -161,7 +161,7 @@ def train(args, env, per_device_batch):
     # channels_last (NHWC) is the layout tensor-core convolutions want: no transposes.
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     model = build_model(args.model, data.num_classes(train_set)).to(env.device, memory_format=memory_format)
-    shard(model, env, args.reshard_after_forward, args.mp_policy)  # all ranks: fully_shard, below
+    shard(model, env, args.reshard_after_forward, args.mp_policy)  # all ranks: fully_shard (shard() above)
 
     # --- optimizer --------------------------------------------------------------------
     # Built on the sharded parameters: each rank keeps momentum for its shard only.

@@ -117,6 +117,21 @@ class WholeParamsPeak:
     def remove(self):
         for h in self.handles:
             h.remove()
+        self.model = None  # or the model would outlive its measurement through this object
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of the distinct storages of every tensor still alive in this process (after a
+    garbage collection): what one strategy leaves behind shows here at the next one's start."""
+    gc.collect()
+    tensors = []
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and obj.device.type != "meta" and obj.layout == torch.strided:
+                tensors.append(obj)
+        except Exception:  # an object that cannot even be asked (a half-built one): not a tensor of ours
+            continue
+    return storage_bytes(tensors)
 
 
 def measure_strategy(name: str, reshard, mp_policy, spec: dict, env) -> dict:
@@ -127,7 +142,11 @@ def measure_strategy(name: str, reshard, mp_policy, spec: dict, env) -> dict:
     from models import build_model
     from utils import distributed as dist_utils
 
+    use_cuda = env.device.type == "cuda"
+    before = live_tensor_bytes()
+    allocated_before = torch.cuda.memory_allocated() if use_cuda else None
     dist_utils.seed_everything(spec["seed"])
+    torch.backends.cudnn.benchmark = use_cuda  # as the scripts set it
     model = build_model(spec["model"], spec["num_classes"]).to(env.device)
     shapes = [tuple(p.shape) for p in model.parameters()]
     if reshard is None:
@@ -137,11 +156,12 @@ def measure_strategy(name: str, reshard, mp_policy, spec: dict, env) -> dict:
     else:
         distributed_fsdp.shard(model, env, reshard_after_forward=reshard, mp_policy=mp_policy)
         watched = model
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
+    # As the scripts build it: fused on accelerators (one kernel, no foreach temporaries).
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4,
+                                fused=True if env.device.type != "cpu" else None)
     generator = torch.Generator().manual_seed(spec["seed"] + env.rank)
     images = torch.randn(spec["batch"], 3, 32, 32, generator=generator).to(env.device)
     targets = torch.randint(0, spec["num_classes"], (spec["batch"],), generator=generator).to(env.device)
-    use_cuda = env.device.type == "cuda"
     peak = WholeParamsPeak(watched)
     for step in range(2):  # the first step creates the momentum buffers; the second is measured
         if use_cuda:
@@ -163,12 +183,15 @@ def measure_strategy(name: str, reshard, mp_policy, spec: dict, env) -> dict:
         "whole_params_peak": peak.peak,
         "expected": expected_bytes(shapes, name if reshard is None else "fsdp2", env.world_size, env.rank),
         "parameters": sum(math.prod(s) for s in shapes),
+        "live_bytes_before": before,
     }
     if use_cuda:
         torch.cuda.synchronize()
         result["peak_allocated"] = torch.cuda.max_memory_allocated()
         result["allocated"] = torch.cuda.memory_allocated()
-    del model, optimizer, params, state, loss, watched
+        result["allocated_before"] = allocated_before
+        result["batch_bytes"] = images.nbytes + targets.nbytes
+    del model, optimizer, params, state, loss, watched, peak, images, targets
     gc.collect()
     if use_cuda:
         torch.cuda.empty_cache()
@@ -267,7 +290,7 @@ def write_markdown(path: str, report: dict):
         "FSDP2 the same split along dim 0 in W shards of ceil(rows / W) rows each, about 12P / W "
         "(see scripts/memory_table.py).", "",
         "| strategy | processes | parameters MiB | gradients MiB | optimizer MiB | total MiB | formula MiB | "
-        "x DDP | whole parameters at once MiB | GPU peak MiB |",
+        "x DDP | whole parameters at once MiB | GPU peak MiB (largest rank) |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in report["rows"]:
@@ -283,8 +306,11 @@ def write_markdown(path: str, report: dict):
         "", "\"Whole parameters at once\" is the largest number of parameter bytes unsharded on the model at "
         "one time, looked at around every module's forward and at the start of its backward: under FSDP2 "
         "with resharding, one residual stage (plus what the root holds); without it, every stage gathered "
-        "in forward stays whole until its backward. Buffers being gathered for the next unit are not in "
-        "it; the GPU peak (activations included) has everything.", ""]
+        "in forward stays whole until its backward. For `ddp` it is the parameters themselves, "
+        "already in the parameters column; under FSDP2 it is gathered copies on top of the shards (FSDP2 "
+        "copies even with one process). Buffers being gathered for the next unit are not in it. The GPU "
+        "peak (activations included) is everything PyTorch's caching allocator handed out during the "
+        "step, not NCCL's own buffers.", ""]
     with open(path + ".tmp", "w") as f:
         f.write("\n".join(lines))
     os.replace(path + ".tmp", path)
