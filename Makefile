@@ -46,8 +46,9 @@ test-floor: $(FLOOR_VENV)/.installed
 test-stress: venv
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m stress tests/test_stress_exit.py $(PYTEST_ARGS)
 
-# On a GPU machine, with the python3 that has PyTorch (no venv, no pip): environment, GPU tests
-# and a short benchmark within 8.5 minutes, into $(OUT) or results/gpu-check/ (scripts/gpu_check.sh).
+# On a GPU machine, with the python3 that has PyTorch (no venv, no pip): environment, GPU tests,
+# the memory table and a short benchmark within 8.5 minutes, into $(OUT) or results/gpu-check/
+# (scripts/gpu_check.sh).
 .PHONY: gpu-check
 gpu-check:
 	PYTHON=$(PYTHON) bash scripts/gpu_check.sh
