@@ -1038,7 +1038,33 @@ def memory_report(args, argv):
     print(f"{header['hardware']}; PyTorch {header['torch']}")
     print(f"memory per rank, {model}, {batch} images per process, world sizes {sizes}", flush=True)
     timeout = args.row_timeout or DEFAULTS["full"].row_timeout
-    results = memory_table.measure(sizes, model, batch, "cuda" if use_cuda else "cpu", args.out, timeout, print)
+    log_dir = os.path.abspath(args.log_dir or os.path.join(args.out, "logs"))
+    os.makedirs(log_dir, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    results = []
+    install_stop_handlers()  # a stop signal ends the running launch and its workers, as for a row
+    try:
+        for size in sizes:
+            out = os.path.join(log_dir, f"memory-w{size}.json")
+            if os.path.exists(out):
+                os.remove(out)
+            spec = {"model": model, "num_classes": NUM_CLASSES, "batch": batch,
+                    "device": "cuda" if use_cuda else "cpu", "seed": 0, "out": out}
+            print(f"  {size} process{'es' if size > 1 else ''} (log: {log_dir}/memory-w{size}.log)", flush=True)
+            status, text = run_process(memory_table.worker_command(size, spec), env, timeout,
+                                       os.path.join(log_dir, f"memory-w{size}.log"))
+            if status is None:
+                results.append({"world_size": size, "error": f"timed out after {timeout:.0f} s"})
+            elif status != 0 or not os.path.exists(out):
+                results.append({"world_size": size, "error": f"exit status {status}: {last_message(text)}"})
+            else:
+                with open(out) as f:
+                    results.append(json.load(f))
+    except Interrupted as stop:
+        name = signal.Signals(stop.signum).name
+        done = {r["world_size"] for r in results}
+        results += [{"world_size": size, "error": f"not measured: {name} ended the benchmark"}
+                    for size in sizes if size not in done]
     parameters = sum(p.numel() for p in build_model(model, NUM_CLASSES).parameters())
     report = {"header": header,
               "settings": {"model": model, "parameters": parameters, "batch": batch, "world_sizes": sizes,
@@ -1047,13 +1073,11 @@ def memory_report(args, argv):
     paths = {ext: os.path.join(args.out, f"memory.{ext}") for ext in ("md", "json")}
     memory_table.write_markdown(paths["md"], report)
     write_atomically(paths["json"], json.dumps(report, indent=1) + "\n")
-    for size in sizes:  # each launch's raw figures are in memory.json now
-        raw = os.path.join(args.out, f"memory-w{size}.json")
-        if os.path.exists(raw):
-            os.remove(raw)
     with open(paths["md"]) as f:
         print(f.read())
     print(f"wrote {paths['md']}, {paths['json']}")
+    if _stopping:
+        sys.exit(128 + _stopping[0])
     failed = [r for r in report["rows"] if "error" in r or not r["matches_formula"]]
     if failed:
         print(f"{len(failed)} row(s) failed or differ from the formula", file=sys.stderr)

@@ -146,14 +146,14 @@ tail -n 25 "$WORK/pytest.out"
 
 # --- 3. memory per rank ------------------------------------------------------------------
 memory_seconds=$(( $(left) < MEMORY_SECONDS ? $(left) : MEMORY_SECONDS ))
-if [ "$memory_seconds" -lt 30 ]; then
+if [ "$memory_seconds" -lt 45 ]; then
     say "== memory: not run, ${memory_seconds} s left"
     FAILED+=("memory (no time left)")
 else
     mkdir -p "$WORK/benchmark-logs"
     # memory.md beside the other reports; its json travels in the logs' archive (8 files at most).
     run_stage memory "$memory_seconds" TERM "$PYTHON" scripts/benchmark.py --memory ${GPU_CHECK_MEMORY_ARGS:-} \
-        --row-timeout $((memory_seconds - 5)) --out "$WORK/benchmark-logs"
+        --row-timeout $((memory_seconds - 25)) --out "$WORK/benchmark-logs" --log-dir "$WORK/benchmark-logs"
     [ -f "$WORK/benchmark-logs/memory.md" ] && cp "$WORK/benchmark-logs/memory.md" "$OUT/memory.md"
     sed -n '/^| strategy/,/^$/p' "$WORK/memory.out"
 fi

@@ -30,7 +30,6 @@ import gc
 import json
 import math
 import os
-import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -222,30 +221,11 @@ def worker(spec: dict):
 
 # --- the table ------------------------------------------------------------------------
 
-def measure(world_sizes: list, model: str, batch: int, device: str, work_dir: str, timeout: float, log) -> list:
-    """Launch one torchrun per world size; returns their results (or why one failed)."""
-    results = []
-    for world_size in world_sizes:
-        out = os.path.join(work_dir, f"memory-w{world_size}.json")
-        if os.path.exists(out):
-            os.remove(out)
-        spec = {"model": model, "num_classes": 100, "batch": batch, "device": device, "seed": 0, "out": out}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
-               os.path.abspath(__file__), "--worker", json.dumps(spec)]
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        log(f"  {world_size} process{'es' if world_size > 1 else ''}: {' '.join(cmd[:5])} ...")
-        try:
-            proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            results.append({"world_size": world_size, "error": f"timed out after {timeout:.0f} s"})
-            continue
-        if proc.returncode != 0 or not os.path.exists(out):
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-            results.append({"world_size": world_size, "error": f"exit status {proc.returncode}: " + " | ".join(tail)})
-            continue
-        with open(out) as f:
-            results.append(json.load(f))
-    return results
+def worker_command(world_size: int, spec: dict) -> list:
+    """The torchrun launch that measures every strategy at `world_size` processes; rank 0
+    writes the figures to spec["out"]. scripts/benchmark.py runs it like a row (run_process)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
+            os.path.abspath(__file__), "--worker", json.dumps(spec)]
 
 
 def table_rows(results: list) -> list:

@@ -380,3 +380,32 @@ def row_commands(marker: str) -> str:
         if marker in cmdline and is_running(int(pid)):
             found.append(cmdline)
     return "\n".join(found)
+
+
+def test_sigterm_during_the_memory_table_ends_its_launch_and_writes_what_it_has(tmp_path):
+    """--memory launches torchrun like a row: SIGTERM to the benchmark ends the launch and its
+    workers (their command line holds the log directory) and leaves a report that says so."""
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    cmd = [sys.executable, str(TOOL), "--memory", "--device", "cpu", "--model", "resnet_tiny",
+           "--world-sizes", "2", "--out", str(out), "--log-dir", str(logs)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.time() + 120
+        while "torch.distributed.run" not in row_commands(str(logs)):  # the launch is up
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.2)
+        time.sleep(2)  # and its workers are starting
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 128 + signal.SIGTERM, stdout + stderr
+    assert "Traceback" not in stderr, stderr
+    assert "not measured: SIGTERM ended the benchmark" in (out / "memory.md").read_text()
+    deadline = time.time() + 20
+    while row_commands(str(logs)) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not row_commands(str(logs)), "processes of the memory launch outlived the benchmark"
