@@ -165,10 +165,10 @@ def train(args, env, per_device_batch):
 
     # --- optimizer --------------------------------------------------------------------
     # Built on the sharded parameters: each rank keeps momentum for its shard only.
-    # fused on accelerators: one kernel updates every parameter instead of a few per tensor.
+    # Not fused=True as the DDP scripts do on GPUs: DTensor has no sharding rule for the fused
+    # SGD kernel (NotImplementedError in step()). The default picks foreach for DTensors on GPUs.
     optimizer = torch.optim.SGD(model.parameters(), lr=schedule.scaled_lr(args), momentum=args.momentum,
-                                nesterov=args.nesterov, weight_decay=args.weight_decay,
-                                fused=True if env.device.type != "cpu" else None)
+                                nesterov=args.nesterov, weight_decay=args.weight_decay)
     scheduler = schedule.warmup_multistep(optimizer, args, steps_per_epoch)
     run = TrainingRun(args, env, model, optimizer, scheduler, steps_per_epoch=steps_per_epoch,
                       strategy="fsdp2", sharded=True)  # all ranks meet here; resumes with --resume

@@ -155,9 +155,11 @@ def measure_strategy(name: str, reshard, mp_policy, spec: dict, env) -> dict:
     else:
         distributed_fsdp.shard(model, env, reshard_after_forward=reshard, mp_policy=mp_policy)
         watched = model
-    # As the scripts build it: fused on accelerators (one kernel, no foreach temporaries).
+    # As the scripts build it: distributed.py fused on accelerators (one kernel, no foreach
+    # temporaries); distributed_fsdp.py the default (foreach on GPUs: DTensor has no fused SGD).
+    fused = reshard is None and env.device.type != "cpu"
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4,
-                                fused=True if env.device.type != "cpu" else None)
+                                fused=True if fused else None)
     generator = torch.Generator().manual_seed(spec["seed"] + env.rank)
     images = torch.randn(spec["batch"], 3, 32, 32, generator=generator).to(env.device)
     targets = torch.randint(0, spec["num_classes"], (spec["batch"],), generator=generator).to(env.device)
