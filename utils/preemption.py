@@ -41,6 +41,7 @@ class StopSignal:
 
     def __init__(self, distributed: bool, check_every: int = 10):
         self.received = None
+        self.distributed = distributed
         self.check_every = check_every if distributed else 1
         self.group = None
         if distributed:
@@ -65,7 +66,9 @@ class StopSignal:
         with now=True (at a point every rank reaches together, such as after evaluation)."""
         if global_step % self.check_every and not now:
             return False
-        if not (dist.is_available() and dist.is_initialized()):
+        # One process: nobody to agree with (and the group of one that distributed_fsdp.py
+        # makes under plain python may be NCCL's, which reduces no CPU tensor).
+        if not self.distributed or not (dist.is_available() and dist.is_initialized()):
             return self.received is not None
         flag = torch.tensor([0 if self.received is None else 1])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)  # all ranks meet here
