@@ -76,6 +76,11 @@ class Proc:
             self.kill()
             raise AssertionError(f"{' '.join(self.args)} still running after {timeout} s\n"
                                  f"{self.output()}") from None
+        except BaseException:
+            # pytest-timeout's failure or Ctrl-C, raised in here: the command's session would
+            # outlive the test (on a GPU machine holding the GPU for the checks after it).
+            self.kill()
+            raise
         self.ended = time.time()
         self.kill()  # whatever it left behind
         return self
@@ -513,3 +518,28 @@ def test_second_run_on_the_same_directory_is_refused_and_no_lock_outlives_a_run(
         first.kill()  # SIGKILL: no chance to clean up, and still no stale lock
     resumed = run_script(["distributed.py", *longer, "--resume", "--max-steps", "4"], timeout=180)
     assert "resumed from" in resumed.stdout + resumed.stderr
+
+
+def test_a_group_of_one_agrees_on_a_stop_without_a_collective(monkeypatch):
+    """distributed_fsdp.py under plain python trains in a process group of one, whose
+    backend is NCCL on a GPU: NCCL cannot reduce the CPU flag of the stop agreement. With
+    one process there is nobody to agree with, so should_stop() makes no collective and
+    still sees the signal (here a gloo group, with every collective made to fail)."""
+    import torch.distributed as dist
+    from utils.preemption import StopSignal
+
+    def collective(*args, **kwargs):
+        raise AssertionError("a collective in a group of one")
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(dist, "all_reduce", collective)
+        stop = StopSignal(distributed=False)
+        try:
+            assert not stop.should_stop(1)
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert stop.should_stop(2) and stop.received == "SIGUSR1"
+        finally:
+            stop.close()
+    finally:
+        dist.destroy_process_group()
