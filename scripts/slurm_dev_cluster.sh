@@ -42,6 +42,8 @@ start() {
   munged --force --key-file="$DIR/munge/munge.key" --socket="$DIR/munge/munge.socket" \
          --pid-file="$DIR/munge/munged.pid" --log-file="$DIR/munge/munged.log" --seed-file="$DIR/munge/seed"
 
+  # cred_expire=20: a requeued job waits this long before it may start again (Slurm's default,
+  # 120 s, is there for slow prologs on real clusters; here it only slows the requeue test).
   cat > "$CONF" <<EOF
 ClusterName=dev
 SlurmctldHost=$host
@@ -50,7 +52,7 @@ SlurmdPort=$((PORT + 1))
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket=$DIR/munge/munge.socket
+AuthInfo=socket=$DIR/munge/munge.socket,cred_expire=20
 CredType=cred/munge
 StateSaveLocation=$DIR/state
 SlurmdSpoolDir=$DIR/spool
