@@ -27,7 +27,8 @@ processes) still leaves every finished row behind.
     python scripts/benchmark.py --rows ddp,ddp-bf16,fast-bf16-compile
     python scripts/benchmark.py --dataset cifar100 --data-dir ./data
 
-    # all of it within 5 minutes: rows that no longer fit are reported as not run
+    # all of it within 5 minutes: rows that no longer fit are reported as not run, one that the
+    # budget ends as cut short (neither is a failure: the exit status stays 0)
     python scripts/benchmark.py --time-budget 300
 
     # a quick check of the harness on the CPU (tiny model, 2 processes, a few minutes)
@@ -60,7 +61,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from models import MODEL_NAMES, build_model  # noqa: E402
-from utils import cli, precision  # noqa: E402
+from utils import cli, data, precision  # noqa: E402
 from utils.data import NUM_CLASSES  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))  # also when this file is imported from elsewhere (tests)
@@ -316,6 +317,7 @@ class Plan:
     ceiling_windows: int = 5
     compile_ceiling: bool = True
     log_dir: str = ""
+    workers_note: str = ""      # why fewer loader workers than the cores allow
 
 
 def resolve_plan(args) -> Plan:
@@ -366,9 +368,32 @@ def resolve_plan(args) -> Plan:
         plan.workers = args.workers
     elif use_cuda:
         # Enough loader processes to feed a GPU; the cores are shared by every training process.
-        plan.workers = max(1, min(16, (os.cpu_count() or 2) // procs - 1))
+        wanted = max(1, min(16, (os.cpu_count() or 2) // procs - 1))
+        free = cli.shm_free_bytes(data.shm_dir())
+        plan.workers = workers_that_fit(wanted, procs, per_device_batch, free)
+        if plan.workers < wanted:
+            plan.workers_note = (f"{wanted} by the cores, {plan.workers} by the {free / 2**20:,.0f} MiB free in "
+                                 f"{data.shm_dir()} (each worker's prefetched batches are held there)")
     # (On the CPU: 0, the training processes already share the cores.)
     return plan
+
+
+# The most shared memory one loader sample takes: a float32 3x32x32 image and an int64 label.
+LOADER_SAMPLE_BYTES = 3 * 32 * 32 * 4 + 8
+
+
+def workers_that_fit(wanted: int, procs: int, per_device_batch: int, free) -> int:
+    """`wanted` loader workers per process, or fewer if the batches that they may hold in
+    shared memory at once would not fit in its `free` bytes: DataLoader's 2 prefetched
+    batches per worker, of the training loader and of the evaluation loader (twice the
+    batch), in each of `procs` processes (data.shm_estimate's formula). A worker that
+    finds /dev/shm full dies of a bus error, and Docker gives a container 64 MB of it.
+    free None (no such folder): `wanted`. Can be 0: the process loads its own batches."""
+    if free is None:
+        return wanted
+    per_worker = procs * (data.shm_bytes(1, 2, per_device_batch, LOADER_SAMPLE_BYTES)
+                          + data.shm_bytes(1, 2, 2 * per_device_batch, LOADER_SAMPLE_BYTES))
+    return max(0, min(wanted, free // per_worker))
 
 
 def bf16_available(use_cuda: bool) -> bool:
@@ -596,7 +621,7 @@ def run_row(row: Row, plan: Plan, work_dir: str, timeout: float = None) -> dict:
         result["wall_seconds"] = time.perf_counter() - started
     records = read_records(metrics_path)
     if status != 0 or not any(r.get("event") == "epoch" for r in records):
-        result["status"] = "failed"
+        result["status"], result["timed_out"] = "failed", status is None
         if status is None:
             result["reason"] = f"timed out after {timeout:.0f} s (row timeout)"
         else:
@@ -692,7 +717,7 @@ def run_ceiling(ceiling: Ceiling, plan: Plan, work_dir: str, timeout: float = No
     finally:
         result["wall_seconds"] = time.perf_counter() - started
     if status != 0 or not os.path.exists(out_path):
-        result["status"] = "failed"
+        result["status"], result["timed_out"] = "failed", status is None
         result["reason"] = (f"timed out after {timeout:.0f} s (row timeout)" if status is None
                             else f"exit status {status}: {last_message(output)}")
         result["output_tail"] = output.splitlines()[-30:]
@@ -754,7 +779,8 @@ def write_markdown(path: str, report: dict):
         f"- command: `{h['command']}`",
         f"- model {plan['model']}, dataset {plan['dataset']}, {plan['per_device_batch']} images per device and "
         f"step unless the row says otherwise, {plan['epochs']} epochs per row (epoch 1 is warm-up: the medians "
-        f"are over epochs 2..{plan['epochs']}), loader workers per process {plan['workers']}",
+        f"are over epochs 2..{plan['epochs']}), loader workers per process {plan['workers']}"
+        + (f" ({plan['workers_note']})" if plan.get("workers_note") else ""),
         f"- FLOPs per image: {report['flops']['forward_per_image'] / 1e9:.4g} GFLOP forward "
         f"({report['flops']['forward_per_image'] / 2e9:.4g} G multiply-adds), "
         f"{report['flops']['train_step_per_image'] / 1e9:.4g} GFLOP per training step (forward + backward), "
@@ -986,6 +1012,7 @@ class Report:
                          "per_device_batch": plan.per_device_batch, "processes": plan.procs,
                          "steps": plan.steps or "one CIFAR-sized epoch per row", "epochs": plan.epochs,
                          "warmup_epochs": WARMUP_EPOCHS, "workers": plan.workers,
+                         "workers_note": plan.workers_note,
                          "device": "cuda" if plan.use_cuda else "cpu", "row_timeout_s": plan.timeout,
                          "time_budget_s": plan.time_budget, "ceiling_warmup": plan.ceiling_warmup,
                          "ceiling_steps": plan.ceiling_steps, "ceiling_windows": plan.ceiling_windows,
@@ -1131,6 +1158,11 @@ def main(argv=None):
             print(f"[{i}/{len(plan.names)}] {name}: {short_command(row, plan)}", flush=True)
             run = run_ceiling if isinstance(row, Ceiling) else run_row
             r = report.results[name] = run(row, plan, plan.log_dir, timeout)
+            if r.get("timed_out") and timeout < plan.timeout:
+                # Ended by the budget, not by its own --row-timeout: nothing is known to be wrong
+                # with the row (a first torch.compile alone can take minutes), so not a failure.
+                r.update(status="cut short", reason=f"--time-budget had {timeout:.0f} s left for it, and it "
+                                                    f"needed more; its processes were ended")
             current = None
             detail = f"{fmt_rate(r['median_images_per_second'])} img/s" if r["status"] == "ok" else r["reason"]
             print(f"    {r['status']}: {detail}" + (f" ({r['wall_seconds']:.0f} s)" if "wall_seconds" in r else ""),
