@@ -316,6 +316,14 @@ def test_memory_table_measures_what_each_rank_holds(tmp_path):
     assert "| fsdp2 | 3 |" in proc.stdout
     report = json.loads((tmp_path / "memory.json").read_text())
     assert "| ddp | 3 |" in (tmp_path / "memory.md").read_text()
+    import sys
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import memory_table
+    assert memory_table.ONE_PROCESS_NOTE not in (tmp_path / "memory.md").read_text()
+    # The same table measured at one process (all a single GPU allows) says that it shows no sharding.
+    memory_table.write_markdown(str(tmp_path / "one.md"),
+                                dict(report, rows=[dict(r, world_size=1) for r in report["rows"]]))
+    assert memory_table.ONE_PROCESS_NOTE in (tmp_path / "one.md").read_text()
     assert not list(tmp_path.glob("memory-w*.json"))  # the raw files are folded into memory.json
 
     model = build_model("resnet_tiny", 100)
