@@ -51,10 +51,12 @@ def assert_trained_on_the_gpu(record, world_size):
     ("distributed_apex.py", ["--amp", "fp16", "--clip-grad-norm", "1.0"], "python"),
     ("distributed_gradient_accumulation.py", ["--accum-steps", "2", "--clip-grad-norm", "1.0"], "torchrun"),
     ("distributed_fsdp.py", ["--mp-policy", "bf16", "--clip-grad-norm", "1.0"], "torchrun"),
+    # Under plain python: a process group of one, NCCL's (no CPU tensor may meet in it).
+    ("distributed_fsdp.py", ["--checkpoint-every", "2", "--checkpoint-dir", "CKPT"], "python"),
 ])
 def test_script_trains_on_cuda(tmp_path, script, extra, launcher):
     metrics = tmp_path / "m.jsonl"
-    args = [*SMALL, *extra, "--metrics", metrics]
+    args = [*SMALL, *[tmp_path / "ckpt" if a == "CKPT" else a for a in extra], "--metrics", metrics]
     if launcher == "torchrun":
         torchrun(TWO, script, args, env=gpu_subprocess_env())
         world_size = TWO
