@@ -946,7 +946,8 @@ def build_parser():
     g.add_argument("--epochs", type=cli.positive_int, default=None,
                    help=f"epochs per row, the first one warm-up (default {full.epochs}; --quick: {quick.epochs})")
     g.add_argument("--workers", type=cli.non_negative_int, default=None,
-                   help="loader workers per process (default: CPU cores / processes - 1 on GPUs, 0 on the CPU)")
+                   help="loader workers per process (default on GPUs: CPU cores / processes - 1, at most 16, and no "
+                        "more than the free space of /dev/shm holds; 0 on the CPU)")
     g = parser.add_argument_group("time")
     g.add_argument("--row-timeout", type=cli.positive_float, default=None, metavar="SECONDS",
                    help=f"end a row that runs longer (default {full.row_timeout:.0f}; --quick: {quick.row_timeout:.0f})")
@@ -1095,7 +1096,7 @@ def memory_report(args, argv):
     parameters = sum(p.numel() for p in build_model(model, NUM_CLASSES).parameters())
     report = {"header": header,
               "settings": {"model": model, "parameters": parameters, "batch": batch, "world_sizes": sizes,
-                           "device": "cuda" if use_cuda else "cpu"},
+                           "device": "cuda" if use_cuda else "cpu", "gpus": gpus},
               "rows": memory_table.table_rows(results), "measurements": results}
     paths = {ext: os.path.join(args.out, f"memory.{ext}") for ext in ("md", "json")}
     memory_table.write_markdown(paths["md"], report)

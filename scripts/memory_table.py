@@ -260,11 +260,12 @@ def table_rows(results: list) -> list:
     return rows
 
 
-# One GPU allows one process (NCCL refuses two ranks on one device): no sharding to see.
+# Measured at one process only, there is no sharding to see.
 ONE_PROCESS_NOTE = (
-    "One process only (one GPU: NCCL takes one process per GPU): each FSDP2 shard is the whole "
-    "model, so these rows show what FSDP2 adds (its gathered copies), not what it saves. "
-    "`python scripts/benchmark.py --memory --device cpu` measures 1, 2 and 4 processes.")
+    "One process only: each FSDP2 shard is the whole model, so these rows show what FSDP2 adds (its "
+    "gathered copies), not what it saves. `python scripts/benchmark.py --memory --device cpu` measures "
+    "1, 2 and 4 processes.")
+ONE_GPU_NOTE = "(One GPU allows no more: NCCL takes one process per GPU.)"
 
 
 def write_markdown(path: str, report: dict):
@@ -292,7 +293,8 @@ def write_markdown(path: str, report: dict):
                      f"{r['optimizer'] / MB:.2f} | {r['total'] / MB:.2f} | {formula} | {r['vs_ddp']:.2f} | "
                      f"{r['whole_params_peak'] / MB:.2f} | {peak} |")
     if {r["world_size"] for r in report["rows"]} == {1}:
-        lines += ["", ONE_PROCESS_NOTE]
+        one_gpu = s.get("device") == "cuda" and s.get("gpus") == 1
+        lines += ["", ONE_PROCESS_NOTE + (" " + ONE_GPU_NOTE if one_gpu else "")]
     lines += ["", "Strategies:"] + [f"- `{name}`: {about}" for name, about, _, _ in STRATEGIES] + [
         "", "\"Whole parameters at once\" is the largest number of parameter bytes unsharded on the model at "
         "one time, looked at around every module's forward and at the start of its backward: under FSDP2 "

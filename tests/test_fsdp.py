@@ -323,7 +323,16 @@ def test_memory_table_measures_what_each_rank_holds(tmp_path):
     # The same table measured at one process (all a single GPU allows) says that it shows no sharding.
     memory_table.write_markdown(str(tmp_path / "one.md"),
                                 dict(report, rows=[dict(r, world_size=1) for r in report["rows"]]))
-    assert memory_table.ONE_PROCESS_NOTE in (tmp_path / "one.md").read_text()
+    one = (tmp_path / "one.md").read_text()
+    assert memory_table.ONE_PROCESS_NOTE in one and memory_table.ONE_GPU_NOTE not in one  # CPU processes
+    on_one_gpu = dict(report, settings=dict(report["settings"], device="cuda", gpus=1))
+    memory_table.write_markdown(str(tmp_path / "gpu.md"),
+                                dict(on_one_gpu, rows=[dict(r, world_size=1) for r in report["rows"]]))
+    assert f"{memory_table.ONE_PROCESS_NOTE} {memory_table.ONE_GPU_NOTE}" in (tmp_path / "gpu.md").read_text()
+    # A table with one row at one process and others at more shows sharding: no note.
+    mixed = [dict(r, world_size=1) if i == 0 else r for i, r in enumerate(report["rows"])]
+    memory_table.write_markdown(str(tmp_path / "mixed.md"), dict(report, rows=mixed))
+    assert memory_table.ONE_PROCESS_NOTE not in (tmp_path / "mixed.md").read_text()
     assert not list(tmp_path.glob("memory-w*.json"))  # the raw files are folded into memory.json
 
     model = build_model("resnet_tiny", 100)
