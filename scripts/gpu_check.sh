@@ -31,7 +31,8 @@ END_SECONDS=25   # kept back at the end for packing the logs and the summary
 KILL_GRACE=20    # a stage that ignores its stop signal is killed this much later
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="$(realpath -m "${OUT:-$ROOT/results/gpu-check}")"
-# Most telling first: a row that no longer fits the budget is reported as not run.
+# Most telling first: a row that no longer fits the budget is reported as not run, one that
+# the budget ends as cut short; neither fails the stage (a row's own --row-timeout does).
 BENCH_ROWS="ddp,ddp-bf16,fast-bf16,fast-bf16-compile,ceiling-bf16,ceiling-bf16-compile,fast-bf16-compile-1024"
 BENCH_ROWS="$BENCH_ROWS,fast-bf16-cudagraphs,ddp-1proc-noddp,fsdp2,fsdp2-bf16"
 MEMORY_SECONDS=90
@@ -166,7 +167,8 @@ if [ "$bench_seconds" -lt 60 ]; then
 else
     bench_args=(${GPU_CHECK_BENCH_ARGS:---rows $BENCH_ROWS --epochs 3 --row-timeout 180})
     # The benchmark keeps to --time-budget by itself (rows that do not fit are reported as not
-    # run); SIGTERM after it ends the running row and writes what was measured.
+    # run, a row it ends as cut short); SIGTERM after it ends the running row and writes what
+    # was measured.
     run_stage benchmark "$bench_seconds" TERM "$PYTHON" scripts/benchmark.py "${bench_args[@]}" \
         --time-budget $((bench_seconds - 10)) --out "$OUT" --log-dir "$WORK/benchmark-logs"
     sed -n '/^row /,$p' "$WORK/benchmark.out"

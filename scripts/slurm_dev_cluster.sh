@@ -42,8 +42,9 @@ start() {
   munged --force --key-file="$DIR/munge/munge.key" --socket="$DIR/munge/munge.socket" \
          --pid-file="$DIR/munge/munged.pid" --log-file="$DIR/munge/munged.log" --seed-file="$DIR/munge/seed"
 
-  # cred_expire=20: a requeued job waits this long before it may start again (Slurm's default,
-  # 120 s, is there for slow prologs on real clusters; here it only slows the requeue test).
+  # cred_expire=20: a job step's credential lifetime, which is also how long a requeued job
+  # waits before it may start again. Slurm's default, 120 s, leaves room for slow prologs on
+  # real clusters; 20 s is ample on this one node and shortens the requeue test.
   cat > "$CONF" <<EOF
 ClusterName=dev
 SlurmctldHost=$host

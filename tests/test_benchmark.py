@@ -242,6 +242,10 @@ def test_loader_workers_on_a_gpu_fit_in_shared_memory(tool, monkeypatch):
             assert plan.workers_note.startswith(f"15 by the cores, {expected} by the {free / 2**20:,.0f} MiB free")
         else:
             assert plan.workers_note == ""
+    # Two GPUs: 7 workers each by the cores; both processes' workers share the one /dev/shm.
+    monkeypatch.setattr(tool.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(tool.cli, "shm_free_bytes", lambda path=None: 6 * estimate(1))
+    assert tool.resolve_plan(args).workers == 3  # 2 processes x 3 workers fill it: not 6, as for one
 
 
 def gpu_plan(tool, procs):
@@ -340,23 +344,24 @@ def is_running(pid) -> bool:
 # --- cut short: a time budget, a stop signal -------------------------------------------------
 
 def test_the_time_budget_cuts_a_row_short_and_leaves_the_rest_not_run(tmp_path):
-    """47 s of budget, 15 kept for the report: `ddp` starts with 32 s (a row needs 30) and,
-    with far more steps than fit, is ended by the budget; the ceiling row then has less
-    than 30 s and is not started. Neither is a failure: exit 0, no process left."""
+    """55 s of budget, 15 kept for the report: `ddp` starts with up to 40 s, less the
+    benchmark's own start (a row needs 30) and, with far more steps than fit, is ended by
+    the budget; the ceiling row then has less than 30 s and is not started. Neither is a
+    failure: exit 0, no process left."""
     logs = tmp_path / "logs"
-    proc = run_script([TOOL, "--quick", "--device", "cpu", "--rows", "ddp,ceiling-fp32", "--time-budget", "47",
+    proc = run_script([TOOL, "--quick", "--device", "cpu", "--rows", "ddp,ceiling-fp32", "--time-budget", "55",
                        "--steps", "100000", "--out", tmp_path, "--log-dir", logs], timeout=120, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "benchmark.json").read_text())
-    assert report["state"] == "complete" and report["settings"]["time_budget_s"] == 47
+    assert report["state"] == "complete" and report["settings"]["time_budget_s"] == 55
     ddp, ceiling = report["rows"]
     assert (ddp["name"], ddp["status"]) == ("ddp", "cut short"), ddp
     given = re.fullmatch(r"--time-budget had (\d+) s left for it, and it needed more; its processes were ended",
                          ddp["reason"])
-    assert given and 30 <= int(given[1]) <= 32, ddp["reason"]  # 32 less the benchmark's own start
+    assert given and 30 <= int(given[1]) <= 40, ddp["reason"]  # 40 less the benchmark's own start
     assert int(given[1]) - 1 <= ddp["wall_seconds"] < int(given[1]) + 15, ddp["wall_seconds"]
     assert (ceiling["name"], ceiling["status"], ceiling["reason"]) == (
-        "ceiling-fp32", "not run", "--time-budget 47 s used up")
+        "ceiling-fp32", "not run", "--time-budget 55 s used up")
     assert f"- ddp: cut short: {ddp['reason']}" in (tmp_path / "benchmark.md").read_text()
     leftover = subprocess.run(["pgrep", "-f", str(logs)], capture_output=True, text=True).stdout.split()
     assert not leftover, leftover

@@ -65,6 +65,8 @@ def test_script_trains_on_cuda(tmp_path, script, extra, launcher):
         world_size = 1
     record = end_record(metrics)
     assert_trained_on_the_gpu(record, world_size)
+    if "CKPT" in extra:  # every 2 steps: the sharded save ran in the group of one, on NCCL
+        assert (tmp_path / "ckpt" / "checkpoint.pt").exists()
     if script == "distributed_apex.py":
         from utils.precision import cuda_bf16_native
         # Without --amp: bf16 where the GPU has it in hardware (no loss scaling), else fp16.
