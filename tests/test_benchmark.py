@@ -1,5 +1,6 @@
 """scripts/benchmark.py: the quick mode end to end on the CPU (the real scripts through
 their real launchers), and the arithmetic behind every figure it writes."""
+import contextlib
 import importlib.util
 import json
 import os
@@ -363,8 +364,7 @@ def test_the_time_budget_cuts_a_row_short_and_leaves_the_rest_not_run(tmp_path):
     assert (ceiling["name"], ceiling["status"], ceiling["reason"]) == (
         "ceiling-fp32", "not run", "--time-budget 55 s used up")
     assert f"- ddp: cut short: {ddp['reason']}" in (tmp_path / "benchmark.md").read_text()
-    leftover = subprocess.run(["pgrep", "-f", str(logs)], capture_output=True, text=True).stdout.split()
-    assert not leftover, leftover
+    assert_no_process_outlives(logs, "the row the budget ended")
 
 
 def test_sigterm_mid_row_keeps_finished_rows_and_ends_the_running_one(tmp_path):
@@ -375,9 +375,7 @@ def test_sigterm_mid_row_keeps_finished_rows_and_ends_the_running_one(tmp_path):
     # Long enough epochs for the signal to land while `ddp` trains.
     cmd = [sys.executable, str(TOOL), "--quick", "--device", "cpu", "--rows", "ceiling-fp32,ddp,ddp-1proc-noddp",
            "--steps", "2", "--epochs", "2", "--out", str(out), "--log-dir", str(logs)]
-    env = subprocess_env()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with benchmark_process(cmd) as proc:
         deadline = time.time() + 240
         # The report is rewritten after the first row; the second row's log then appears.
         while not ((out / "benchmark.json").exists() and (logs / "ddp.log").exists()):
@@ -392,10 +390,6 @@ def test_sigterm_mid_row_keeps_finished_rows_and_ends_the_running_one(tmp_path):
         time.sleep(3)  # and its workers are starting
         proc.send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 128 + signal.SIGTERM, stdout + stderr
     assert "SIGTERM: the benchmark stopped" in stderr and "Traceback" not in stderr
     report = json.loads((out / "benchmark.json").read_text())
@@ -407,10 +401,29 @@ def test_sigterm_mid_row_keeps_finished_rows_and_ends_the_running_one(tmp_path):
     md = (out / "benchmark.md").read_text()
     assert "- state: interrupted by SIGTERM" in md and "| ddp | torchrun x2 distributed.py | 2 | 32 | interrupted |" in md
     assert (logs / "ceiling-fp32.log").stat().st_size > 0
-    deadline = time.time() + 20
+    assert_no_process_outlives(logs, "the interrupted row")
+
+
+@contextlib.contextmanager
+def benchmark_process(cmd):
+    """The benchmark started as a user starts it; killed on the way out if still running."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def assert_no_process_outlives(logs, what, within=20):
+    """No process of `what` (every launcher and worker has the log directory in its command
+    line) is still running `within` seconds after the benchmark ended."""
+    deadline = time.time() + within
     while row_commands(str(logs)) and time.time() < deadline:
         time.sleep(0.2)
-    assert not row_commands(str(logs)), "processes of the interrupted row outlived the benchmark"
+    assert not row_commands(str(logs)), f"processes of {what} outlived the benchmark"
 
 
 def row_commands(marker: str) -> str:
@@ -434,9 +447,7 @@ def test_sigterm_during_the_memory_table_ends_its_launch_and_writes_what_it_has(
     out, logs = tmp_path / "out", tmp_path / "logs"
     cmd = [sys.executable, str(TOOL), "--memory", "--device", "cpu", "--model", "resnet_tiny",
            "--world-sizes", "2", "--out", str(out), "--log-dir", str(logs)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    try:
+    with benchmark_process(cmd) as proc:
         deadline = time.time() + 120
         while "torch.distributed.run" not in row_commands(str(logs)):  # the launch is up
             assert proc.poll() is None and time.time() < deadline, proc.communicate()
@@ -444,14 +455,7 @@ def test_sigterm_during_the_memory_table_ends_its_launch_and_writes_what_it_has(
         time.sleep(2)  # and its workers are starting
         proc.send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 128 + signal.SIGTERM, stdout + stderr
     assert "Traceback" not in stderr, stderr
     assert "not measured: SIGTERM ended the benchmark" in (out / "memory.md").read_text()
-    deadline = time.time() + 20
-    while row_commands(str(logs)) and time.time() < deadline:
-        time.sleep(0.2)
-    assert not row_commands(str(logs)), "processes of the memory launch outlived the benchmark"
+    assert_no_process_outlives(logs, "the memory launch")
