@@ -147,10 +147,11 @@ def train(args, env, per_device_batch, precision):
         # gradients bucket by bucket while backward is still running.
         # gradient_as_bucket_view: .grad tensors are views into DDP's all-reduce buckets,
         # which saves a copy of every gradient and the memory for it.
-        # broadcast_buffers=False: no broadcast of rank 0's batch-norm statistics before
-        # every forward; evaluation and checkpoints take rank 0's buffers anyway.
-        ddp_model = DDP(model, device_ids=env.device_ids,
-                        gradient_as_bucket_view=True, broadcast_buffers=False)
+        # buffers_synced_once: rank 0's batch-norm statistics go to every rank here, and are
+        # not broadcast again before every forward (evaluation and checkpoints take rank 0's
+        # anyway); the flag for it was renamed in PyTorch 2.13, see utils/distributed.py.
+        ddp_model = DDP(model, device_ids=env.device_ids, gradient_as_bucket_view=True,
+                        **dist_utils.buffers_synced_once(model))
     else:
         ddp_model = model  # one process: no gradients to average, no DDP hooks to run
     if args.compile:

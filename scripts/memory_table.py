@@ -150,7 +150,8 @@ def measure_strategy(name: str, reshard, mp_policy, spec: dict, env) -> dict:
     shapes = [tuple(p.shape) for p in model.parameters()]
     if reshard is None:
         if env.world_size > 1:  # distributed.py wraps only when there is someone to all-reduce with
-            model = DDP(model, device_ids=env.device_ids, gradient_as_bucket_view=True, broadcast_buffers=False)
+            model = DDP(model, device_ids=env.device_ids, gradient_as_bucket_view=True,
+                            **dist_utils.buffers_synced_once(model))
         watched = model.module if env.world_size > 1 else model
     else:
         distributed_fsdp.shard(model, env, reshard_after_forward=reshard, mp_policy=mp_policy)

@@ -160,3 +160,47 @@ def test_evaluation_over_three_processes_is_exact(tmp_path):
             assert got["test_acc1"] == expected["test_acc1"]
             assert got["test_acc5"] == expected["test_acc5"]
             assert got["test_loss"] == pytest.approx(expected["test_loss"], rel=1e-6, abs=1e-6)
+
+
+# --- batch-norm buffers under DDP ------------------------------------------------------------
+
+def _buffers_worker(rank, world_size, port, out_dir):
+    import warnings
+    env = join_group(rank, world_size, port)
+    try:
+        torch.manual_seed(0)
+        model = build_model("resnet_tiny", 10)
+        with torch.no_grad():  # each rank's own statistics, as if it had trained alone
+            for name, buffer in model.named_buffers():
+                if name.endswith("running_mean"):
+                    buffer.add_(float(rank + 1))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)  # the current flag, on every version
+            ddp_model = nn.parallel.DistributedDataParallel(model, **dist_utils.buffers_synced_once(model))
+        after_wrap = {k: v.clone() for k, v in model.named_buffers()}
+        ddp_model.train()
+        ddp_model(torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(rank)))
+        ddp_model.eval()  # a forward that changes no statistic: a broadcast before it would show
+        with torch.no_grad():
+            ddp_model(torch.randn(2, 3, 32, 32))
+        torch.save({"after_wrap": after_wrap, "after_forwards": dict(model.named_buffers())},
+                   os.path.join(out_dir, f"buffers{rank}.pt"))
+    finally:
+        dist_utils.cleanup()
+
+
+def test_rank_0s_buffers_reach_every_rank_once_when_wrapped_and_never_before_a_forward(tmp_path):
+    """What the scripts' buffers_synced_once gives on every PyTorch version: PyTorch 2.13
+    renamed DDP's broadcast_buffers to forward_sync_buffers, and the old name's False also
+    skipped the broadcast of buffers when wrapping, the new one's does not."""
+    spawn(_buffers_worker, 2, (2, free_port(), str(tmp_path)))
+    rank0, rank1 = (torch.load(tmp_path / f"buffers{r}.pt", weights_only=True) for r in (0, 1))
+    means = [name for name in rank0["after_wrap"] if name.endswith("running_mean")]
+    assert means
+    for name in rank0["after_wrap"]:
+        assert torch.equal(rank0["after_wrap"][name], rank1["after_wrap"][name]), name
+    torch.manual_seed(0)
+    fresh = dict(build_model("resnet_tiny", 10).named_buffers())
+    assert all(torch.equal(rank0["after_wrap"][name], fresh[name] + 1) for name in means)  # rank 0's
+    # Each rank's training forward moved its own statistics, and nothing made them equal again.
+    assert all(not torch.equal(rank0["after_forwards"][name], rank1["after_forwards"][name]) for name in means)

@@ -159,3 +159,30 @@ def test_a_cpu_run_beside_a_gpu_leaves_the_gpu_alone(monkeypatch):
 def test_running_sums_are_float32_on_mps_which_has_no_float64():
     assert metrics.sum_dtype(torch.device("mps", 0)) == torch.float32
     assert metrics.sum_dtype(torch.device("cuda", 0)) == metrics.sum_dtype("cpu") == torch.float64
+
+
+def test_torchrun_virtual_local_rank_gives_each_worker_its_own_gpu(monkeypatch):
+    """torchrun --virtual-local-rank: each worker sees one GPU (CUDA_VISIBLE_DEVICES narrowed
+    to it) with LOCAL_RANK=0, while LOCAL_WORLD_SIZE stays the node's process count."""
+    fake_accelerator(monkeypatch, "cuda", 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert dist_utils.pick_device(0, 4, distributed=True) == torch.device("cuda", 0)
+
+
+def test_without_virtual_local_rank_a_second_process_on_one_gpu_refuses_and_says_so(monkeypatch, capsys):
+    """2 processes with one GPU visible: local rank 1 has no device. Its line is printed by
+    that rank (not only rank 0 prints), with exit status 2."""
+    fake_accelerator(monkeypatch, "cuda", 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with pytest.raises(cli.UsageError) as excinfo:
+        dist_utils.pick_device(1, 2, distributed=True)
+    assert excinfo.value.met_by == "rank" and "only 1 GPU visible" in str(excinfo.value)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+    def main(argv):
+        dist_utils.pick_device(1, 2, distributed=True)
+    with pytest.raises(SystemExit) as exited:
+        cli.run_main(main, argv=[])
+    assert exited.value.code == 2
+    assert "local rank 1 of 2 processes per node has no device" in capsys.readouterr().err

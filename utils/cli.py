@@ -18,12 +18,26 @@ import traceback
 
 
 class UsageError(Exception):
-    """Bad input from the user: reported as one line and exit status 2, no traceback."""
+    """Bad input from the user: reported as one line and exit status 2, no traceback.
+
+    met_by: who meets it, and so who prints the line: "job" (every rank, the default:
+    global rank 0 prints), "node" (every rank of one node: its local rank 0 prints, which
+    need not be on rank 0's node), or "rank" (this rank alone: it prints)."""
+
+    def __init__(self, message, met_by: str = "job"):
+        super().__init__(message)
+        self.met_by = met_by
 
 
-def _prints_errors() -> bool:
+def _prints_errors(met_by: str = "job") -> bool:
     """Only global rank 0 prints a bad-input line (every rank meets the same one); a
-    RANK or WORLD_SIZE that cannot be right is itself the error, and is printed."""
+    RANK or WORLD_SIZE that cannot be right is itself the error, and is printed. An error
+    of one node is printed by its local rank 0, an error of one rank by that rank."""
+    if met_by == "rank":
+        return True
+    if met_by == "node":
+        local_rank = os.environ.get("LOCAL_RANK", "").strip()
+        return not local_rank.isdigit() or int(local_rank) == 0
     rank, size = os.environ.get("RANK", "").strip(), os.environ.get("WORLD_SIZE", "").strip()
     if not rank.isdigit() or int(rank) == 0:
         return True
@@ -273,7 +287,7 @@ def run_main(main, argv=None):
         try:
             main(argv)
         except UsageError as err:
-            if _prints_errors():
+            if _prints_errors(getattr(err, "met_by", "job")):
                 print(error_line(err), file=sys.stderr, flush=True)
             sys.exit(2)
         except KeyboardInterrupt:

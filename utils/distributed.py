@@ -9,12 +9,12 @@ group.
 """
 import contextlib
 import datetime
+import inspect
 import os
 import random
 import signal
 import threading
 import time
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -120,12 +120,21 @@ def pick_device(local_rank: int, local_world_size: int, choice: str = "auto",
     if kind == "cpu":
         return torch.device("cpu")
     count = torch.accelerator.device_count()
-    if local_world_size > count:
-        plural = "s" if count != 1 else ""
-        gpus = f"GPU{plural}" if kind in ("cuda", "xpu") else f"{kind} device{plural}"
-        raise UsageError(
-            f"{local_world_size} processes per node but only {count} {gpus} visible: use "
-            f"--nproc_per_node={count} or fewer (one process per device), or --device cpu")
+    plural = "s" if count != 1 else ""
+    gpus = f"GPU{plural}" if kind in ("cuda", "xpu") else f"{kind} device{plural}"
+    fix = f"use --nproc_per_node={count} or fewer (one process per device), or --device cpu"
+    # torchrun --virtual-local-rank shows each worker only its own GPU, as index 0: it sets
+    # CUDA_VISIBLE_DEVICES to that one GPU and LOCAL_RANK=0, while LOCAL_WORLD_SIZE stays the
+    # node's count (LocalElasticAgent._set_local_rank_env). The same view without the flag
+    # (CUDA_VISIBLE_DEVICES=0 and 2 processes) is refused by the sibling, local rank 1, below.
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    own_device_only = count == 1 and local_rank == 0 and len(visible) == 1
+    if local_rank >= count:  # this rank's device does not exist: its error, whoever else fails
+        raise UsageError(f"local rank {local_rank} of {local_world_size} processes per node has no device: "
+                         f"only {count} {gpus} visible: {fix}", met_by="rank")
+    if local_world_size > count and not own_device_only:
+        raise UsageError(f"{local_world_size} processes per node but only {count} {gpus} visible: {fix}",
+                         met_by="node")
     return torch.device(kind, local_rank)
 
 
@@ -139,9 +148,6 @@ def setup(rank: int, world_size: int, local_rank: int, local_world_size: int,
     """
     device = pick_device(local_rank, local_world_size, device, distributed=True)  # may refuse: before the watcher starts
     watch_launcher()
-    # PyTorch 2.15 renames DDP's broadcast_buffers to forward_sync_buffers and warns on every
-    # wrap; the old name means the same there and is the only one PyTorch 2.11 knows.
-    warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
     # device_id binds the group to this rank's device: NCCL connects here rather than in the
@@ -257,6 +263,31 @@ def all_ranks_ok(ok: bool, device: torch.device, call: str = "all_ranks_ok()") -
         with meeting(call):
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
+
+
+# DDP's switch for broadcasting rank 0's buffers (batch-norm statistics) before every forward
+# is `broadcast_buffers` up to PyTorch 2.12 and `forward_sync_buffers` from 2.13, where the old
+# name warns (FutureWarning) on every wrap. It is not a plain rename: broadcast_buffers=False
+# also leaves the buffers out of the constructor's broadcast of rank 0's state, while
+# forward_sync_buffers=False keeps them in it (torch/nn/parallel/distributed.py, __init__).
+_DDP_HAS_FORWARD_SYNC_BUFFERS = "forward_sync_buffers" in inspect.signature(
+    torch.nn.parallel.DistributedDataParallel.__init__).parameters
+
+
+def buffers_synced_once(model: torch.nn.Module) -> dict:
+    """DDP keyword arguments that broadcast rank 0's buffers to every rank once, when DDP
+    wraps the model, and never again before a forward: what forward_sync_buffers=False
+    does from PyTorch 2.13 on. On older versions (broadcast_buffers=False, which skips
+    the wrap's broadcast of buffers too) the buffers are broadcast here instead, so that
+    every version starts every rank from rank 0's buffers.
+
+    Call it on every rank, just before DDP(...): on PyTorch before 2.13 it broadcasts."""
+    if _DDP_HAS_FORWARD_SYNC_BUFFERS:
+        return {"forward_sync_buffers": False}
+    if dist.is_available() and dist.is_initialized():
+        for buffer in model.buffers():
+            dist.broadcast(buffer.data, src=0)  # all ranks meet here, as in DDP's constructor
+    return {"broadcast_buffers": False}
 
 
 def seed_everything(seed: int):
