@@ -49,8 +49,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from utils.cli import leave  # noqa: E402  (the repository root, for `python scripts/collectives.py`)
 import torch.nn as nn
 
-# Give up on a collective after this long instead of hanging forever.
+# Give up on a collective after this long: PyTorch's own default is 30 minutes for gloo and
+# 10 for nccl, far too long for a tour that takes seconds.
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=60)
+
+# The single-tensor all-gather and reduce-scatter were renamed in PyTorch 2.13:
+# all_gather_into_tensor became all_gather_single and reduce_scatter_tensor became
+# reduce_scatter_single; the old names still work there but warn (FutureWarning) at every
+# call, and 2.11 has only the old names. Same arguments, same result: picked here, once, by
+# what this PyTorch has.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 # Errors a backend raises, locally and before any communication, when it does
 # not implement an operation (e.g. older gloo has no ReduceOp.AVG).
@@ -232,6 +241,11 @@ def demo_all_gather(rank: int, world_size: int) -> None:
     print_table("all_gather: every rank ends with every rank's tensor, in rank order", fmt(values), fmt(gathered))
     expected = [v for r in range(world_size) for v in (r + 1, 10 * (r + 1))]
     check_equal(torch.cat(gathered), expected, "all_gather")
+    # The same into one tensor N times the input's size, with no list to concatenate.
+    flat = torch.zeros(2 * world_size, device=current_device())
+    all_gather_single(flat, values)
+    say(f"  into one tensor, dist.{all_gather_single.__name__}: {fmt(flat)} on every rank")
+    check_equal(flat, expected, all_gather_single.__name__)
 
 
 def demo_gather(rank: int, world_size: int) -> None:
@@ -263,11 +277,12 @@ def demo_reduce_scatter(rank: int, world_size: int) -> None:
     values = (rank + 1) * torch.arange(1.0, world_size + 1, device=current_device())
     my_share = torch.zeros(1, device=current_device())
     try:
-        dist.reduce_scatter_tensor(my_share, values, op=dist.ReduceOp.SUM)
+        reduce_scatter_single(my_share, values, op=dist.ReduceOp.SUM)
     except UNSUPPORTED_ERRORS as error:
         skip_unsupported("reduce_scatter", error)
         return
-    print_table("reduce_scatter(SUM): rank i ends with element i of the sum", fmt(values), fmt(my_share))
+    print_table(f"reduce_scatter(SUM), dist.{reduce_scatter_single.__name__}: rank i ends with element i of the sum",
+                fmt(values), fmt(my_share))
     check_equal(my_share, [total * (rank + 1)], "reduce_scatter")
 
 
@@ -549,7 +564,7 @@ def demo_data_parallel(rank: int, world_size: int, steps: int = 3) -> None:
         say(f"  rank {r}: |hand-rolled - DDP| <= {to_ddp:.1e}, "
             f"|hand-rolled - whole batch in one process| <= {to_single:.1e} (weights moved up to {moved_r:.3f})")
     say("  DDP automates what the hand-rolled loop spells out: it broadcasts rank 0's parameters and\n"
-        "  buffers at construction, groups gradients into buckets (~25 MB) and all-reduces each bucket\n"
+        "  buffers at construction, groups gradients into buckets (~25 MiB) and all-reduces each bucket\n"
         "  as soon as backward has filled it, overlapping communication with the rest of backward.")
 
     check(torch.equal(params["after_ddp_init"], params["initial"]), "DDP broadcasts rank 0's initial weights")
