@@ -4,6 +4,8 @@
   torchrun) accepts;
 - every ```python snippet runs (unless its first line is `# not run`);
 - every code block introduced by "From `FILE`:" is a verbatim quote of FILE;
+- every `SCRIPT: error: ...` line shown right after a command block is printed, word for word,
+  by one of its commands, which exits with status 2;
 - every script is linked from a lesson, the README links the tutorials, the
   index links every lesson, and every relative link points to a file;
 - lesson 00's first DDP program is built from the lesson (the programs a reader
@@ -40,7 +42,7 @@ from conftest import ROOT, subprocess_env
 TUTORIALS = ROOT / "tutorials"
 LESSONS = ["00-basic-theory.md", "01-gradient-accumulation.md", "02-ddp-in-detail.md",
            "03-ddp-training-tricks.md", "04-mixed-precision.md", "05-dp-and-ddp-source.md",
-           "06-beyond-one-machine.md", "07-collectives.md", "09-debugging.md"]
+           "06-beyond-one-machine.md", "07-collectives.md", "08-sharded-data-parallel.md", "09-debugging.md"]
 TRAINING_SCRIPTS = ["distributed.py", "distributed_mp.py", "dataparallel.py", "distributed_apex.py",
                     "distributed_gradient_accumulation.py", "distributed_fsdp.py"]
 TOOLS = ["scripts/collectives.py", "scripts/compare_models.py", "scripts/benchmark.py",
@@ -648,3 +650,49 @@ def test_stateful_block_runs_twice(block, scratch):
         proc = run_block(commands, scratch)
         assert proc.returncode == 0, (f"{block.where}, run {attempt} of 2 exited {proc.returncode}\n"
                                       f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
+
+
+# --- what a refused command prints ----------------------------------------------------------------
+
+ERROR_LINE = re.compile(r"^([\w./-]+\.py): error: \S.*$")
+
+
+def shown_refusals():
+    """(command block, output block, error lines): a lesson's bash block followed directly by a text
+    block that shows `SCRIPT: error: ...` lines, what the commands print when they refuse their input."""
+    found = []
+    for path in lesson_files():
+        blocks = blocks_of(path)
+        for commands, output in zip(blocks, blocks[1:]):
+            if commands.lang != "bash" or output.lang != "text" or FROM_LINE.match(commands.intro):
+                continue
+            errors = [line.rstrip() for line in output.lines if ERROR_LINE.match(line.rstrip())]
+            if errors:
+                found.append((commands, output, errors))
+    return found
+
+
+def test_the_shown_refusals_are_found():
+    shown = {(b.path.name, line) for _, b, errors in shown_refusals() for line in errors}
+    assert any(name == "03-ddp-training-tricks.md" and "--sync-bn needs GPUs" in line for name, line in shown), shown
+
+
+@pytest.mark.parametrize("refusal", shown_refusals(), ids=lambda r: r[1].where)
+def test_a_shown_refusal_is_what_the_command_prints(refusal, scratch):
+    """Each error line shown after a command block is printed, word for word, by one of its commands,
+    which then exits with status 2 (run on the CPU, as the lessons' outputs were). The commands run
+    last to first and stop once every shown line has been printed: a block that trains first and
+    is refused second runs only the refusal."""
+    commands, output, errors = refusal
+    missing, printed = set(errors), []
+    for command in reversed(shell_commands(commands)):
+        if not missing:
+            break
+        proc = run_block([command], scratch, timeout=SNIPPET_TIMEOUT)
+        lines = {line.rstrip() for line in proc.stderr.splitlines()}
+        if lines & missing:
+            assert proc.returncode == 2, f"{commands.where}: `{command[:70]}` exited {proc.returncode}\n{proc.stderr}"
+        missing -= lines
+        printed += [line for line in lines if ERROR_LINE.match(line)]
+    assert not missing, (f"{output.where} shows error lines that no command of {commands.where} prints:\n"
+                         + "\n".join(sorted(missing)) + "\nprinted:\n" + "\n".join(printed))
