@@ -57,17 +57,27 @@ def main(argv=None):
     g.add_argument("--amp", choices=sorted(precision.AMP_DTYPES), default=None,
                    help="mixed precision with torch.amp autocast; without it, float32")
     args = cli.parse_args(parser, argv)
+    plan = cli.validated(args, check)  # every refusal before anything starts; --check-args ends here
 
     # --- devices ----------------------------------------------------------------------
     # One process and no process group: DataParallel threads the GPUs of this process.
-    device_ids = pick_gpus(args.gpus, args.device)
+    device_ids = plan.device_ids
     device = torch.device("cuda", device_ids[0]) if device_ids else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)  # the replicas are copied from, and gathered on, this GPU
     env = dist_utils.DistEnv(0, 0, 1, 1, device, distributed=False)
-    amp_dtype = precision.autocast_dtype(args.amp, device.type) if args.amp else None  # None: float32
-    per_process_batch = cli.split_batch(args.batch_size, 1)  # all of it: DataParallel splits it
-    train(args, env, per_process_batch, device_ids, amp_dtype)
+    train(args, env, plan.per_process_batch, device_ids, plan.amp_dtype)
+
+
+def check(args) -> cli.Plan:
+    """Bad input, refused in one line (UsageError) before anything starts. --check-args
+    runs exactly this."""
+    device_ids = pick_gpus(args.gpus, args.device)
+    device_type = "cuda" if device_ids else "cpu"
+    cli.check_flags(args, device_type, launcher=None)  # one process: no launcher, no process group
+    return cli.Plan(1, device_ids=device_ids,
+                    amp_dtype=precision.autocast_dtype(args.amp, device_type) if args.amp else None,  # None: fp32
+                    per_process_batch=cli.split_batch(args.batch_size, 1))  # all of it: DataParallel splits it
 
 
 def train(args, env, per_process_batch, device_ids, amp_dtype):

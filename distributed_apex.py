@@ -67,18 +67,28 @@ def main(argv=None):
                    help="apex.amp's level (O1 when apex.amp is used); with torch.amp: O0 = float32, "
                         "O1/O2 = autocast + GradScaler, O3 (pure fp16) is refused")
     args = cli.parse_args(parser, argv)
-    # Settled before joining the process group: a bad choice ends every rank at once.
-    precision = choose_precision(args, dist_utils.device_type(args.device, dist_utils.launched_by_torchrun()))
+    plan = cli.validated(args, check)  # every refusal before anything starts; --check-args ends here
 
     # --- distributed setup ------------------------------------------------------------
     # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; init_process_group
     # reads them (env://). Under plain `python` none is set: one process, no process group.
-    per_device_batch = cli.split_batch(args.batch_size, dist_utils.world_size_from_env())
     env = dist_utils.setup_from_env(timeout_s=args.dist_timeout, device=args.device)
     try:
-        train(args, env, per_device_batch, precision)
+        train(args, env, plan.per_device_batch, plan.precision)
     finally:
         dist_utils.cleanup()  # also when training raises: no rank is left in the group
+
+
+def check(args) -> cli.Plan:
+    """Bad input that needs no process group to be seen, refused in one line (UsageError)
+    before anything starts: a bad precision choice ends every rank at once. --check-args
+    runs exactly this (scripts/slurm.sbatch, before srun)."""
+    world_size = dist_utils.world_size_from_env()
+    device = cli.device_of_this_rank(args)  # --device on this machine, one device per local rank
+    cli.check_flags(args, device.type)
+    replicas.check_flags(args, device.type)  # --sync-bn
+    return cli.Plan(world_size, per_device_batch=cli.split_batch(args.batch_size, world_size),
+                    precision=choose_precision(args, device.type))
 
 
 def train(args, env, per_device_batch, precision):

@@ -40,16 +40,27 @@ def main(argv=None):
     g.add_argument("--accum-steps", "--grad_accu_steps", type=cli.positive_int, default=1,
                    help="micro-batches per optimizer step and process (gradient accumulation)")
     args = cli.parse_args(parser, argv)
+    plan = cli.validated(args, check)  # every refusal before anything starts; --check-args ends here
 
     # --- distributed setup ------------------------------------------------------------
     # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; init_process_group
     # reads them (env://). Under plain `python` none is set: one process, no process group.
-    micro_batch = cli.split_batch(args.batch_size, dist_utils.world_size_from_env(), args.accum_steps)
     env = dist_utils.setup_from_env(timeout_s=args.dist_timeout, device=args.device)
     try:
-        train(args, env, micro_batch)
+        train(args, env, plan.micro_batch)
     finally:
         dist_utils.cleanup()  # also when training raises: no rank is left in the group
+
+
+def check(args) -> cli.Plan:
+    """Bad input that needs no process group to be seen, refused in one line (UsageError)
+    before anything starts. --check-args runs exactly this (scripts/slurm.sbatch, before srun)."""
+    world_size = dist_utils.world_size_from_env()
+    device = cli.device_of_this_rank(args)  # --device on this machine, one device per local rank
+    cli.check_flags(args, device.type)
+    replicas.check_flags(args, device.type)  # --sync-bn
+    # The global batch splits over the processes AND the micro-batches of each.
+    return cli.Plan(world_size, micro_batch=cli.split_batch(args.batch_size, world_size, args.accum_steps))
 
 
 def train(args, env, micro_batch):

@@ -39,19 +39,30 @@ def main(argv=None):
     cli.add_fast_path_flags(parser)
     spawn.add_flags(parser)  # --nproc-per-node, --nodes, --node-rank, --ip, --port, --init-method
     args = cli.parse_args(parser, argv)
+    plan = cli.validated(args, check)  # every refusal before a process starts; --check-args ends here
 
     # --- distributed setup ------------------------------------------------------------
-    # The launch flags are checked before a process starts (utils/spawn.py): bad input ends
-    # with one line, not with N tracebacks or N processes waiting for a peer that never comes.
-    world_size = spawn.check_launch(args)
-    per_device_batch = cli.split_batch(args.batch_size, world_size)
     # worker(local_rank, ...) runs in nproc_per_node fresh Python processes ("spawn": CUDA
     # cannot be used in a forked child). This one passes stop signals on to them, waits for
     # them, and ends as the first that failed, as torchrun would.
     with spawn.Supervisor(args) as supervisor:
-        workers = mp.spawn(worker, args=(args, world_size, per_device_batch, supervisor.error_dir),
+        workers = mp.spawn(worker, args=(args, plan.world_size, plan.per_device_batch, supervisor.error_dir),
                            nprocs=args.nproc_per_node, join=False)
         supervisor.watch(workers)
+
+
+def check(args) -> cli.Plan:
+    """Bad input that needs no process group to be seen, refused in one line (UsageError)
+    before a process starts: not N tracebacks, nor N processes waiting for a peer that never
+    comes. --check-args runs exactly this."""
+    if args.init_method is not None and (cli.given(args, "ip") or args.port is not None):
+        raise cli.UsageError(f"--init-method {args.init_method} names the rendezvous itself: leave out "
+                             "--ip and --port (they make tcp://IP:PORT when --init-method is not given)")
+    world_size = spawn.check_launch(args)  # the launch flags (utils/spawn.py); fills in their defaults
+    device_type = dist_utils.device_type(args.device, distributed=True)
+    cli.check_flags(args, device_type, launcher="itself")
+    replicas.check_flags(args, device_type)  # --sync-bn
+    return cli.Plan(world_size, per_device_batch=cli.split_batch(args.batch_size, world_size))
 
 
 def worker(local_rank, args, world_size, per_device_batch, error_dir):

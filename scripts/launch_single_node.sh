@@ -23,12 +23,27 @@ SCRIPT_ARGS=(--batch-size 128 --epochs 200 --checkpoint-dir checkpoints/single_n
 # The repository's virtual environment (make venv) when there is one.
 PYTHON=${PYTHON:-$(test -x .venv/bin/python && echo .venv/bin/python || echo python3)}
 
+# The one training flag this script reads itself: --device cpu (among the extra flags) trains
+# on the CPU even where there are GPUs, so auto counts CPU processes then, not GPUs.
+device=auto
+args=("$@")
+for ((i = 0; i < ${#args[@]}; i++)); do
+  case "${args[i]}" in
+    --device=*) device=${args[i]#--device=} ;;
+    --device) device=${args[i + 1]-} ;;
+  esac
+done
+
 if [ "$NPROC" = auto ]; then
-  NPROC=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null ||
-          { nvidia-smi --list-gpus 2>/dev/null || true; } | wc -l)
+  if [ "$device" = cpu ]; then
+    NPROC=0
+  else
+    NPROC=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null ||
+            { nvidia-smi --list-gpus 2>/dev/null || true; } | wc -l)
+  fi
   if [ "$NPROC" -eq 0 ]; then
     NPROC=2
-    echo "no GPU found: $NPROC processes on the CPU (gloo)"
+    echo "$([ "$device" = cpu ] && echo "--device cpu" || echo "no GPU found"): $NPROC processes on the CPU (gloo)"
   fi
 fi
 

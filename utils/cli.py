@@ -1,20 +1,25 @@
-"""The command line shared by the five scripts, its validation, and the error exit.
+"""The command line shared by the six scripts, its validation, and the error exit.
 
 Every script builds its parser with `build_parser`, adds its own flags in a group
-of its own, and calls `parse_args`. Bad input that can only be seen later (a batch
-that does not split over the processes, a missing data set, a corrupt checkpoint)
-raises `UsageError`; `run_main` turns it into one line on stderr and exit status 2.
+of its own, calls `parse_args`, then `validated(args, check)`: its own `check`
+makes every refusal that needs no process group (a batch that does not split over
+the processes, a device this machine lacks, flags that contradict each other), and
+--check-args stops right after it, so that a batch script's check and the run
+refuse the same things with the same words. Bad input that can only be seen later (a
+missing data set, a corrupt checkpoint) raises `UsageError` there; `run_main` turns
+either into one line on stderr and exit status 2.
 """
 import argparse
 import contextlib
 import importlib.util
+import json
 import math
 import os
 import signal
 import sys
 import time
 import traceback
-
+import types
 
 
 class UsageError(Exception):
@@ -51,8 +56,19 @@ class Parser(argparse.ArgumentParser):
     # one line that names it, and --help for the rest.
     def error(self, message):
         # Every rank of a job parses the same arguments: one copy of the line is enough.
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n"
-                  if _prints_errors() else None)
+        line = f"{self.prog}: error: {message} (see --help)"
+        if _prints_errors():
+            record_for_torchrun(line)
+        self.exit(2, f"{line}\n" if _prints_errors() else None)
+
+
+_NOT_GIVEN = object()
+
+
+def given(args, name: str) -> bool:
+    """Whether the flag whose destination is `name` was on the command line (and not left
+    at its default): a flag that a run would not use is refused only when it was asked for."""
+    return name in getattr(args, "_given", ())
 
 
 def _positive_int(text):
@@ -123,21 +139,34 @@ non_negative_float = _non_negative_float
 port = _port
 
 
-def build_parser(doc: str, model_names) -> argparse.ArgumentParser:
+def build_parser(doc: str, model_names, own_data: bool = False) -> argparse.ArgumentParser:
     """The command line every script shares, grouped; each script adds its own group.
-    model_names: the choices of --model (the script knows its models; this module does not)."""
+    model_names: the choices of --model (the script knows its models; this module does not).
+    own_data: the script trains on a data set of its own (data.own_datasets), not on our
+    CIFAR data: no --dataset, and the data flags say nothing of CIFAR."""
     first_line = (doc or "").strip().splitlines()[0] if doc else None
-    parser = Parser(description=first_line, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # allow_abbrev=False: a flag is its full name only. The launchers read some flags from the
+    # extra arguments themselves (scripts/slurm.sbatch: --checkpoint-dir), which an
+    # abbreviation (--checkpoint-d) would pass unseen.
+    parser = Parser(description=first_line, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                    allow_abbrev=False)
 
     g = parser.add_argument_group("data")
-    g.add_argument("--dataset", choices=["cifar100", "synthetic"], default="cifar100",
-                   help="cifar100 is downloaded once to --data-dir; synthetic is an offline "
-                        "stand-in of the same shape (100 classes, 50,000/10,000 images) that a model can learn")
-    g.add_argument("--data-dir", "--data_dir", default="./data", help="where CIFAR-100 is stored")
+    if own_data:
+        # args.dataset: what own_datasets records of the data (config.json, checkpoints).
+        parser.set_defaults(dataset=None)
+        g.add_argument("--data-dir", "--data_dir", default="./data",
+                       help="where the data set's files are (the script builds its data sets from it)")
+    else:
+        g.add_argument("--dataset", choices=["cifar100", "synthetic"], default="cifar100",
+                       help="cifar100 is downloaded once to --data-dir; synthetic is an offline "
+                            "stand-in of the same shape (100 classes, 50,000/10,000 images) that a model can learn")
+        g.add_argument("--data-dir", "--data_dir", default="./data",
+                       help="where CIFAR-100 is stored (--dataset cifar100)")
     g.add_argument("--train-samples", type=_positive_int, default=None,
-                   help="use only the first N training images (quick runs, tests)")
+                   help="use only the first N training samples (quick runs, tests)")
     g.add_argument("--test-samples", type=_positive_int, default=None,
-                   help="use only the first N test images")
+                   help="use only the first N test samples")
     g.add_argument("--workers", type=_non_negative_int, default=None,
                    help="data-loading worker processes per training process (default: the smaller of 4 "
                         "and the CPU cores per process on this node, at least 1)")
@@ -178,8 +207,9 @@ def build_parser(doc: str, model_names) -> argparse.ArgumentParser:
     g.add_argument("--log-every", type=_positive_int, default=50,
                    help="refresh the progress bar's loss every N steps (each refresh waits for the device)")
     g.add_argument("--check-args", action="store_true",
-                   help="only check the arguments (with WORLD_SIZE from the environment) and exit: "
-                        "0 if they are valid, else one line and 2 (batch scripts run this before srun)")
+                   help="make every check the run makes before it starts (with WORLD_SIZE, LOCAL_WORLD_SIZE "
+                        "from the environment) and exit: 0 if the run would start, else its one line and 2 "
+                        "(batch scripts run this before srun)")
     g.add_argument("--dist-timeout", type=_positive_float, default=1800.0, metavar="SECONDS",
                    help="how long a rank waits in a collective for a peer before the job fails "
                         "(bounds the hang when a peer dies)")
@@ -207,7 +237,7 @@ def add_fast_path_flags(parser):
                    help="torch.compile the model (compilation happens in the first steps, outside the timing)")
     g.add_argument("--compile-mode", default="default",
                    choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
-                   help="torch.compile's mode, with --compile. reduce-overhead and max-autotune replay CUDA "
+                   help="torch.compile's mode (needs --compile). reduce-overhead and max-autotune replay CUDA "
                         "graphs (fewer kernel launches from the CPU): for one process, where no DDP wrapper "
                         "runs hooks between the graphs; max-autotune* tune kernels for minutes first")
     g.add_argument("--eval-every", type=_positive_int, default=1, metavar="N",
@@ -215,7 +245,14 @@ def add_fast_path_flags(parser):
 
 
 def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """The parsed arguments, checked for what the command line alone can tell; `given`
+    then answers which flags were on it."""
     args = parser.parse_args(argv)
+    # Which flags were given: parsed again into a namespace that already holds a marker for
+    # every destination (argparse fills in a default only where the namespace has none).
+    marked = parser.parse_args(argv, argparse.Namespace(**{
+        action.dest: _NOT_GIVEN for action in parser._actions if action.dest != argparse.SUPPRESS}))
+    args._given = frozenset(name for name, value in vars(marked).items() if value is not _NOT_GIVEN)
     if args.local_rank is not None and "LOCAL_RANK" not in os.environ:
         os.environ["LOCAL_RANK"] = str(args.local_rank)
     if args.checkpoint_dir is not None and not args.checkpoint_dir.strip():
@@ -230,15 +267,76 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
     if getattr(args, "tensorboard", None) and importlib.util.find_spec("tensorboard") is None:
         parser.error("--tensorboard needs the tensorboard package, which is not installed: "
                      "pip install tensorboard")
-    if args.check_args:
-        try:
-            world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
-            split_batch(args.batch_size, world_size, getattr(args, "accum_steps", 1) or 1)
-        except (UsageError, ValueError) as err:
-            parser.error(str(err))
-        print(f"arguments OK for {world_size} process{'es' if world_size != 1 else ''}")
-        sys.exit(0)
     return args
+
+
+class Plan(types.SimpleNamespace):
+    """What a script's check settled before anything started: `world_size` (the processes
+    of the whole job) and whatever else the run takes from it (the per-device batch, ...)."""
+
+    def __init__(self, world_size: int, **settled):
+        super().__init__(world_size=world_size, **settled)
+
+
+def validated(args, check) -> Plan:
+    """check(args): the script's every refusal that needs no process group, a UsageError
+    (one line, exit status 2 through run_main) for bad input; it returns a Plan. The run
+    calls this before it starts anything, and --check-args (what scripts/slurm.sbatch runs
+    before srun) stops right after it: both refuse the same input with the same line,
+    through the same code."""
+    plan = check(args)
+    if args.check_args:
+        n = plan.world_size
+        print(f"arguments OK for {n} process{'es' if n != 1 else ''}", flush=True)
+        sys.exit(0)
+    return plan
+
+
+def check_flags(args, device_type: str, launcher: str = "torchrun"):
+    """The refusals every script shares that need no process group: flags the run would
+    accept and then not use, and flags that contradict each other. device_type: the device
+    the run will train on; launcher: what starts its processes, "torchrun" (and plain
+    python), "itself" (mp.spawn), or None (one process that joins no group)."""
+    from . import data  # here, not at the top: utils.data imports this module
+    data.check_flags(args)
+    if given(args, "compile_mode") and not args.compile:
+        raise UsageError(f"--compile-mode {args.compile_mode} chooses how --compile compiles: add --compile, "
+                         "or leave --compile-mode out")
+    if getattr(args, "data_on_gpu", False) and args.workers:
+        raise UsageError(f"--workers {args.workers} with --data-on-gpu: the data is already in device memory "
+                         "and no loader worker runs; leave --workers out")
+    if args.nesterov and args.momentum == 0:
+        # torch.optim.SGD refuses it too, with a traceback: Nesterov's look-ahead is a momentum term.
+        raise UsageError("--momentum 0 with Nesterov momentum (on by default): add --no-nesterov, "
+                         "or give a momentum above 0")
+    if args.local_rank is not None:
+        if launcher is None:
+            raise UsageError(f"--local-rank {args.local_rank}: this script is one process that no launcher "
+                             "starts; run it with plain python")
+        if launcher == "itself":
+            raise UsageError(f"--local-rank {args.local_rank}: this script starts and numbers its own "
+                             "processes (--nproc-per-node); run it with plain python, not a launcher")
+        if not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+            raise UsageError(f"--local-rank {args.local_rank} without RANK and WORLD_SIZE: it comes from "
+                             "torch.distributed.launch, which sets those too; under plain python "
+                             "(one process) leave it out")
+    if launcher is None and given(args, "dist_timeout"):
+        raise UsageError("--dist-timeout bounds a wait for another process; this script is one process "
+                         "and joins no process group: leave it out")
+
+
+def device_of_this_rank(args):
+    """The device this process of a torchrun job (or a plain python run) will train on,
+    as utils.distributed.setup_from_env will pick it, or the UsageError it would raise:
+    an accelerator that --device names and this machine lacks, more processes on this
+    node (LOCAL_WORLD_SIZE) than devices."""
+    from . import distributed as dist_utils  # here: utils.distributed imports this module
+    if not dist_utils.launched_by_torchrun():
+        return dist_utils.pick_device(0, 1, args.device)
+    world_size = dist_utils.world_size_from_env()
+    return dist_utils.pick_device(dist_utils._env_int("LOCAL_RANK", 0),
+                                  dist_utils._env_int("LOCAL_WORLD_SIZE", world_size), args.device,
+                                  distributed=True)
 
 
 def split_batch(global_batch: int, world_size: int, accum_steps: int = 1) -> int:
@@ -259,7 +357,7 @@ def split_batch(global_batch: int, world_size: int, accum_steps: int = 1) -> int
 def plain_config(args: argparse.Namespace) -> dict:
     """The resolved arguments as plain JSON-able values (saved beside checkpoints)."""
     return {k: (v if isinstance(v, (int, float, str, bool, type(None))) else str(v))
-            for k, v in sorted(vars(args).items())}
+            for k, v in sorted(vars(args).items()) if not k.startswith("_")}
 
 
 # What a rank's error says when a peer died or left (gloo's sockets; utils.distributed.meeting).
@@ -289,6 +387,7 @@ def run_main(main, argv=None):
         except UsageError as err:
             if _prints_errors(getattr(err, "met_by", "job")):
                 print(error_line(err), file=sys.stderr, flush=True)
+                record_for_torchrun(error_line(err))
             sys.exit(2)
         except KeyboardInterrupt:
             sys.exit(130)
@@ -330,6 +429,23 @@ def run_main(main, argv=None):
         leave(1)
     if _joined_a_group:
         leave(0)
+
+
+def record_for_torchrun(line: str):
+    """Under torchrun, also leave `line` where torchrun reads a failed rank's error (the file
+    TORCHELASTIC_ERROR_FILE names, in the JSON form that torch.distributed.elastic's
+    ErrorHandler.record_exception writes). torchrun's closing "FAILED" summary then shows
+    this line as the root cause's traceback, instead of a pointer to its documentation, so
+    the one line that says what to fix is also the last thing on the screen."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": {
+                "py_callstack": line, "timestamp": str(int(time.time()))}}}, f)
+    except OSError:  # the launcher's folder gone: the line on stderr is still there
+        pass
 
 
 def error_line(message, kind: str = "error") -> str:

@@ -222,21 +222,48 @@ def build_datasets(args, env: DistEnv):
     return TrainImages(train, args.seed), TestImages(test)
 
 
+def check_flags(args, own_data: bool = False):
+    """The data flags' refusals that need no process group (cli.check_flags and
+    own_datasets make them). own_data: the script trains on a data set of its own, which
+    a parser built with build_parser(own_data=True) also says (args.dataset None)."""
+    dataset = getattr(args, "dataset", None)
+    if own_data or dataset is None:
+        if dataset not in (None, "cifar100"):  # the parser's default, when it has the flag
+            raise UsageError(f"--dataset {dataset} chooses one of our CIFAR data sets; "
+                             "this script trains on its own (leave --dataset out)")
+        if getattr(args, "data_on_gpu", False):
+            raise UsageError("--data-on-gpu holds the CIFAR images in device memory and augments "
+                             "them there; it does not apply to another data set (leave it out)")
+    elif dataset == "synthetic" and cli.given(args, "data_dir"):
+        raise UsageError(f"--data-dir {args.data_dir} with --dataset synthetic, which is made in memory and "
+                         "reads nothing: leave --data-dir out, or use --dataset cifar100")
+
+
 def own_datasets(args, train, test):
     """Your own (train, test) data sets, ready for train_loader and eval_loader: any
     map-style data sets of (input, label) pairs, with their own transforms (random
     ones included), cut to --train-samples/--test-samples. The training set is seen
     through SeededSamples, which makes its random transforms depend on (--seed,
-    epoch, index) only. Flags that choose or hold our CIFAR data are refused."""
-    if args.dataset != "cifar100":
-        raise UsageError(f"--dataset {args.dataset} chooses one of our CIFAR data sets; "
-                         "this script trains on its own (leave --dataset out)")
-    if getattr(args, "data_on_gpu", False):
-        raise UsageError("--data-on-gpu holds the CIFAR images in device memory and augments "
-                         "them there; it does not apply to another data set (leave it out)")
+    epoch, index) only. Flags that choose or hold our CIFAR data are refused.
+
+    What the data is (its class, "ImageFolder", "TensorDataset") goes into args.dataset,
+    which config.json and the checkpoints record, and which a resume must match."""
+    check_flags(args, own_data=True)
     train = _first(train, args.train_samples, "--train-samples")
     test = _first(test, args.test_samples, "--test-samples")
+    args.dataset = describe(train)
     return SeededSamples(train, args.seed), test
+
+
+def describe(dataset) -> str:
+    """The class name of the data set under our views and torch's Subset ("ImageFolder")."""
+    while True:
+        inner = getattr(dataset, "base", None)  # our views
+        if inner is None:
+            inner = getattr(dataset, "dataset", None)  # torch's Subset
+        if not isinstance(inner, Dataset):
+            return type(dataset).__name__
+        dataset = inner
 
 
 def num_classes(dataset) -> int:
@@ -485,11 +512,15 @@ class Loader(DataLoader):
     signal to the whole process group cannot kill one before `_worker_init` runs.
 
     Given `env` (train_loader and eval_loader pass it), the first batch of a run's first
-    loader checks the shared memory for all of them: warn_if_shm_short."""
+    loader checks the shared memory for all of them: warn_if_shm_short.
 
-    def __init__(self, *args, env: DistEnv = None, purpose: str = "loader", **kwargs):
+    channels_last (--channels-last): the batches' inputs must be images (N x C x H x W);
+    the first batch of any other shape is refused in one line, on every rank alike."""
+
+    def __init__(self, *args, env: DistEnv = None, purpose: str = "loader", channels_last: bool = False,
+                 **kwargs):
         super().__init__(*args, **kwargs)
-        self.env, self.purpose = env, purpose
+        self.env, self.purpose, self.channels_last = env, purpose, channels_last
         if env is not None and env.local_rank == 0 and self.num_workers:  # once per node
             _shm_unchecked.add(self)
 
@@ -498,6 +529,8 @@ class Loader(DataLoader):
             end_loader_workers_at_exit()  # they ignore SIGTERM, which exit handlers would send
         with stop_signals_blocked():
             batches = super().__iter__()
+        if self.channels_last:
+            batches = _images_only(batches)
         if self in _shm_unchecked:
             return self._check_shm_at_first_batch(batches)
         return batches
@@ -519,6 +552,20 @@ class Loader(DataLoader):
         yield from batches
 
 
+def _images_only(batches):
+    """The batches, once the first one's inputs are seen to be images: channels_last is a
+    layout of 4-dimensional tensors, and .to(memory_format=torch.channels_last) of any other
+    raises in the middle of the training step."""
+    for inputs, *rest in batches:
+        if not (isinstance(inputs, torch.Tensor) and inputs.dim() == 4):
+            shape = " x ".join(map(str, inputs.shape)) if isinstance(inputs, torch.Tensor) else type(inputs).__name__
+            raise UsageError(f"--channels-last lays out images (N x C x H x W); this data set's inputs come "
+                             f"as {shape}: leave --channels-last out")
+        yield (inputs, *rest)
+        break
+    yield from batches
+
+
 def train_loader(train_set, per_device_batch: int, global_batch: int, env: DistEnv, args) -> DataLoader:
     """The training loader: whole global batches split over the ranks (TrainSampler).
     `train_set` is a view from build_datasets or own_datasets; any other map-style data
@@ -533,7 +580,7 @@ def train_loader(train_set, per_device_batch: int, global_batch: int, env: DistE
                   num_workers=workers, pin_memory=env.device.type not in ("cpu", "mps"),
                   persistent_workers=workers > 0, worker_init_fn=_worker_init,
                   drop_last=False,  # the sampler already yields whole batches
-                  env=env, purpose="training")
+                  env=env, purpose="training", channels_last=getattr(args, "channels_last", False))
 
 
 def eval_loader(test_set, batch_size: int, env: DistEnv, args) -> DataLoader:
@@ -542,7 +589,7 @@ def eval_loader(test_set, batch_size: int, env: DistEnv, args) -> DataLoader:
                   sampler=ShardSampler(len(test_set), env.rank, env.world_size),
                   num_workers=workers, pin_memory=env.device.type not in ("cpu", "mps"),
                   persistent_workers=workers > 0, worker_init_fn=_worker_init,
-                  env=env, purpose="evaluation")
+                  env=env, purpose="evaluation", channels_last=getattr(args, "channels_last", False))
 
 
 # --- shared memory -------------------------------------------------------------------

@@ -16,16 +16,29 @@ from .distributed import DistEnv, print0
 
 def add_flags(parser):
     g = parser.add_argument_group("replicas")
+    # What --sync-bn costs besides its all-gather: with several processes in training,
+    # SyncBatchNorm's forward (torch/nn/modules/_functions.py, SyncBatchNorm.forward) drops
+    # the statistics of ranks that had no samples with a boolean mask, count_all[mask]; the
+    # result's shape depends on the mask's values, so the CPU waits there for the GPU once per
+    # batch-norm layer and step: 20 times per step for ResNet-18. It also keeps the step out
+    # of CUDA graphs (PyTorch skips the mask while one is being captured).
     g.add_argument("--sync-bn", "--sync_bn", action="store_true",
-                   help="SyncBatchNorm: batch statistics over the global batch (GPUs only)")
+                   help="SyncBatchNorm: batch statistics over the global batch (CUDA and XPU GPUs only); "
+                        "costs an all-gather and a GPU-to-CPU sync per batch-norm layer and step "
+                        "(20 for ResNet-18)")
     g.add_argument("--verify-sync", action="store_true",
                    help="at the end, check that parameters and buffers agree across ranks")
 
 
+def check_flags(args, device_type: str):
+    """The refusals of these flags that need no process group (the scripts' check)."""
+    if args.sync_bn and device_type not in ("cuda", "xpu"):  # where SyncBatchNorm's kernels exist
+        raise UsageError(f"--sync-bn needs GPUs: PyTorch's SyncBatchNorm runs only on CUDA and XPU "
+                         f"devices, and this run trains on {device_type} (leave --sync-bn out)")
+
+
 def convert_sync_bn(model: nn.Module, env: DistEnv) -> nn.Module:
-    if env.device.type not in ("cuda", "xpu"):  # where SyncBatchNorm's kernels exist
-        raise UsageError("--sync-bn needs GPUs: PyTorch's SyncBatchNorm runs only on CUDA and XPU "
-                         "devices (on CPU, leave it out)")
+    """Every batch-norm layer as a SyncBatchNorm (check_flags has refused devices without one)."""
     return nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
 
