@@ -329,8 +329,8 @@ def draw_sharding(out: Path, world_size: int = 4):
     stages = [name for name, _ in units[1:]]
     sizes = {name: f"{4 * n / 1e6:.1f} MB" for name, n in units}
     rows = {"compute": 2.0, "all-gather": 1.0, "reduce-scatter": 0.0}
-    bottom.set_title("(b) One step of distributed_fsdp.py on one rank (ZeRO-3: every unit, the root too, "
-                     "resharded after forward): the order, not the durations", fontsize=10, loc="left")
+    bottom.set_title("(b) One step of distributed_fsdp.py on one rank (ZeRO-3: each stage resharded after "
+                     "forward, the root kept whole): the order, not the durations", fontsize=10, loc="left")
     for label, y in rows.items():
         bottom.text(-0.2, y + 0.35, label, ha="right", va="center", fontsize=8.5)
 
@@ -346,19 +346,20 @@ def draw_sharding(out: Path, world_size: int = 4):
         box(1 + i, "all-gather", f"{stage}\n{sizes[stage]}", COMPUTE)
         box(2 + i, "compute", f"{stage},\nthen free", IDLE)
     forward_end = 3 + len(stages)
-    box(forward_end - 1, "compute", "pool, fc;\nfree root", IDLE)
+    box(forward_end - 1, "compute", "pool, fc;\nroot kept", IDLE)
     bottom.plot([forward_end, forward_end], [-0.05, 2.75], color="#888888", lw=0.8, ls="--")
     bottom.text(forward_end / 2, 2.85, "forward", ha="center", fontsize=9)
-    # Backward: gather the root again, then each stage one ahead (the default prefetch, in
-    # reverse forward order); a stage's gradients are reduce-scattered once its backward is done.
+    # Backward: the root is still whole (distributed_fsdp.py leaves its reshard_after_forward to
+    # PyTorch, which keeps the root gathered for backward), so backward starts computing at once
+    # while each stage is gathered one ahead (the default prefetch, in reverse forward order); a
+    # stage's gradients are reduce-scattered once its backward is done.
     b0 = forward_end + 0.1
-    box(b0, "all-gather", "root\nagain", COMPUTE)
-    box(b0 + 1, "compute", "fc\nbackward", "#c6dbef")
+    box(b0, "compute", "fc\nbackward", "#c6dbef")
     for i, stage in enumerate(reversed(stages)):
-        box(b0 + 1 + i, "all-gather", f"{stage}\nprefetch", COMPUTE)
-        box(b0 + 2 + i, "compute", f"{stage}\nbackward", "#c6dbef")
-        box(b0 + 3 + i, "reduce-scatter", f"{stage}\ngradients", COMM)
-    stem_x = b0 + 2 + len(stages)
+        box(b0 + i, "all-gather", f"{stage}\nprefetch", COMPUTE)
+        box(b0 + 1 + i, "compute", f"{stage}\nbackward", "#c6dbef")
+        box(b0 + 2 + i, "reduce-scatter", f"{stage}\ngradients", COMM)
+    stem_x = b0 + 1 + len(stages)
     box(stem_x, "compute", "stem\nbackward", "#c6dbef")
     box(stem_x + 1, "reduce-scatter", "root\ngradients", COMM)
     box(stem_x + 2, "compute", "optimizer\nstep", ACCENT)
@@ -366,9 +367,10 @@ def draw_sharding(out: Path, world_size: int = 4):
     bottom.text((forward_end + end) / 2, 2.85, "backward, then the optimizer step", ha="center", fontsize=9)
     bottom.text(-1.3, -0.3, "Boxes one above the other run at the same time: the next unit's all-gather overlaps "
                 "this unit's compute, in forward because the CPU issues it while\nthe GPU still computes, in "
-                "backward by the default prefetch. A stage is freed after its backward, the root only at the "
-                "end (the stem's gradient comes last).\nWith --no-reshard-after-forward every unit stays whole "
-                "from its forward to its backward: no all-gathers in backward.", fontsize=8, va="top")
+                "backward by the default prefetch. A stage is freed after its backward; the root, whole since its "
+                "forward, only at the end (the stem's\ngradient comes last). With --no-reshard-after-forward every "
+                "stage stays whole from its forward to its backward too: no all-gathers in backward.",
+                fontsize=8, va="top")
     bottom.set_xlim(-1.3, end + 0.1)
     bottom.set_ylim(-0.95, 3.05)
     bottom.axis("off")
