@@ -31,6 +31,9 @@ Faults, when global step S completes on global rank R:
                     reaches this process in the middle of it.
     sigbus-loader   SIGBUS to one of this process's DataLoader workers: what a worker
                     gets when the shared-memory folder (/dev/shm) is full.
+    pause           every rank (--rank -1) or rank R: create --marker PATH.RANK, then
+                    sleep --pause-seconds before going on (a test acts on the network
+                    meanwhile, at a known step).
 
 kill and raise act after the step's bookkeeping (a checkpoint due at step S is
 written first). The signals are sent just before it, so that the run's own stop
@@ -49,8 +52,9 @@ import sys
 import time
 
 FAULTS = ("kill", "raise", "sigterm-self", "sigterm-parent", "kill-during-save", "signal-group",
-          "signal-job", "kill-launcher", "signal-during-eval", "sigbus-loader")
+          "signal-job", "kill-launcher", "signal-during-eval", "sigbus-loader", "pause")
 SIGNAL = signal.SIGTERM  # set from --send
+PAUSE = {"marker": None, "seconds": 0.0}  # set from --marker, --pause-seconds
 
 
 def _first_attempt() -> bool:
@@ -92,6 +96,10 @@ def _fire(kind: str, rank: int, step: int):
                 pass
     elif kind == "kill-launcher":
         os.kill(_launcher(), signal.SIGKILL)
+    elif kind == "pause":
+        with open(f"{PAUSE['marker']}.{rank}", "w") as f:
+            f.write(str(step))
+        time.sleep(PAUSE["seconds"])
     elif kind == "sigbus-loader":
         import multiprocessing
         workers = [child for child in multiprocessing.active_children() if child.daemon]
@@ -153,13 +161,13 @@ def patch_step_done(kind: str, rank: int, step: int, once: bool, once_file=None)
     before = kind.startswith("sigterm") or kind.startswith("signal") or kind == "kill-launcher"
 
     def step_done(self):
-        due = (self.env.rank == rank and self.global_step + 1 == step
+        due = (rank in (self.env.rank, -1) and self.global_step + 1 == step
                and (_first_attempt() or not once) and _claim(once_file))
         if due and before:
             _fire(kind, rank, step)
         stop = original(self)
         if due and not before:
-            _fire(kind, rank, step)
+            _fire(kind, self.env.rank, step)
         return stop
 
     TrainingRun.step_done = step_done
@@ -211,9 +219,14 @@ def main():
     parser.add_argument("--send", default="TERM", choices=["TERM", "INT", "USR1"],
                         help="signal-group, signal-job, signal-during-eval: which signal")
     parser.add_argument("--eval-seconds", type=float, default=4.0, help="signal-during-eval: the pause")
+    parser.add_argument("--marker", default=None, help="pause: the file to create (.RANK is appended)")
+    parser.add_argument("--pause-seconds", type=float, default=1.0, help="pause: how long")
     opts = parser.parse_args(argv[:split])
     global SIGNAL
     SIGNAL = getattr(signal, "SIG" + opts.send)
+    PAUSE.update(marker=opts.marker, seconds=opts.pause_seconds)
+    if opts.fault == "pause" and not opts.marker:
+        sys.exit("fault_injection.py: pause needs --marker PATH")
     script, script_args = argv[split + 1], argv[split + 2:]
     if opts.fault == "sigterm-parent" and "TORCHELASTIC_RUN_ID" not in os.environ:
         sys.exit("fault_injection.py: sigterm-parent needs torchrun as the parent (it would signal "

@@ -12,7 +12,9 @@ import datetime
 import inspect
 import os
 import random
+import re
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -21,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .cli import UsageError, joined_a_group
+from .cli import UsageError, error_line, joined_a_group
 
 
 @dataclass(frozen=True)
@@ -147,16 +149,96 @@ def setup(rank: int, world_size: int, local_rank: int, local_world_size: int,
     so a failed job ends instead of hanging.
     """
     device = pick_device(local_rank, local_world_size, device, distributed=True)  # may refuse: before the watcher starts
+    backend = dist.get_default_backend_for_device(device)
+    peer_host = _meeting_host(init_method)
+    if world_size > local_world_size:  # several nodes: a network setup that cannot work is refused now
+        check_network(peer_host, {backend, "gloo"}, announce=local_rank == 0)  # gloo: the stop agreement's on GPUs
     watch_launcher()
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
     # device_id binds the group to this rank's device: NCCL connects here rather than in the
     # first collective, so a broken setup fails now, with the launch, and not minutes later.
-    dist.init_process_group(dist.get_default_backend_for_device(device), init_method=init_method,
-                            rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s),
-                            device_id=device if device.type != "cpu" else None)
+    with bounded_join(rank, timeout_s, peer_host, multi_node=world_size > local_world_size, backend=backend):
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if device.type != "cpu" else None)
     joined_a_group()  # the process now ends through cli.leave (see there)
     return DistEnv(rank, local_rank, world_size, local_world_size, device, distributed=True)
+
+
+def _meeting_host(init_method: str):
+    """The host every rank meets at: MASTER_ADDR (env://), tcp://HOST:PORT's HOST; None for
+    file:// (a shared file, no host)."""
+    if init_method.startswith("env://"):
+        return os.environ.get("MASTER_ADDR") or None
+    if init_method.startswith("tcp://"):
+        host = init_method[len("tcp://"):].rsplit(":", 1)[0]
+        return host.strip("[]") or None
+    return None
+
+
+def check_network(peer_host, backends, announce: bool = True):
+    """Before joining a group that spans several nodes: refuse, in one line, a setup that
+    cannot work (this host's name resolving to loopback, which gloo would hand the other
+    nodes as its address); warn of one that may not (gloo or NCCL on an interface other
+    than the one that reaches `peer_host`). utils/network.py says how each library chooses."""
+    from . import network
+    findings = network.multi_node_findings(peer_host, tuple(backends))
+    for finding in findings:
+        if finding.certain:
+            raise UsageError(f"{finding.what}. Fix: {finding.fix}", met_by="node")
+    if announce:  # once per node
+        for finding in findings:
+            print(error_line(f"{finding.what}. Fix: {finding.fix}", kind="warning"), file=sys.stderr, flush=True)
+
+
+# How much longer than --dist-timeout a rank may take to join before it gives up on its own:
+# the backends' own timeouts come first where they hold. (gloo's connection of the full mesh
+# does not always: a rank whose peer failed to connect to it was still waiting 150 s into a
+# 30 s timeout, measured on two hosts with PyTorch 2.14.)
+JOIN_GRACE_S = 10.0
+
+
+@contextlib.contextmanager
+def bounded_join(rank: int, timeout_s: float, peer_host, multi_node: bool, backend: str):
+    """Around init_process_group: a rank that has not joined `timeout_s` + JOIN_GRACE_S later
+    prints one line with the likeliest cause and exits with status 1, instead of waiting on."""
+    joined = threading.Event()
+
+    def watch():
+        if joined.wait(timeout_s + JOIN_GRACE_S):
+            return
+        cause = ("a rank did not come: it failed before joining, or cannot reach "
+                 f"{peer_host or 'the rendezvous'}")
+        if multi_node:
+            from . import network
+            findings = network.multi_node_findings(peer_host, (backend, "gloo"))
+            if findings:
+                cause = f"{findings[0].what}. Fix: {findings[0].fix}"
+            else:
+                gloo = network.gloo_choice()
+                cause += (f", or cannot be reached by the others: gloo listens here on {gloo.address} "
+                          f"({gloo.why}); if they cannot reach it, export GLOO_SOCKET_IFNAME=<the interface "
+                          "they reach this host by> (scripts/preflight.py names it)")
+        print(error_line(f"rank {rank} did not join the {backend} process group within --dist-timeout "
+                         f"{timeout_s:g} s: {cause}"), file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="bounded-join", daemon=True).start()
+    try:
+        yield
+    except RuntimeError as err:  # torch's DistError and its kinds are RuntimeErrors
+        joined.set()
+        if multi_node:  # a network setup that keeps the nodes apart: said in one line, with its fix
+            from . import network
+            findings = network.multi_node_findings(peer_host, (backend, "gloo"))
+            if findings:
+                first = first_line(err)
+                raise UsageError(f"rank {rank} could not join the {backend} process group ({first}): "
+                                 f"{findings[0].what}. Fix: {findings[0].fix}", met_by="rank") from None
+        raise
+    finally:
+        joined.set()
 
 
 def watch_launcher(grace_s: float = 30.0, poll_s: float = 1.0):
@@ -230,6 +312,13 @@ def all_reduce_sum(tensor: torch.Tensor, call: str = None) -> torch.Tensor:
     return tensor
 
 
+def first_line(err: BaseException, limit: int = 300) -> str:
+    """An error's first line, without the C++ source location that gloo puts in front
+    ("[/__w/pytorch/.../pair.cc:152] "): it says nothing to a user."""
+    line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return re.sub(r"\[[^\]\s]*\.(?:cc|cpp|h|hpp):\d+\] ?", "", line)[:limit]
+
+
 class MissedCollective(RuntimeError):
     """A collective that every rank must reach failed on this rank: a peer never came."""
 
@@ -245,7 +334,7 @@ def meeting(call: str):
     except RuntimeError as err:
         if isinstance(err, MissedCollective) or not (dist.is_available() and dist.is_initialized()):
             raise
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        first = first_line(err)
         raise MissedCollective(
             f"rank {dist.get_rank()} waited in {call}, which every rank must reach at the same point, "
             f"and it failed: {first}. Another rank never came: it failed, or it skipped this call or "
