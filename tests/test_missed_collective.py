@@ -11,7 +11,7 @@ from utils import distributed as dist_utils
 # collectives), in which rank 1 leaves the loop after step 5, as a rank-dependent
 # `break` would, and then stays busy elsewhere.
 PROGRAM = """
-import sys, time
+import os, sys, time
 import torch
 sys.path.insert(0, {root!r})
 from utils import cli, distributed as dist_utils, schedule
@@ -20,6 +20,8 @@ from utils.run import TrainingRun
 def main(argv):
     args = cli.parse_args(cli.build_parser("", ["tiny"]), argv)
     env = dist_utils.setup_from_env(timeout_s=args.dist_timeout)
+    if os.environ.get("STOP_GROUP_AS_ON_GPUS"):  # the default group's backend as NCCL's: the stop
+        torch.distributed.get_backend = lambda group=None: "nccl"  # agreement gets a gloo group of its own
     try:
         model = torch.nn.Linear(4, 2)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -33,7 +35,8 @@ def main(argv):
                 optimizer.step()
                 run.meter.update(loss.detach(), torch.zeros(2, 2), torch.zeros(2, dtype=torch.long))
                 if env.rank == 1 and step == 4:
-                    time.sleep(3 * args.dist_timeout)  # left the loop: never reaches step 10's agreement
+                    run.stop_signal.close()  # busy elsewhere: ended at once by torchrun's SIGTERM
+                    time.sleep(10 * args.dist_timeout)  # left the loop: never reaches step 10's agreement
                     return
                 if run.step_done():
                     break
@@ -46,17 +49,24 @@ cli.run_main(main)
 """
 
 
-def test_the_waiting_rank_names_the_call_it_waited_in(tmp_path):
+@pytest.mark.parametrize("stop_group", ["default", "own"])
+def test_the_waiting_rank_names_the_call_it_waited_in(tmp_path, stop_group):
+    """stop_group "own": the stop agreement on a gloo group of its own, as on GPUs, whose
+    timeout must be --dist-timeout too (not gloo's default 30 minutes: the test's 120 s
+    would end first)."""
     program = tmp_path / "loop.py"
     program.write_text(PROGRAM.format(root=str(ROOT)))
+    env = subprocess_env(**({"STOP_GROUP_AS_ON_GPUS": "1"} if stop_group == "own" else {}))
     proc = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", program,
                        "--epochs", "1", "--batch-size", "4", "--workers", "0", "--dist-timeout", "3"],
-                      check=False, timeout=120, env=subprocess_env())
+                      check=False, timeout=120, env=env)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output
     # torchrun reports rank 0 as the first failure, with the message of its error file.
     assert "rank 0 waited in run.step_done() at step 10 (the stop-signal agreement)" in output, output
     assert "left the training loop on its own" in output, output
+    # Its own timeout, not rank 1's exit 30 s later (which closes the connection).
+    assert "Timed out" in output.split("rank 0 waited in run.step_done() at step 10")[1].splitlines()[0], output
     assert "MissedCollective" in output, output
 
 

@@ -17,6 +17,7 @@ between a worker's start and that call.
 """
 import atexit
 import contextlib
+import datetime
 import os
 import signal
 import threading
@@ -39,15 +40,17 @@ class Preempted(SystemExit):
 class StopSignal:
     """A collective: should_stop() must be called by every rank at the same steps."""
 
-    def __init__(self, distributed: bool, check_every: int = 10):
+    def __init__(self, distributed: bool, check_every: int = 10, timeout_s: float = 1800.0):
         self.received = None
         self.distributed = distributed
         self.check_every = check_every if distributed else 1
         self.group = None
-        if distributed:
+        if distributed and dist.get_backend() != "gloo":
             # The agreement runs on a CPU (gloo) group: reading the result never waits
-            # for the GPU, so it does not stall the queue of kernels.
-            self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+            # for the GPU, so it does not stall the queue of kernels. Its timeout is the
+            # job's (--dist-timeout): a group made without one waits gloo's default, 30
+            # minutes, for a peer that is gone (torch.distributed.constants).
+            self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         self._previous = {sig: signal.signal(sig, self._handler) for sig in SIGNALS}
 
     def close(self):
