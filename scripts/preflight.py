@@ -6,8 +6,15 @@ process per GPU, or 2 CPU processes without a GPU), started by the script itself
     python scripts/preflight.py
     python scripts/preflight.py --workers 8 --batch-size 1024 --sample-shape 3,224,224
 
-Several nodes: launch it exactly as the training job will be launched (same
-rendezvous, same environment), so that it crosses the same network:
+Several nodes: first on each node, with the job's rendezvous endpoint (seconds, no
+other node needed): is this node's name resolvable to an address the others reach, would
+torchrun's c10d rendezvous recognise the endpoint as this node, which interface gloo and
+NCCL would take, and does the endpoint answer:
+
+    python scripts/preflight.py --rdzv-endpoint HOST_OF_NODE_0:29500
+
+then launch it exactly as the training job will be launched (same rendezvous, same
+environment), so that it crosses the same network:
 
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \
         --rdzv-endpoint=HOST_OF_NODE_0:29500 --rdzv-id=preflight scripts/preflight.py --workers 8
@@ -75,6 +82,14 @@ def tcp_port(text):
     return port
 
 
+def endpoint(text):
+    host, _, port = text.rpartition(":") if ":" in text.strip("[]") and not text.endswith("]") else (text, "", "")
+    host = host.strip("[]") or text
+    if not host:
+        raise argparse.ArgumentTypeError(f"expected HOST or HOST:PORT, got {text!r}")
+    return host, tcp_port(port) if port else DEFAULT_PORT
+
+
 def build_parser():
     # utils.cli's parser: a bad flag is one line on stderr and exit status 2, printed by rank 0 only.
     parser = cli.Parser(description=__doc__.strip().splitlines()[0],
@@ -99,6 +114,9 @@ def build_parser():
     g.add_argument("--port", type=tcp_port, default=None,
                    help=f"rendezvous port the training job will use, checked on this node; without it "
                         f"{DEFAULT_PORT} under plain python, none under torchrun (whose own port is in use)")
+    g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", type=endpoint, default=None, metavar="HOST[:PORT]",
+                   help="the multi-node job's rendezvous endpoint (torchrun's --rdzv-endpoint, node 0): under "
+                        "plain python, check this node against it (name resolution, interfaces, the port)")
     g.add_argument("--timeout", type=cli.positive_float, default=30.0, metavar="SECONDS",
                    help="limit for each communication step (start-up, joining, peer copies, all-reduce)")
     g.add_argument("--iters", type=cli.positive_int, default=10, help="timed all-reduces, after one warm-up")
@@ -153,6 +171,9 @@ def validate(args, torchrun: bool):
     if torchrun:
         if args.nproc is not None:
             raise UsageError("--nproc is for plain python; under torchrun use --nproc_per_node")
+        if args.rdzv_endpoint is not None:
+            raise UsageError("--rdzv-endpoint is for plain python (one node, before the job); under torchrun "
+                             "the check crosses the network torchrun's own rendezvous uses")
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         if count and local > count:
             raise UsageError(f"{local} processes per node but only {count} {kind} device"
@@ -281,6 +302,51 @@ def port_facts(port) -> dict:
     return {"port": port, "free": True}
 
 
+def endpoint_answers(host, port, seconds=3.0) -> str:
+    """How host:port answers a TCP connection from here: "listening", "refused" (the host is
+    reached, nothing listens yet: what a job's endpoint does before the job), or why not."""
+    try:
+        with socket.create_connection((host, port), timeout=seconds):
+            return "listening"
+    except ConnectionRefusedError:
+        return "refused"
+    except socket.timeout:
+        return f"no answer within {seconds:g} s"
+    except OSError as err:
+        return err.strerror or str(err)
+
+
+def network_facts(role: Role, args, device) -> dict:
+    """This node as the others see it (utils/network.py): its name, the addresses gloo and
+    NCCL will use, the interface that reaches the rendezvous host, and what keeps it from a
+    multi-node job. The rendezvous host: --rdzv-endpoint under plain python; under torchrun
+    MASTER_ADDR, when the job has several nodes."""
+    from utils import network
+    name = socket.gethostname()
+    known = network.interfaces()
+    gloo = network.gloo_choice(known)
+    nccl, nccl_why = network.nccl_interface(known)
+    out = {"hostname": name, "resolves": network.resolve(name), "interfaces": known,
+           "gloo": {"address": gloo.address, "interface": gloo.interface, "why": gloo.why},
+           "nccl": {"interface": nccl, "why": nccl_why}, "peer": None, "findings": []}
+    peer, rdzv = None, None
+    if role.launcher == "python" and args.rdzv_endpoint is not None:
+        peer, port = args.rdzv_endpoint
+        rdzv = peer
+        out["endpoint"] = {"host": peer, "port": port, "here": network.is_this_host(peer)}
+        if not out["endpoint"]["here"] and network.resolve(peer):
+            out["endpoint"]["answers"] = endpoint_answers(peer, port)
+    elif role.launcher == "torchrun" and role.world_size > role.local_world_size:
+        peer = os.environ.get("MASTER_ADDR")
+    if peer is not None:
+        out["peer"] = peer
+        out["toward"] = list(network.interface_toward(peer, known))
+        backends = ("gloo",) if device.type == "cpu" else ("gloo", "nccl")
+        out["findings"] = [{"certain": f.certain, "what": f.what, "fix": f.fix}
+                           for f in network.multi_node_findings(peer, backends, endpoint=rdzv)]
+    return out
+
+
 def rank_facts(role: Role, args, device) -> dict:
     facts = {"rank": role.rank, "node": role.node, "host": socket.gethostname(), **versions(),
              "device": str(device), "device_name": cpu_model() if device.type == "cpu" else
@@ -299,10 +365,14 @@ def rank_facts(role: Role, args, device) -> dict:
             "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)},
             "interfaces": sorted(name for _, name in socket.if_nameindex()) if hasattr(socket, "if_nameindex")
             else [],
+            "network": network_facts(role, args, device),
         }
     if role.rank == 0:
-        if role.launcher == "python" or args.port is not None:
-            facts["port"] = port_facts(args.port or DEFAULT_PORT)
+        endpoint = args.rdzv_endpoint if role.launcher == "python" else None
+        if endpoint is not None and not facts.get("node_facts", {}).get("network", {}).get("endpoint", {}).get("here"):
+            pass  # the endpoint is another node: its port is that node's to check
+        elif role.launcher == "python" or args.port is not None:
+            facts["port"] = port_facts(args.port or (endpoint[1] if endpoint else DEFAULT_PORT))
         if role.launcher == "torchrun":
             facts["rendezvous"] = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     return facts
@@ -518,7 +588,7 @@ class Report:
         self.problems.append((what, fix))
 
     def run(self) -> list:
-        for section in (self.header, self.versions, self.devices, self.peer_to_peer, self.all_reduce,
+        for section in (self.header, self.versions, self.devices, self.peer_to_peer, self.network, self.all_reduce,
                         self.shared_memory, self.cpu, self.port, self.environment):
             section()
         if self.problems:
@@ -603,6 +673,52 @@ class Report:
             elif copy:
                 print("  a 1 MB copy between every pair arrived intact")
 
+    def network(self):
+        """Each node as the others see it; what cannot work is a problem, what may not is a
+        note (and the likeliest cause if the all-reduce fails)."""
+        nodes = [(node, f, nf["network"]) for node, f, nf in self.each_node() if nf.get("network")]
+        if not nodes:
+            return
+        print("\nnetwork (what gloo and NCCL will use; utils/network.py says how they choose)")
+        for node, f, net in nodes:
+            gloo, nccl = net["gloo"], net["nccl"]
+            print(f"  node {node} ({net['hostname']}): its name resolves to {', '.join(net['resolves']) or 'nothing'}; "
+                  f"gloo listens on {gloo['address']} ({gloo['interface'] or '?'}: {gloo['why']}); "
+                  f"NCCL takes {nccl['interface'] or 'nothing'} ({nccl['why']})")
+            if net.get("peer"):
+                interface, address = net.get("toward") or (None, None)
+                print(f"  node {node}: {net['peer']} is reached through "
+                      + (f"{interface} ({address})" if interface else "no interface found"))
+            endpoint = net.get("endpoint")
+            if endpoint:
+                where = f"{endpoint['host']}:{endpoint['port']}"
+                if endpoint["here"]:
+                    print(f"  node {node}: the rendezvous endpoint {where} is this node")
+                elif endpoint.get("answers") in ("refused", "listening"):
+                    print(f"  node {node}: the rendezvous endpoint {where} answers ("
+                          + ("nothing listens yet, as before the job starts)" if endpoint["answers"] == "refused"
+                             else "something listens already: the job's node 0, or one left running)"))
+                elif endpoint.get("answers"):
+                    self.problem(f"node {node} ({net['hostname']}) cannot reach the rendezvous endpoint {where}: "
+                                 f"{endpoint['answers']}",
+                                 f"check the address, the route (ip route get {endpoint['host']}) and the firewall "
+                                 f"between the nodes (port {endpoint['port']}/tcp, and the ports gloo and NCCL open)")
+            for finding in net["findings"]:
+                if finding["certain"]:
+                    self.problem(f"node {node} ({net['hostname']}): {finding['what']}", finding["fix"])
+                else:
+                    print(f"  node {node}: note: {finding['what']} (fix: {finding['fix']})")
+
+    def network_fixes(self) -> str:
+        """The nodes' own fixes for their network (utils/network.py's findings), or ''."""
+        fixes = []
+        for node, _, nf in self.each_node():
+            findings = (nf.get("network") or {}).get("findings") or []
+            if findings:
+                fixes.append(f"node {node} ({nf['network']['hostname']}): "
+                             + " and ".join(dict.fromkeys(f["fix"] for f in findings)))
+        return "; ".join(fixes)
+
     def bad_interface_variables(self) -> list:
         found = []
         for node, _, nf in self.each_node():
@@ -664,6 +780,8 @@ class Report:
         # nodes, peer-to-peer between GPUs, then gloo's choice of address on one node.
         if self.bad_interface_variables():
             fix = "correct the *_SOCKET_IFNAME variable named below"
+        elif network_fix and self.network_fixes():
+            fix = self.network_fixes()
         elif network_fix:
             fix = network_fix + " (NCCL_DEBUG=INFO shows which interface it took)"
         elif any(nf["peer_access"] for _, _, nf in self.each_node()):
@@ -735,6 +853,9 @@ class Report:
         if self.role.launcher == "torchrun":
             print(f"  {f0.get('rendezvous')}: reached by {len(self.present)} of {self.world} processes")
         port = f0.get("port")
+        endpoint = (self.nodes.get(f0["node"], {}).get("node_facts", {}).get("network") or {}).get("endpoint")
+        if not port and endpoint and not endpoint["here"]:
+            print(f"  {endpoint['port']}: on {endpoint['host']}, another node: checked by its own preflight")
         if not port:
             return
         where = f"node {f0['node']} ({f0['host']})"

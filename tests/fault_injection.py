@@ -42,11 +42,15 @@ check at that same step boundary can already see them.
 --once: act only on the first attempt (TORCHELASTIC_RESTART_COUNT unset or 0).
 --once-file PATH: act at most once among all the processes given the same PATH, whatever
 their restart count (on several nodes each torchrun counts only its own restarts).
+
+FAULT_INJECTION="OPTIONS -- SCRIPT" in the environment gives the options and the script,
+and the command line then only the script's arguments (for launchers that append their own).
 """
 import argparse
 import io
 import os
 import runpy
+import shlex
 import signal
 import sys
 import time
@@ -205,6 +209,11 @@ def patch_checkpoint_save(nth_save: int):
 
 def main():
     argv = sys.argv[1:]
+    if os.environ.get("FAULT_INJECTION"):
+        # Options and script from the environment, every argument for the script: a launcher
+        # that appends its own arguments (scripts/launch_multi_node.sh with SCRIPT=this file)
+        # runs the fault unchanged.
+        argv = [*shlex.split(os.environ["FAULT_INJECTION"]), *argv]
     if "--" not in argv:
         sys.exit("usage: fault_injection.py --fault KIND [--rank R] [--step S] [--save N] "
                  "[--once | --once-file PATH] -- SCRIPT [ARGS...]")

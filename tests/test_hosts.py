@@ -169,3 +169,258 @@ def test_two_hosts_train_bitwise_equal_to_the_same_processes_on_one(make_hosts, 
     assert "world_size" in json.loads((tmp_path / "across" / "config.json").read_text())
     assert json.loads((tmp_path / "across" / "config.json").read_text())["world_size"] == 4
     assert_bitwise_equal(weights(tmp_path / "across"), weights(tmp_path / "one"))
+
+
+# --- f. a network partition mid-run ----------------------------------------------------------
+
+def launch_multi_node(job, hosts, key_suffix, *args, **env):
+    """scripts/launch_multi_node.sh on every host, as README says: the same command on each."""
+    for name in hosts.names:
+        job.procs[f"{name}{key_suffix}"] = hosts.popen(
+            name, ["bash", "scripts/launch_multi_node.sh", *map(str, args)], cwd=ROOT,
+            env=subprocess_env(PYTHON=sys.executable, NNODES=len(hosts.names), NPROC_PER_NODE=1,
+                               RDZV_HOST=hosts.address(hosts.names[0]), RDZV_PORT=PORT, **env),
+            stdout=open(job.log_dir / f"{name}{key_suffix}.log", "w"), stderr=subprocess.STDOUT)
+
+
+DIST_TIMEOUT, GRACE = 10, 10  # --dist-timeout, TORCHRUN_GRACE: what the partition may cost
+
+
+def test_a_partition_ends_every_process_on_both_hosts_and_resume_is_bitwise(make_hosts, tmp_path):
+    """Host B's link goes down mid-run for longer than --dist-timeout, both hosts running
+    scripts/launch_multi_node.sh (torchrun with --max-restarts 3). Every process on both
+    hosts ends within --dist-timeout + TORCHRUN_GRACE + 20 s of the cut: the workers on
+    their collective's timeout, the agent on host B (cut off from the rendezvous store on
+    host A) by torchrun_bounded's grace. The checkpoint on the shared folder is intact, and
+    once the link is back, --resume ends bitwise equal to an uninterrupted run."""
+    steps = 12
+    args = [*TINY, "--train-samples", "2048", "--batch-size", "32", "--workers", "1", "--max-steps", steps,
+            "--checkpoint-every", 3, "--dist-timeout", DIST_TIMEOUT]
+    hosts = make_hosts()
+    reference = Job(hosts, tmp_path)
+    reference.start("reference", "nodea", ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                           "distributed.py", *args, "--checkpoint-dir", tmp_path / "reference"])
+    shared = tmp_path / "shared"
+    marker = tmp_path / "paused"
+    job = Job(hosts, tmp_path)
+    launch_multi_node(job, hosts, "", *args, "--checkpoint-dir", shared, SCRIPT="tests/fault_injection.py",
+                      FAULT_INJECTION=f"--fault pause --rank -1 --step 6 --marker {marker} --pause-seconds 2 "
+                                      "-- distributed.py", TORCHRUN_GRACE=GRACE, JOB_ID="partition")
+    deadline = time.monotonic() + 120
+    while not all(Path(f"{marker}.{rank}").exists() for rank in (0, 1)):  # both at step 6, checkpointed
+        assert time.monotonic() < deadline and all(p.poll() is None for p in job.procs.values()), \
+            "\n".join(job.log(k) for k in job.procs)
+        time.sleep(0.1)
+    hosts.cut("nodeb")
+    cut = time.monotonic()
+    bound = 2 + DIST_TIMEOUT + GRACE + 20  # the pause, the timeouts, and room for a loaded machine
+    codes = job.wait(bound, expect=None)
+    elapsed = time.monotonic() - cut
+    assert all(code != 0 for code in codes.values()), codes
+    left = {name: netns_hosts.processes_in(hosts.namespace(name)) for name in hosts.names}
+    assert left == {"nodea": [], "nodeb": []}, left
+    assert "torchrun_bounded.py: error: no training process has run on this node" in job.log("nodeb"), \
+        job.log("nodeb")
+    print(f"every process ended {elapsed:.1f} s after the cut (bound {bound} s)")
+
+    saved = torch.load(shared / "checkpoint.pt", weights_only=True)  # intact: it loads
+    assert saved["global_step"] == 6
+
+    hosts.restore("nodeb")
+    resumed = Job(hosts, tmp_path)
+    launch_multi_node(resumed, hosts, "-resumed", *args, "--checkpoint-dir", shared, JOB_ID="partition-resumed")
+    resumed.wait(180)
+    assert "resumed from" in resumed.log("nodea-resumed") + resumed.log("nodeb-resumed")
+    reference.wait(120)
+    assert_bitwise_equal(weights(shared), weights(tmp_path / "reference"))
+
+
+# --- g. a host lost for good under elastic torchrun -------------------------------------------
+
+def test_elastic_torchrun_goes_on_without_a_lost_host_with_the_same_global_batch(make_hosts, tmp_path):
+    """--nnodes=1:2 --max-restarts=2, host B lost for good at step 6 (its link cut, its
+    processes killed). The survivor's worker fails on its collective's timeout, torchrun
+    restarts it alone, and it resumes from the checkpoint with the same global batch (32 now
+    in one process instead of 16 in each of two): it ends with the weights of the same
+    checkpoint resumed by one process, bitwise. (Not those of a run that stayed on two: batch
+    norm then normalises over 16 images per process, not 32.)"""
+    args = [*TINY, "--train-samples", "2048", "--batch-size", "32", "--workers", "1", "--max-steps", 12,
+            "--checkpoint-every", 3, "--dist-timeout", DIST_TIMEOUT]
+    hosts = make_hosts()
+    shared, marker = tmp_path / "shared", tmp_path / "paused"
+    job = Job(hosts, tmp_path)
+    elastic = [f"--nnodes=1:2", "--nproc_per_node=1", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint={hosts.address('nodea')}:{PORT}", "--rdzv-id=elastic", "--max-restarts=2",
+               "--rdzv-conf=last_call_timeout=5"]
+    for name in hosts.names:
+        job.start(name, name, ["-m", "torch.distributed.run", *elastic, "tests/fault_injection.py", "--fault", "pause",
+                               "--rank", "-1", "--step", "6", "--marker", marker, "--pause-seconds", "2", "--once",
+                               "--", "distributed.py", *args, "--checkpoint-dir", shared])
+    deadline = time.monotonic() + 120
+    while not all(Path(f"{marker}.{rank}").exists() for rank in (0, 1)):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in job.procs.values()), \
+            "\n".join(job.log(k) for k in job.procs)
+        time.sleep(0.1)
+    hosts.cut("nodeb")
+    for pid in netns_hosts.processes_in(hosts.namespace("nodeb")):  # the machine is gone
+        os.kill(pid, signal.SIGKILL)
+    code = job.procs["nodea"].wait(timeout=DIST_TIMEOUT + 120)
+    log = job.log("nodea")
+    assert code == 0, log
+    assert "torchrun restart: resuming from" in log, log
+    assert json.loads((shared / "config.json").read_text())["world_size"] == 1
+    assert torch.load(shared / "checkpoint.pt", weights_only=True)["global_step"] == 12
+
+    # The same checkpoint of step 6, resumed by one process.
+    reference = tmp_path / "reference"
+    one = Job(hosts, tmp_path)
+    one.start("two", "nodea", ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                               "distributed.py", *args, "--checkpoint-dir", reference,
+                               "--max-steps", "6"])
+    one.wait(120)
+    one = Job(hosts, tmp_path)
+    one.start("one", "nodea", ["distributed.py", *args, "--checkpoint-dir", reference, "--resume"])
+    one.wait(120)
+    assert_bitwise_equal(weights(shared), weights(reference))
+
+
+# --- b. mp.spawn across hosts, by tcp:// and by file:// ---------------------------------------
+
+def test_mp_spawn_across_hosts_by_tcp_and_by_a_shared_file(make_hosts, tmp_path):
+    """distributed_mp.py --nodes 2 on both hosts, meeting at host A's address (tcp://) or
+    through a file in a folder both see (file://): the weights of distributed.py's 2
+    processes on one host, bitwise."""
+    args = [*TINY, "--train-samples", "256", "--batch-size", "32", "--workers", "1"]
+    hosts = make_hosts()
+    job = Job(hosts, tmp_path)
+    job.start("reference", "nodea", ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                     "distributed.py", *args, "--checkpoint-dir", tmp_path / "reference"])
+    for rank, name in enumerate(hosts.names):
+        job.start(f"tcp-{name}", name, ["distributed_mp.py", *args, "--nodes", "2", "--node-rank", rank,
+                                        "--nproc-per-node", "1", "--ip", hosts.address("nodea"), "--port", PORT,
+                                        "--checkpoint-dir", tmp_path / "tcp"])
+        job.start(f"file-{name}", name, ["distributed_mp.py", *args, "--nodes", "2", "--node-rank", rank,
+                                         "--nproc-per-node", "1", "--init-method",
+                                         f"file://{tmp_path / 'rendezvous'}", "--checkpoint-dir", tmp_path / "file"])
+    job.wait(240)
+    for way in ("tcp", "file"):
+        assert json.loads((tmp_path / way / "config.json").read_text())["world_size"] == 2
+        assert_bitwise_equal(weights(tmp_path / way), weights(tmp_path / "reference"))
+
+
+# --- c. sharded checkpoints written from two hosts, resumed on one ----------------------------
+
+def full_state(checkpoint_dir) -> dict:
+    from utils import checkpoint
+    return checkpoint.load_full(str(Path(checkpoint_dir) / "checkpoint.pt"))
+
+
+def test_fsdp_checkpoint_written_from_two_hosts_resumes_on_one(make_hosts, tmp_path):
+    """distributed_fsdp.py, 2 hosts x 1 process, 4 steps: each host writes its own shard
+    files into the shared folder, and the checkpoint holds what 2 processes on one host
+    write, bitwise. One process on one host then resumes it to step 8, as it resumes the
+    one-host checkpoint: the same weights."""
+    args = [*TINY, "--train-samples", "512", "--batch-size", "32", "--workers", "1"]
+    hosts = make_hosts()
+    job = Job(hosts, tmp_path)
+    for name in hosts.names:
+        job.start(name, name, [*torchrun_across(hosts, 1), "distributed_fsdp.py", *args, "--max-steps", "4",
+                               "--checkpoint-dir", tmp_path / "across"])
+    job.start("one-host", "nodea", ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                    "distributed_fsdp.py", *args, "--max-steps", "4",
+                                    "--checkpoint-dir", tmp_path / "one-host"])
+    job.wait(240)
+    shard_files = sorted(p.name for p in (tmp_path / "across").rglob("*.distcp"))
+    assert len(shard_files) == 2, shard_files  # one per rank, so one written from each host
+    across, one_host = full_state(tmp_path / "across"), full_state(tmp_path / "one-host")
+    assert_bitwise_equal(across["model"], one_host["model"])
+    resumed = Job(hosts, tmp_path)
+    for folder in ("across", "one-host"):
+        resumed.start(f"resume-{folder}", "nodeb", ["distributed_fsdp.py", *args, "--max-steps", "8",
+                                                    "--resume", "--checkpoint-dir", tmp_path / folder])
+    resumed.wait(240)
+    for folder in ("across", "one-host"):
+        assert "resumed from" in resumed.log(f"resume-{folder}")
+    across, one_host = full_state(tmp_path / "across"), full_state(tmp_path / "one-host")
+    assert across["global_step"] == 8
+    assert_bitwise_equal(across["model"], one_host["model"])
+
+
+# --- d. each host's own name resolves to loopback (Debian's and Ubuntu's default) -------------
+
+def test_a_host_name_on_loopback_is_named_by_preflight_avoided_by_the_launcher_and_refused(make_hosts, tmp_path):
+    """/etc/hosts maps each host's own name to 127.0.1.1. README's two-node command would
+    wait 2 minutes and fail with a 60-line trace (torchrun's c10d rendezvous does not
+    recognise node 0 by its address, so nobody hosts the store). Here:
+    - preflight, run on each node as README says, names it with its fixes, in seconds;
+    - scripts/launch_multi_node.sh does not fall into it: it trains;
+    - a job that gets past the rendezvous anyway (--rdzv-conf is_host=1 on node 0, one of
+      preflight's fixes, alone) meets gloo's half of the trap: node B refuses in one line at
+      once, node A ends within --dist-timeout + 10 s with a line that names gloo's address."""
+    hosts = make_hosts(own_name="loopback")
+    a = hosts.address("nodea")
+    job = Job(hosts, tmp_path)
+    for name in hosts.names:
+        job.start(f"preflight-{name}", name, ["scripts/preflight.py", "--nproc", "1", "--workers", "0",
+                                              "--rdzv-endpoint", f"{a}:{PORT}", "--timeout", "5"])
+    job.wait(120, expect=1)
+    nodea, nodeb = job.log("preflight-nodea"), job.log("preflight-nodeb")
+    assert "this host is the rendezvous endpoint" in nodea and "will not host its store here" in nodea, nodea
+    assert "--rdzv-conf is_host=1" in nodea and f"map nodea to {a} in /etc/hosts" in nodea, nodea
+    assert "gloo will listen on 127.0.1.1" in nodeb and "export GLOO_SOCKET_IFNAME=eth0" in nodeb, nodeb
+    assert "answers (nothing listens yet" in nodeb, nodeb
+
+    args = [*TINY, "--train-samples", "256", "--batch-size", "32", "--workers", "1", "--dist-timeout", "15"]
+    launched = Job(hosts, tmp_path)
+    launch_multi_node(launched, hosts, "-launcher", *args, "--checkpoint-dir", tmp_path / "launched",
+                      JOB_ID="loopback")
+    launched.wait(180)
+    assert "done: 8 steps" in launched.log("nodea-launcher") + launched.log("nodeb-launcher")
+
+    trapped = Job(hosts, tmp_path)
+    started = time.monotonic()
+    for name in hosts.names:
+        trapped.start(f"trap-{name}", name, [*torchrun_across(hosts, 1, rdzv=["--rdzv-conf=is_host=1"]
+                                                              if name == "nodea" else []), "distributed.py", *args])
+    trapped.procs["trap-nodeb"].wait(timeout=60)
+    assert time.monotonic() - started < 60
+    refusal = [line for line in trapped.log("trap-nodeb").splitlines() if line.startswith("distributed.py: error:")]
+    assert len(refusal) == 1 and "gloo will listen on 127.0.1.1" in refusal[0], trapped.log("trap-nodeb")
+    assert "map nodeb to" in refusal[0] and "GLOO_SOCKET_IFNAME=eth0" in refusal[0]
+    trapped.wait(15 + 10 + 30, expect=None)
+    [line] = [line for line in trapped.log("trap-nodea").splitlines() if line.startswith("distributed.py: error:")]
+    assert "rank 0 could not join the gloo process group" in line or "rank 0 did not join" in line, line
+    assert "gloo listens here on 127.0.1.1 (the address of this host's name nodea)" in line, line
+
+
+# --- e. the interface each host names first reaches no other host -----------------------------
+
+def test_the_wrong_interface_is_named_by_preflight_and_the_variable_fixes_it(make_hosts, tmp_path):
+    """Each host has eth0 (listed first, and the address its own name resolves to), which
+    reaches no other host, and eth1, the link. gloo takes eth0 (NCCL would too: the first
+    interface but lo). preflight under torchrun on both hosts ends within its --timeout
+    bounds and names GLOO_SOCKET_IFNAME=eth1 (and NCCL_SOCKET_IFNAME); with it set,
+    training works."""
+    hosts = make_hosts(two_interfaces=True)
+    job = Job(hosts, tmp_path)
+    started = time.monotonic()
+    for name in hosts.names:  # is_host=1 on node A: its name does not resolve to the endpoint here either
+        job.start(f"preflight-{name}", name, [*torchrun_across(hosts, 1, rdzv=["--rdzv-conf=is_host=1"]
+                                                               if name == "nodea" else []),
+                                              "scripts/preflight.py", "--workers", "0", "--model", "resnet_tiny",
+                                              "--timeout", "10"])
+    job.wait(120, expect=None)
+    elapsed = time.monotonic() - started
+    report = job.log("preflight-nodea") + job.log("preflight-nodeb")
+    assert "FAILED" in report and "export GLOO_SOCKET_IFNAME=eth1" in report, report
+    assert "NCCL takes eth0" in report, report
+    print(f"preflight ended in {elapsed:.0f} s")
+
+    args = [*TINY, "--train-samples", "256", "--batch-size", "32", "--workers", "1", "--dist-timeout", "20"]
+    fixed = Job(hosts, tmp_path)
+    for name in hosts.names:
+        fixed.start(f"fixed-{name}", name, [*torchrun_across(hosts, 1, rdzv=["--rdzv-conf=is_host=1"]
+                                                             if name == "nodea" else []), "distributed.py", *args],
+                    GLOO_SOCKET_IFNAME="eth1")
+    fixed.wait(180)
+    assert "done: 8 steps" in fixed.log("fixed-nodea") + fixed.log("fixed-nodeb")

@@ -199,29 +199,35 @@ def check_network(peer_host, backends, announce: bool = True):
 JOIN_GRACE_S = 10.0
 
 
+def _join_failure_cause(peer_host, backend: str, multi_node: bool) -> str:
+    """The likeliest reason a rank could not join, for its one line."""
+    cause = f"a rank did not come: it failed before joining, or cannot reach {peer_host or 'the rendezvous'}"
+    if not multi_node:
+        return cause
+    from . import network
+    findings = network.multi_node_findings(peer_host, (backend, "gloo"))
+    if findings:
+        return f"{findings[0].what}. Fix: {findings[0].fix}"
+    gloo = network.gloo_choice()
+    return (f"{cause}, or cannot be reached by the others: gloo listens here on {gloo.address} ({gloo.why}); "
+            "if they cannot reach it, export GLOO_SOCKET_IFNAME=<the interface they reach this host by> "
+            "(scripts/preflight.py names it)")
+
+
 @contextlib.contextmanager
 def bounded_join(rank: int, timeout_s: float, peer_host, multi_node: bool, backend: str):
     """Around init_process_group: a rank that has not joined `timeout_s` + JOIN_GRACE_S later
-    prints one line with the likeliest cause and exits with status 1, instead of waiting on."""
+    prints one line with the likeliest cause and exits with status 1, instead of waiting on.
+    On several nodes, a rank whose joining fails (a store timeout, a connection refused) ends
+    the same way: one line, status 1, not a traceback from the depths of gloo."""
     joined = threading.Event()
 
     def watch():
         if joined.wait(timeout_s + JOIN_GRACE_S):
             return
-        cause = ("a rank did not come: it failed before joining, or cannot reach "
-                 f"{peer_host or 'the rendezvous'}")
-        if multi_node:
-            from . import network
-            findings = network.multi_node_findings(peer_host, (backend, "gloo"))
-            if findings:
-                cause = f"{findings[0].what}. Fix: {findings[0].fix}"
-            else:
-                gloo = network.gloo_choice()
-                cause += (f", or cannot be reached by the others: gloo listens here on {gloo.address} "
-                          f"({gloo.why}); if they cannot reach it, export GLOO_SOCKET_IFNAME=<the interface "
-                          "they reach this host by> (scripts/preflight.py names it)")
         print(error_line(f"rank {rank} did not join the {backend} process group within --dist-timeout "
-                         f"{timeout_s:g} s: {cause}"), file=sys.stderr, flush=True)
+                         f"{timeout_s:g} s: {_join_failure_cause(peer_host, backend, multi_node)}"),
+              file=sys.stderr, flush=True)
         os._exit(1)
 
     threading.Thread(target=watch, name="bounded-join", daemon=True).start()
@@ -229,14 +235,12 @@ def bounded_join(rank: int, timeout_s: float, peer_host, multi_node: bool, backe
         yield
     except RuntimeError as err:  # torch's DistError and its kinds are RuntimeErrors
         joined.set()
-        if multi_node:  # a network setup that keeps the nodes apart: said in one line, with its fix
-            from . import network
-            findings = network.multi_node_findings(peer_host, (backend, "gloo"))
-            if findings:
-                first = first_line(err)
-                raise UsageError(f"rank {rank} could not join the {backend} process group ({first}): "
-                                 f"{findings[0].what}. Fix: {findings[0].fix}", met_by="rank") from None
-        raise
+        if not multi_node:
+            raise
+        print(error_line(f"rank {rank} could not join the {backend} process group ({type(err).__name__}: "
+                         f"{first_line(err)}): {_join_failure_cause(peer_host, backend, multi_node)}"),
+              file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     finally:
         joined.set()
 
