@@ -332,3 +332,31 @@ def test_default_workers_fit_the_cores_per_process(monkeypatch, cores, local_wor
     env = DistEnv(0, 0, local_world_size, local_world_size, torch.device("cpu"), local_world_size > 1)
     assert data.loader_workers(parse([]), env) == expected
     assert data.loader_workers(parse(["--workers", "0"]), env) == 0  # an explicit value wins
+
+
+# --- which flags were given; full names only; torchrun's error file -------------------------
+
+def test_given_tells_a_flag_on_the_command_line_from_its_default(no_local_rank):
+    args = parse(["--data-dir", "./data", "--no-nesterov"])
+    assert cli.given(args, "data_dir") and cli.given(args, "nesterov")  # given, even at the default value
+    assert not cli.given(args, "dist_timeout") and not cli.given(args, "batch_size")
+    assert args.data_dir == "./data" and args.dist_timeout == 1800.0  # the values are argparse's
+    assert "_given" not in cli.plain_config(args)  # not saved as a setting
+
+
+def test_an_abbreviated_flag_is_refused(capsys, no_local_rank):
+    # A launcher that reads --checkpoint-dir from the extra flags could not see --checkpoint-d.
+    with pytest.raises(SystemExit) as excinfo:
+        parse(["--checkpoint-d", "ck"])
+    assert_one_line_usage_error(excinfo, capsys, "unrecognized arguments: --checkpoint-d")
+
+
+def test_the_error_line_is_what_torchrun_reads_as_the_root_cause(tmp_path, monkeypatch):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    cli.record_for_torchrun("distributed.py: error: batch size 33 is not divisible by 2 processes")
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file))
+    assert failure.message["extraInfo"]["py_callstack"] == \
+        "distributed.py: error: batch size 33 is not divisible by 2 processes"
+    assert failure.timestamp > 0  # torchrun names the failure with the smallest as the root cause

@@ -157,11 +157,16 @@ def test_resume_from_a_path_does_not_overwrite_another_checkpoint(straight_four_
 
 # --- bad input: one line on stderr, exit status 2 -----------------------------------------------
 
-def test_indivisible_batch_under_a_launcher_is_one_line():
-    proc = cpu_python(with_flag(SMALL, "--batch-size", 100), check=False, timeout=120, RANK=0, WORLD_SIZE=3,
-                      LOCAL_RANK=0, LOCAL_WORLD_SIZE=3, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
-    line = assert_one_line_error(proc, "batch size 100", "3 processes", "100 / 3")
-    assert line.startswith("distributed.py: error:")
+def test_bad_input_under_torchrun_is_the_first_line_and_the_root_cause():
+    # Both ranks refuse; rank 0 prints the line, first on stderr, and leaves it in torchrun's
+    # error file, so that torchrun's closing summary names it as the root cause as well.
+    proc = torchrun(2, "distributed.py", with_flag(SMALL, "--batch-size", 33), check=False, timeout=120)
+    line = "distributed.py: error: batch size 33 is not divisible by 2 processes (33 / 2 = 16.5)"
+    lines = [text for text in proc.stderr.splitlines() if text.strip()]
+    assert proc.returncode != 0 and lines[0].startswith(line), proc.stderr
+    assert sum(text.startswith(line) for text in lines) == 1, proc.stderr  # rank 1 says nothing
+    summary = proc.stderr[proc.stderr.index("Root Cause"):]
+    assert "exitcode  : 2" in summary and f"traceback : {line}" in summary, summary
     assert proc.stdout == ""
 
 

@@ -76,6 +76,8 @@ STUB = textwrap.dedent("""\
                               "fresh_store": os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")}}) + "\\n")
     if name == "scontrol" and argv[:2] == ["show", "hostnames"]:
         print("gpu01\\ngpu02")
+    if name == "python" and argv[:1] == ["-c"] and "device_count" in argv[1]:
+        print(os.environ.get("STUB_GPUS", "0"))  # the launcher counting this machine's GPUs
     if name == "srun" and os.environ.get("STUB_SRUN", "").startswith("until-signalled"):
         # Like the job step: runs until SLURM signals it; torchrun then exits 1. With
         # "...-then-checkpoint", the training writes its stop checkpoint first, as it should.
@@ -83,7 +85,13 @@ STUB = textwrap.dedent("""\
             f.write(str(os.getpid()))
         def ended(*_):
             if os.environ["STUB_SRUN"].endswith("then-checkpoint"):
-                directory = argv[argv.index("--checkpoint-dir") + 1]
+                # Where the training writes: the last --checkpoint-dir, as argparse takes it.
+                directory = None
+                for i, token in enumerate(argv):
+                    if token == "--checkpoint-dir":
+                        directory = argv[i + 1]
+                    elif token.startswith("--checkpoint-dir="):
+                        directory = token.split("=", 1)[1]
                 time.sleep(0.05)  # a later mtime than the stop marker, also on coarse clocks
                 os.makedirs(directory, exist_ok=True)
                 open(os.path.join(directory, "checkpoint.pt"), "w").close()
@@ -168,9 +176,11 @@ def test_multi_node_launcher_command(stubs, script_help):
     env, calls = stubs
     proc = launch("scripts/launch_multi_node.sh", env, "--epochs", "3", RDZV_HOST="10.1.2.3")
     assert proc.returncode == 0, proc.stderr
-    [call] = calls()
-    launcher, script, args = script_and_args(call["argv"])
-    assert launcher[:2] == ["-m", "torch.distributed.run"]
+    # First this node's network settings (utils/network.py), then torchrun, bounded.
+    network, call = calls()
+    assert network["argv"] == ["-m", "utils.network", "launch", "10.1.2.3"]
+    assert call["argv"][0] == "scripts/torchrun_bounded.py"
+    launcher, script, args = script_and_args(call["argv"][1:])
     for option in ("--nnodes=2", "--nproc_per_node=8", "--rdzv-backend=c10d",
                    "--rdzv-endpoint=10.1.2.3:29500", "--rdzv-id=cifar100-ddp", "--max-restarts=3"):
         assert option in launcher, launcher
@@ -224,7 +234,8 @@ def test_slurm_checkpoint_folder_is_the_job_id_by_default():
 
 def test_slurm_refuses_bad_arguments_once_before_srun(stubs, tmp_path):
     env, calls = stubs
-    proc = launch("scripts/slurm.sbatch", dict(env, PYTHON=sys.executable, CHECKPOINT_DIR=str(tmp_path)),
+    proc = launch("scripts/slurm.sbatch", dict(env, PYTHON=sys.executable, CHECKPOINT_DIR=str(tmp_path),
+                                               CUDA_VISIBLE_DEVICES=""),  # the same answer on a GPU machine
                   "--batch-size", "1000", **SLURM_ENV)
     assert proc.returncode == 2
     assert_one_line_error(proc, "batch size 1000 is not divisible by 16 processes")
@@ -239,12 +250,16 @@ def test_slurm_without_a_venv_says_how_to_make_one(stubs, tmp_path):
     assert calls() == []
 
 
-@pytest.mark.parametrize("checkpoints", [True, False])
-def test_slurm_time_limit_signal_checkpoints_then_requeues(stubs, tmp_path, checkpoints):
+@pytest.mark.parametrize("checkpoints, given", [(True, "env"), (True, "flag"), (True, "flag="), (False, "env")])
+def test_slurm_time_limit_signal_checkpoints_then_requeues(stubs, tmp_path, checkpoints, given):
+    """The checkpoint folder named by CHECKPOINT_DIR, or by a --checkpoint-dir among the extra
+    flags (which the training takes, being the last): the batch script watches that folder."""
     env, calls = stubs
     mode = "until-signalled-then-checkpoint" if checkpoints else "until-signalled"
-    batch = subprocess.Popen(["bash", "scripts/slurm.sbatch"], cwd=ROOT,
-                             env=dict(env, STUB_SRUN=mode, CHECKPOINT_DIR=str(tmp_path / "ck"), **SLURM_ENV),
+    folder = tmp_path / "ck"
+    extra = {"env": [], "flag": ["--checkpoint-dir", str(folder)], "flag=": [f"--checkpoint-dir={folder}"]}[given]
+    env = dict(env, STUB_SRUN=mode, **SLURM_ENV, **({"CHECKPOINT_DIR": str(folder)} if given == "env" else {}))
+    batch = subprocess.Popen(["bash", "scripts/slurm.sbatch", *extra], cwd=ROOT, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         pid_file = env["STUB_LOG"] + ".srun_pid"
@@ -263,9 +278,31 @@ def test_slurm_time_limit_signal_checkpoints_then_requeues(stubs, tmp_path, chec
     if checkpoints:
         assert batch.returncode == 0, output
         assert [(c["cmd"], c["argv"]) for c in calls()][3:] == [*stop, ("scontrol", ["requeue", "4242"])]
+        assert (folder / "checkpoint.pt").exists() and not (folder / ".stop-requested").exists()
+        assert not (ROOT / "checkpoints" / "4242").exists()  # nothing looked for (or left) in the default
     else:
         assert batch.returncode == 1 and "did not write its stop checkpoint" in output, output
         assert [(c["cmd"], c["argv"]) for c in calls()][3:] == stop
+
+
+@pytest.mark.parametrize("resume", [["--resume", "/elsewhere/checkpoint.pt"], ["--resume=/elsewhere/checkpoint.pt"]])
+def test_slurm_refuses_a_resume_path(stubs, tmp_path, resume):
+    # Every start passes --resume, so that a requeued job continues its own checkpoint; a PATH
+    # would send every requeue back to it.
+    env, calls = stubs
+    proc = launch("scripts/slurm.sbatch", dict(env, CHECKPOINT_DIR=str(tmp_path)), "--epochs", "3", *resume,
+                  **SLURM_ENV)
+    assert_one_line_error(proc, "--resume /elsewhere/checkpoint.pt", "--checkpoint-dir FOLDER")
+    assert calls() == []  # nothing started
+
+
+def test_single_node_launcher_counts_cpu_processes_for_device_cpu(stubs):
+    env, calls = stubs
+    for args, nproc in ((["--epochs", "3"], "4"), (["--device", "cpu"], "2"), (["--device=cpu"], "2")):
+        proc = launch("scripts/launch_single_node.sh", dict(env, STUB_GPUS="4"), *args)
+        assert proc.returncode == 0, proc.stderr
+        launcher, script, _ = script_and_args(calls()[-1]["argv"])
+        assert f"--nproc_per_node={nproc}" in launcher, (args, launcher)
 
 
 # --- mp.spawn --------------------------------------------------------------------------------

@@ -49,9 +49,14 @@ def batch_script(tmp_path):
     return path
 
 
-def submit(cluster, tmp_path, args, *sbatch_options):
-    env = dict(cluster, **subprocess_env(PYTHON=sys.executable, GPUS_PER_NODE="2",
-                                         CHECKPOINT_DIR=str(tmp_path / "ck")))
+def submit(cluster, tmp_path, args, *sbatch_options, folder_by_flag=False):
+    """folder_by_flag: the checkpoint folder named by --checkpoint-dir among the training's
+    flags, as a user passes it, rather than by the batch script's CHECKPOINT_DIR."""
+    env = dict(cluster, **subprocess_env(PYTHON=sys.executable, GPUS_PER_NODE="2"))
+    if folder_by_flag:
+        env.pop("CHECKPOINT_DIR", None)
+    else:
+        env["CHECKPOINT_DIR"] = str(tmp_path / "ck")
     env["SLURM_CONF"] = cluster["SLURM_CONF"]
     proc = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/job-%j.out", *sbatch_options,
                            str(batch_script(tmp_path)), *args], cwd=ROOT, env=env,
@@ -87,7 +92,9 @@ def test_a_plain_job_completes(cluster, tmp_path):
 
 def test_time_limit_stop_requeues_resumes_and_ends_with_the_same_weights(cluster, tmp_path):
     args = [*TINY, "--train-samples", "4096"]  # 128 steps: the stop lands well before the end
-    job = submit(cluster, tmp_path, args)
+    # The folder given as users give it, among the training's flags: the batch script must look
+    # for the stop checkpoint there (it once looked in checkpoints/JOB_ID, and did not requeue).
+    job = submit(cluster, tmp_path, [*args, "--checkpoint-dir", str(tmp_path / "ck")], folder_by_flag=True)
     ckpt = tmp_path / "ck" / "checkpoint.pt"
     deadline = time.time() + 240
     while not ckpt.exists():
@@ -101,6 +108,7 @@ def test_time_limit_stop_requeues_resumes_and_ends_with_the_same_weights(cluster
     log = (tmp_path / f"job-{job}.out").read_text()
     assert "time limit near" in log and "stopping at step" in log and "resumed from" in log, log
     assert "done: 128 steps" in log, log
+    assert not (ROOT / "checkpoints" / job).exists()  # nothing written where nobody looks
 
     reference = tmp_path / "reference"
     torchrun(2, "distributed.py", [*args, "--checkpoint-dir", reference], timeout=300)

@@ -172,7 +172,7 @@ def build_parser(doc: str, model_names, own_data: bool = False) -> argparse.Argu
                         "and the CPU cores per process on this node, at least 1)")
 
     g = parser.add_argument_group("model")
-    g.add_argument("--model", choices=model_names, default="resnet18")
+    g.add_argument("--model", choices=model_names, default=model_names[0])
 
     # Defaults follow weiaicunzai/pytorch-cifar100, itself after the Cutout paper (DeVries &
     # Taylor, 2017): 200 epochs, batch 128, SGD lr 0.1 with Nesterov momentum 0.9, weight decay
