@@ -131,3 +131,50 @@ def fake_accelerator(monkeypatch, kind, count=1):
     # dataparallel.py asks torch.cuda: it runs on CUDA GPUs only.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: kind == "cuda" and count > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count if kind == "cuda" else 0)
+
+
+@pytest.fixture
+def run_in_process(monkeypatch, capsys):
+    """run(script, argv, **env) -> (exit status, stdout, stderr): the script's main behind
+    cli.run_main, in this process, as `python SCRIPT ARGV` runs it with the launcher's
+    variables of `env` only (none: plain python), on the CPU. A tenth of a second where a
+    subprocess takes two (it imports torch again)."""
+    import importlib
+    import signal
+    from utils import cli
+    keep_on_cpu(monkeypatch)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(cli, "_joined_a_group", False)
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+
+    def run(script, argv, **env):
+        for key, value in env.items():
+            monkeypatch.setenv(key, str(value))
+        monkeypatch.setattr(sys, "argv", [script])
+        module = importlib.import_module(script[:-3])
+        capsys.readouterr()
+        code = 0
+        try:
+            cli.run_main(module.main, [str(a) for a in argv])
+        except SystemExit as stop:
+            code = stop.code
+        finally:
+            for sig, handler in saved.items():  # a run installs its stop handlers
+                signal.signal(sig, handler)
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+    return run
+
+
+def assert_refused(outcome, *fragments):
+    """run_in_process's outcome for bad input: exit status 2, one line on stderr holding each
+    fragment, no traceback, nothing on stdout."""
+    code, out, err = outcome
+    assert code == 2, f"exit {code}\n{out}\n{err}"
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err + out, err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]

@@ -27,11 +27,10 @@ import importlib
 import io
 import json
 import os
-import pickle
 import re
 import signal
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -205,7 +204,8 @@ SCRIPT_FLAGS = {
         # The CPU's default is bf16: fp16 and float32 (O0) train other numbers.
         ("--amp",): [Works([FLAG, "fp16"], lambda r: r.last["amp"] == "fp16" and loss_differs(r) is None)],
         ("--amp-impl",): [Works([FLAG, "torch"], lambda r: r.last["amp_impl"] == "torch"),
-                          Refused([FLAG, "apex"], "needs NVIDIA apex"),  # not installed here
+                          # Without NVIDIA apex, or (with it) on a CPU: refused either way here.
+                          Refused([FLAG, "apex"], "NVIDIA apex"),
                           Elsewhere("tests/test_apex.py::test_the_apex_amp_branch_of_the_loop")],
         ("--opt-level",): [Works([FLAG, "O0"], lambda r: r.last["amp"] == "fp32" and loss_differs(r) is None),
                            Refused([FLAG, "O3"], "has no torch.amp equivalent")],
@@ -288,7 +288,7 @@ PAIRS = [
     # Accumulation has no mixed precision of its own (distributed_apex.py is that lesson).
     (("--accum-steps", "--amp"), Refused(["--accum-steps", "2", "--amp", "bf16"], "unrecognized arguments: --amp")),
     (("--opt-level", "--amp"), Refused(["--opt-level", "O0", "--amp", "bf16"], "contradicts --amp bf16")),
-    (("--amp-impl", "--amp"), Refused(["--amp-impl", "apex", "--amp", "bf16"], "needs NVIDIA apex")),
+    (("--amp-impl", "--amp"), Refused(["--amp-impl", "apex", "--amp", "bf16"], "NVIDIA apex")),
     (("--gpus", "--device"), Refused(["--gpus", "0", "--device", "cpu"], "--gpus with --device cpu")),
     (("--init-method", "--ip"), Refused(["--init-method", "file://{tmp}/rendezvous", "--ip", "127.0.0.1"],
                                         "leave out --ip and --port")),

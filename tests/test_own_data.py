@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from conftest import ROOT, assert_one_line_error, read_metrics, run_script, samples_by_index, subprocess_env
+from conftest import ROOT, read_metrics, run_script, samples_by_index, subprocess_env
 from models import MODEL_NAMES
 from utils import cli, data, metrics
 from utils.distributed import DistEnv

@@ -205,7 +205,8 @@ def build_parser(doc: str, model_names, own_data: bool = False) -> argparse.Argu
     g.add_argument("--metrics", default=None, metavar="FILE",
                    help="append JSON lines: one record per epoch and one at the end of the run")
     g.add_argument("--log-every", type=_positive_int, default=50,
-                   help="refresh the progress bar's loss every N steps (each refresh waits for the device)")
+                   help="refresh the progress bar's loss every N steps (each refresh waits for the device; "
+                        "the bar is drawn when stderr is a terminal)")
     g.add_argument("--check-args", action="store_true",
                    help="make every check the run makes before it starts (with WORLD_SIZE, LOCAL_WORLD_SIZE "
                         "from the environment) and exit: 0 if the run would start, else its one line and 2 "
