@@ -42,6 +42,8 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 settings=$("$PYTHON" -m utils.network launch "$RDZV_HOST") || exit 2
 eval "$settings"
 export GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME
+echo "launch_multi_node.sh on $(hostname): is_host=${IS_HOST:-?} GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-}" \
+     "NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-}" >&2
 rdzv_conf=()
 [ -n "${IS_HOST:-}" ] && rdzv_conf=(--rdzv-conf="is_host=$IS_HOST")
 

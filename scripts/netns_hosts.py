@@ -8,6 +8,7 @@ removed by `down` (and by the tests, however they end). Needs root and iproute2 
 
     sudo python3 scripts/netns_hosts.py up                  # nodea 10.231.0.1, nodeb 10.231.0.2
     sudo python3 scripts/netns_hosts.py shell nodea         # a shell on nodea (another terminal: nodeb)
+    sudo python3 scripts/netns_hosts.py run nodeb -- CMD    # one command on nodeb
     sudo python3 scripts/netns_hosts.py cut nodeb           # pull nodeb's cable; `restore nodeb` to plug it in
     sudo python3 scripts/netns_hosts.py down                # remove the hosts and every process on them
 
@@ -371,7 +372,11 @@ def main(argv=None):
     elif args.action == "restore":
         hosts.restore(args.name)
     else:
-        cmd = args.cmd if args.action == "run" else [os.environ.get("SHELL", "/bin/bash")]
+        cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+        if args.action == "shell":
+            cmd = [os.environ.get("SHELL", "/bin/bash")]
+        elif not cmd:
+            sys.exit("netns_hosts.py: error: run NAME -- COMMAND...: name the command to run")
         if args.action == "shell":
             print(f"a shell on {args.name} ({hosts.address(args.name)}); exit to leave", file=sys.stderr)
         os.execvp(hosts.command(args.name, cmd)[0], hosts.command(args.name, cmd))

@@ -340,6 +340,8 @@ def network_facts(role: Role, args, device) -> dict:
         peer = os.environ.get("MASTER_ADDR")
     if peer is not None:
         out["peer"] = peer
+        out["peer_addresses"] = network.resolve(peer)  # how this node resolves it (the others may differ)
+        out["peer_is_here"] = network.is_this_host(peer)
         out["toward"] = list(network.interface_toward(peer, known))
         backends = ("gloo",) if device.type == "cpu" else ("gloo", "nccl")
         out["findings"] = [{"certain": f.certain, "what": f.what, "fix": f.fix}
@@ -685,7 +687,9 @@ class Report:
             print(f"  node {node} ({net['hostname']}): its name resolves to {', '.join(net['resolves']) or 'nothing'}; "
                   f"gloo listens on {gloo['address']} ({gloo['interface'] or '?'}: {gloo['why']}); "
                   f"NCCL takes {nccl['interface'] or 'nothing'} ({nccl['why']})")
-            if net.get("peer"):
+            if net.get("peer") and net.get("peer_is_here"):
+                print(f"  node {node}: {net['peer']}, where the nodes meet, is this node")
+            elif net.get("peer"):
                 interface, address = net.get("toward") or (None, None)
                 print(f"  node {node}: {net['peer']} is reached through "
                       + (f"{interface} ({address})" if interface else "no interface found"))
@@ -693,7 +697,7 @@ class Report:
             if endpoint:
                 where = f"{endpoint['host']}:{endpoint['port']}"
                 if endpoint["here"]:
-                    print(f"  node {node}: the rendezvous endpoint {where} is this node")
+                    pass  # said above
                 elif endpoint.get("answers") in ("refused", "listening"):
                     print(f"  node {node}: the rendezvous endpoint {where} answers ("
                           + ("nothing listens yet, as before the job starts)" if endpoint["answers"] == "refused"
@@ -703,11 +707,31 @@ class Report:
                                  f"{endpoint['answers']}",
                                  f"check the address, the route (ip route get {endpoint['host']}) and the firewall "
                                  f"between the nodes (port {endpoint['port']}/tcp, and the ports gloo and NCCL open)")
+            net["findings"] = self.seen_by_the_others(node, net, nodes) + net["findings"]  # network_fixes reads them
             for finding in net["findings"]:
                 if finding["certain"]:
                     self.problem(f"node {node} ({net['hostname']}): {finding['what']}", finding["fix"])
                 else:
                     print(f"  node {node}: note: {finding['what']} (fix: {finding['fix']})")
+
+    @staticmethod
+    def seen_by_the_others(node, net, nodes) -> list:
+        """On the node that MASTER_ADDR names (node 0 under torchrun, by its own name), the
+        interface the others reach it by is the one holding the address they resolve that
+        name to; gloo there must listen on it too. Added to the node's findings."""
+        if not net.get("peer_is_here") or net["gloo"]["address"] is None:
+            return []
+        theirs = {other_net["peer_addresses"][0] for other, _, other_net in nodes
+                  if other != node and other_net.get("peer_addresses")}
+        wanted = {name for name, address in net["interfaces"].items() if address in theirs}
+        if not wanted or net["gloo"]["interface"] in wanted:
+            return []
+        interface = sorted(wanted)[0]
+        return [{"certain": False,
+                 "what": f"the other nodes reach {net['peer']} at {net['interfaces'][interface]} ({interface}), but "
+                         f"gloo listens here on {net['gloo']['address']} ({net['gloo']['interface']}: "
+                         f"{net['gloo']['why']})",
+                 "fix": f"export GLOO_SOCKET_IFNAME={interface}"}]
 
     def network_fixes(self) -> str:
         """The nodes' own fixes for their network (utils/network.py's findings), or ''."""

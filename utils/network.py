@@ -54,6 +54,14 @@ def interface_of(address: str, known: dict = None):
     return "lo" if is_loopback(address) else None
 
 
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
 def is_loopback(address: str) -> bool:
     try:
         return ipaddress.ip_address(address).is_loopback
@@ -203,14 +211,19 @@ def multi_node_findings(peer_host: str, backends=("gloo",), endpoint: str = None
     own = resolve(name)
     findings = []
     route_interface = route_address = None
-    peer_here = False  # the peer is this machine by a loopback name: every node may be on it
+    # peer_here: the peer is this host by a name (torchrun's MASTER_ADDR on node 0 is its own
+    # name), or on loopback. How the other nodes reach it is then not known here (they may
+    # resolve the name otherwise): every node may be on this machine, or the other nodes'
+    # own checks will tell. An address of this host given as such is known, and checked.
+    peer_here = False
     if peer_host is not None:
         peer_addresses = resolve(peer_host)
         if not peer_addresses:
             return [Finding(True, f"{peer_host}, the address the other nodes meet at, does not resolve on "
                                   f"this host ({name})",
                             "name it by its address, or add it to this host's /etc/hosts")]
-        peer_here = is_loopback(peer_addresses[0])
+        literal = _is_address(peer_host)
+        peer_here = is_loopback(peer_addresses[0]) or (not literal and can_bind(peer_addresses[0]))
         if not peer_here:
             route_interface, route_address = interface_toward(peer_host, known)
     peer_host = peer_host or "the other nodes"
