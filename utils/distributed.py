@@ -158,6 +158,8 @@ def setup(rank: int, world_size: int, local_rank: int, local_world_size: int,
         torch.accelerator.set_device_index(device.index)
     # device_id binds the group to this rank's device: NCCL connects here rather than in the
     # first collective, so a broken setup fails now, with the launch, and not minutes later.
+    global _timeout_s
+    _timeout_s = timeout_s
     with bounded_join(rank, timeout_s, peer_host, multi_node=world_size > local_world_size, backend=backend):
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s),
@@ -346,15 +348,41 @@ def meeting(call: str):
             "utils/run.py lists every collective of a training run.") from err
 
 
+_cpu_group = None
+_timeout_s = 1800.0  # --dist-timeout, as setup() gave it to init_process_group
+
+
+def cpu_group():
+    """The group for the small agreements (all_ranks_ok, the stop signal): None, the default
+    group, where that is gloo's already; otherwise a gloo group of all ranks, made at the first
+    call (a collective: every rank makes it at the same point) with the default group's
+    timeout. On a CPU group, reading the result never waits behind the GPU's queue of kernels,
+    and a peer that never comes raises here after --dist-timeout, so `meeting` can name the
+    call. An NCCL collective instead returns once queued and, on its timeout, NCCL's
+    watchdog ends the process with its own message (TORCH_NCCL_ASYNC_ERROR_HANDLING)."""
+    global _cpu_group
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() == "gloo":
+        return None
+    if _cpu_group is None:
+        # The job's timeout: a new group otherwise takes its backend's default, 30 minutes
+        # for gloo (torch.distributed.constants), whatever the default group was given.
+        _cpu_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=_timeout_s))
+    return _cpu_group
+
+
 def all_ranks_ok(ok: bool, device: torch.device, call: str = "all_ranks_ok()") -> bool:
     """True only if `ok` holds on every rank. Use it where one rank could fail alone
     (a download, a file read): every rank learns the outcome, so none is left
     waiting in a collective for a peer that has given up. `call`: what the agreement
-    is, for the error if a rank never comes."""
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    is, for the error if a rank never comes. It runs on the CPU group (cpu_group) on
+    GPUs too, so that the error holds there."""
+    group = cpu_group()
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32,
+                        device=device if group is None else "cpu")
     if dist.is_available() and dist.is_initialized():
         with meeting(call):
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+            return bool(flag.item())  # inside: on a device, this is where the wait is
     return bool(flag.item())
 
 

@@ -17,7 +17,6 @@ between a worker's start and that call.
 """
 import atexit
 import contextlib
-import datetime
 import os
 import signal
 import threading
@@ -25,7 +24,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from .distributed import print0
+from .distributed import cpu_group, print0
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
@@ -40,17 +39,14 @@ class Preempted(SystemExit):
 class StopSignal:
     """A collective: should_stop() must be called by every rank at the same steps."""
 
-    def __init__(self, distributed: bool, check_every: int = 10, timeout_s: float = 1800.0):
+    def __init__(self, distributed: bool, check_every: int = 10):
         self.received = None
         self.distributed = distributed
         self.check_every = check_every if distributed else 1
-        self.group = None
-        if distributed and dist.get_backend() != "gloo":
-            # The agreement runs on a CPU (gloo) group: reading the result never waits
-            # for the GPU, so it does not stall the queue of kernels. Its timeout is the
-            # job's (--dist-timeout): a group made without one waits gloo's default, 30
-            # minutes, for a peer that is gone (torch.distributed.constants).
-            self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        # The agreement runs on a CPU (gloo) group: reading the result never waits for the
+        # GPU, so it does not stall the queue of kernels; a peer that never comes fails it
+        # after --dist-timeout (utils/distributed.py, cpu_group). None: the default group.
+        self.group = cpu_group() if distributed else None
         self._previous = {sig: signal.signal(sig, self._handler) for sig in SIGNALS}
 
     def close(self):

@@ -101,7 +101,7 @@ class TrainingRun:
         resume_from = self._resume_path()
         if resume_from:
             self._resume(resume_from)
-        self.stop_signal = StopSignal(env.distributed, timeout_s=args.dist_timeout)
+        self.stop_signal = StopSignal(env.distributed)
         # --profile and --tensorboard (utils/observe.py); nothing when neither is given.
         self.observers = observe.Observers(args, env, start_step=self.global_step)
         if args.checkpoint_dir and env.is_main:
