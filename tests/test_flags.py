@@ -38,7 +38,7 @@ import pytest
 import torch
 
 from conftest import ROOT, free_port, keep_on_cpu, read_metrics, torchrun
-from utils import checkpoint, cli, data
+from utils import checkpoint, cli, data, preemption
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 
@@ -537,6 +537,17 @@ def run_script_here(monkeypatch, capsys, tmp_path, cifar):
             sys.stderr = captured_stderr
             for sig, handler in saved_handlers.items():
                 signal.signal(sig, handler)
+        if "--workers" in argv:
+            # The run's loader workers end as they do when a script's process exits (cli.leave's
+            # exit handler kills them): left to the loaders' own shutdown here, each forked from
+            # a process with a live gloo group waits out its 5 s join (measured).
+            import multiprocessing
+            sigchld = signal.getsignal(signal.SIGCHLD)
+            preemption._end_loader_workers()  # SIGCHLD at its default: no loader reports the kill
+            for child in multiprocessing.active_children():
+                child.join(timeout=10)
+            gc.collect()  # the loaders themselves
+            signal.signal(signal.SIGCHLD, sigchld)
         captured = capsys.readouterr()
         spied = dict(spies, local_rank_variable=os.environ.get("LOCAL_RANK"))
 
