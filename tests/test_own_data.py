@@ -200,7 +200,9 @@ def torchrun_template(folder, *args, check=True):
                        *map(str, args)], cwd=folder, env=env, timeout=300, check=check)
 
 
-def test_readme_template_trains_your_data_and_model_under_torchrun_and_resumes_exactly(image_folder, tmp_path):
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
+def test_readme_template_trains_your_data_and_model_under_torchrun_and_resumes_exactly(image_folder, tmp_path,
+                                                                                       capsys):
     from test_distributed_script import assert_same_training_state
     project = tmp_path / "project"
     project.mkdir()
@@ -230,8 +232,11 @@ def test_readme_template_trains_your_data_and_model_under_torchrun_and_resumes_e
     assert config["dataset"] == "ImageFolder" and config["model"] == "resnet18"
 
     # The copy's --help speaks of its own data, not of CIFAR; --dataset (our data sets) is gone.
-    help_text = run_script(["train.py", "--help"], cwd=project, env=subprocess_env(PYTHONPATH=str(project)),
-                           timeout=120).stdout
+    # (Read in this process: the copy's utils/ is this repository's, already imported.)
+    import runpy
+    capsys.readouterr()
+    cli.run_main(runpy.run_path(str(project / "train.py"), run_name="template")["main"], ["--help"])
+    help_text = capsys.readouterr().out
     assert "Train a ResNet-18 on my images" in help_text and "--data-dir" in help_text
     assert "CIFAR" not in help_text and "--dataset" not in help_text, help_text
 
