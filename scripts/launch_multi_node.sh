@@ -31,31 +31,16 @@ PYTHON=${PYTHON:-$(test -x .venv/bin/python && echo .venv/bin/python || echo pyt
 # A fresh rendezvous store for every restart attempt: see launch_single_node.sh.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 
-# Decided on this node by utils/network.py, for the two faults that stop most multi-node
-# jobs (tutorials/06-beyond-one-machine.md):
-# - IS_HOST: whether RDZV_HOST is this node. torchrun's c10d rendezvous recognises itself
-#   only by its host name: where that name resolves to 127.0.1.1 (Debian's and Ubuntu's
-#   default), no node would host the store, and every node would fail 2 minutes later.
-# - GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME (unless already set): the interface that
-#   reaches RDZV_HOST. Otherwise gloo listens on the address of the host name (loopback,
-#   or another network) and NCCL on the first interface the system lists.
-settings=$("$PYTHON" -m utils.network launch "$RDZV_HOST") || exit 2
-eval "$settings"
-export GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME
-echo "launch_multi_node.sh on $(hostname): is_host=${IS_HOST:-?} GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-}" \
-     "NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-}" >&2
-rdzv_conf=()
-[ -n "${IS_HOST:-}" ] && rdzv_conf=(--rdzv-conf="is_host=$IS_HOST")
-
 # --rdzv-backend=c10d: the torchrun on RDZV_HOST serves the rendezvous; the others connect
 # to it, agree on ranks, then the workers find each other through it.
 # --rdzv-id names the job, so two jobs using one host and port do not mix.
 # --max-restarts: when a worker dies, every torchrun stops its workers and starts them
 # again; the new workers resume from --checkpoint-dir by themselves.
-# scripts/torchrun_bounded.py is torchrun that ends once its workers are gone for
-# TORCHRUN_GRACE seconds (90) while it waits on a rendezvous store it cannot reach (a
-# partition): torchrun alone would wait there for about 15 minutes.
+# scripts/torchrun_bounded.py is torchrun, plus what this node decides for itself: whether it
+# hosts the rendezvous (RDZV_HOST's name may resolve to 127.0.1.1 here, and torchrun would
+# not know itself), the interface that reaches RDZV_HOST (for gloo and NCCL), and an end to
+# the wait for a store it cannot reach once its workers are gone (a partition).
 set -x
 exec "$PYTHON" scripts/torchrun_bounded.py --nnodes="$NNODES" --nproc_per_node="$NPROC_PER_NODE" \
-  --rdzv-backend=c10d --rdzv-endpoint="$RDZV_HOST:$RDZV_PORT" --rdzv-id="$JOB_ID" "${rdzv_conf[@]}" \
+  --rdzv-backend=c10d --rdzv-endpoint="$RDZV_HOST:$RDZV_PORT" --rdzv-id="$JOB_ID" \
   --max-restarts="$MAX_RESTARTS" "$SCRIPT" "${SCRIPT_ARGS[@]}" "$@"

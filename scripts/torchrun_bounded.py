@@ -1,35 +1,85 @@
-r"""torchrun, with a bound on how long its agent outlives its training processes.
+r"""torchrun for several nodes: the same arguments, with the two faults that stop most
+multi-node jobs avoided, and a bound on how long it outlives its training processes.
 
-    python scripts/torchrun_bounded.py [torchrun's arguments]     # as `torchrun ...`
+    python scripts/torchrun_bounded.py [torchrun's arguments]     # in place of `torchrun ...`
 
-It is torchrun itself (torch.distributed.run, in this process), plus one watch: once this
-node's training processes have run, if none has been alive for TORCHRUN_GRACE seconds
-(default 90) while torchrun is still here, it says why in one line and ends torchrun
-(exit status 1). A finished job (the workers succeeded) is never cut short.
+It is torchrun itself (torch.distributed.run, in this process), plus, with a c10d rendezvous
+(--rdzv-backend=c10d --rdzv-endpoint=HOST:PORT), what this node decides before it starts
+(utils/network.py):
 
-Why: a torchrun agent whose rendezvous store is unreachable (a network partition, the
-store's node lost) can wait for it far longer than any timeout it is given. Its store
+- whether it hosts the rendezvous store: --rdzv-conf is_host=1 on the node that HOST names,
+  0 elsewhere. torchrun recognises itself only by its host name: where that name resolves
+  to 127.0.1.1 (the default of Debian's and Ubuntu's installers), no node would host the
+  store, and every node would fail two minutes later. An is_host given already is kept.
+- GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME, unless set: the interface that reaches HOST.
+  Otherwise gloo listens on the address that the host name resolves to (loopback, or another
+  network) and NCCL on the first interface that the system lists.
+
+and one watch: once this node's training processes have run, if none has been alive for
+TORCHRUN_GRACE seconds (default 90) while torchrun is still here, it says why in one line
+and ends torchrun (exit status 1). A finished job (the workers succeeded) is never cut short.
+
+Why the watch: a torchrun agent whose rendezvous store is unreachable (a network partition,
+the store's node lost) can wait for it far longer than any timeout it is given. Its store
 client, after a wait times out, asks the store to cancel the wait and then reads the answer
-with no timeout (TCPStore::doWait, PyTorch 2.11 to 2.14), so the call returns only when
-the kernel gives up on the connection: about 15 minutes with Linux's default
-tcp_retries2. Measured on two hosts with a cut link: the workers ended --dist-timeout after
-the cut, the agent on the far side of the cut was still waiting minutes later. While it
-waits, it cannot restart its workers anyway.
+with no timeout (TCPStore::doWait, PyTorch 2.11 to 2.14), so the call returns only when the
+kernel gives up on the connection: about 15 minutes with Linux's default tcp_retries2.
+Measured on two hosts with a cut link: the workers ended --dist-timeout after the cut, the
+agent on the far side of the cut was still waiting minutes later. While it waits, it cannot
+restart its workers anyway. The grace covers a restart (torchrun --max-restarts, or an
+elastic job's new rendezvous after a node left: torchrun's last call, 30 s by default, and a
+lost node's heartbeats, 15 s).
 
-The grace must cover a restart (torchrun --max-restarts, or an elastic job's new
-rendezvous after a node left: torchrun's last call, 30 s by default, and a lost node's
-heartbeats, 15 s). scripts/launch_multi_node.sh and scripts/slurm.sbatch start torchrun
-through this file.
+scripts/launch_multi_node.sh and scripts/slurm.sbatch start torchrun through this file.
 """
 import os
 import sys
 import threading
 import time
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRACE_S = float(os.environ.get("TORCHRUN_GRACE", "90"))
 POLL_S = 1.0
 
 _last_state = None  # what torchrun's agent last found its workers doing
+
+
+def node_settings(argv: list) -> tuple:
+    """(argv with is_host added, {variable: value} to set, what was decided) for this node."""
+    from torch.distributed.run import get_args_parser
+    args = get_args_parser().parse_args(argv)
+    if args.rdzv_backend != "c10d" or not args.rdzv_endpoint or args.standalone:
+        return argv, {}, ""
+    sys.path.insert(0, ROOT)
+    from utils import network
+    host = args.rdzv_endpoint.rsplit(":", 1)[0].strip("[]") if ":" in args.rdzv_endpoint else args.rdzv_endpoint
+    if not network.resolve(host):
+        sys.exit(f"torchrun_bounded.py: error: the rendezvous host {host} does not resolve on this node: "
+                 "name it by its address, or add it to /etc/hosts")
+    decided = []
+    if "is_host" not in (args.rdzv_conf or ""):
+        is_host = int(network.is_this_host(host))
+        conf = f"{args.rdzv_conf},is_host={is_host}" if args.rdzv_conf else f"is_host={is_host}"
+        argv = [f"--rdzv-conf={conf}", *[a for i, a in enumerate(argv) if not _is_rdzv_conf(argv, i)]]
+        decided.append(f"is_host={is_host}")
+    interface, _ = network.interface_toward(host)
+    env = {}
+    # NCCL reads its variable as prefixes (eth1 would also take eth10): "=" asks for the name.
+    for variable, value in (("GLOO_SOCKET_IFNAME", interface), ("NCCL_SOCKET_IFNAME", f"={interface}")):
+        if interface and interface != "lo" and not os.environ.get(variable):
+            env[variable] = value
+            decided.append(f"{variable}={value}")
+    return argv, env, " ".join(decided)
+
+
+def _is_rdzv_conf(argv: list, i: int) -> bool:
+    """Whether argv[i] is (part of) an --rdzv-conf option, which node_settings puts back merged."""
+    for flag in ("--rdzv-conf", "--rdzv_conf"):
+        if argv[i] == flag or argv[i].startswith(flag + "="):
+            return True
+        if i > 0 and argv[i - 1] == flag:
+            return True
+    return False
 
 
 def _record_states():
@@ -91,21 +141,23 @@ def _watch(pid: int):
         since = since or time.monotonic()
         if time.monotonic() - since >= GRACE_S:
             print(f"torchrun_bounded.py: error: no training process has run on this node for {GRACE_S:g} s "
-                  f"(they ended {_last_state or 'without a word'}) and torchrun is still waiting, most likely "
-                  "for a rendezvous store it cannot reach (a network partition, or the store's node lost): "
-                  "ending it. Check the link to the rendezvous host, then start the job again with --resume",
-                  file=sys.stderr, flush=True)
+                  "and torchrun is still waiting, most likely for a rendezvous store it cannot reach (a network "
+                  "partition, or the store's node lost): ending it. Check the link to the rendezvous host, "
+                  "then start the job again with --resume", file=sys.stderr, flush=True)
             os._exit(1)
 
 
 def main():
-    if not sys.platform.startswith("linux"):  # /proc: the watch is Linux's; elsewhere plain torchrun
-        from torch.distributed.run import main as torchrun
-        return torchrun()
-    _record_states()
-    threading.Thread(target=_watch, args=(os.getpid(),), name="torchrun-bounded", daemon=True).start()
+    argv, env, decided = node_settings(sys.argv[1:])
+    os.environ.update(env)
+    if decided:
+        import socket
+        print(f"torchrun_bounded.py on {socket.gethostname()}: {decided}", file=sys.stderr, flush=True)
     from torch.distributed.run import main as torchrun
-    sys.argv[0] = "torchrun"
+    sys.argv = ["torchrun", *argv]
+    if sys.platform.startswith("linux"):  # /proc: the watch is Linux's; elsewhere plain torchrun
+        _record_states()
+        threading.Thread(target=_watch, args=(os.getpid(),), name="torchrun-bounded", daemon=True).start()
     torchrun()
 
 

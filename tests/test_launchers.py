@@ -176,9 +176,8 @@ def test_multi_node_launcher_command(stubs, script_help):
     env, calls = stubs
     proc = launch("scripts/launch_multi_node.sh", env, "--epochs", "3", RDZV_HOST="10.1.2.3")
     assert proc.returncode == 0, proc.stderr
-    # First this node's network settings (utils/network.py), then torchrun, bounded.
-    network, call = calls()
-    assert network["argv"] == ["-m", "utils.network", "launch", "10.1.2.3"]
+    # torchrun through torchrun_bounded.py, which decides this node's network settings itself.
+    [call] = calls()
     assert call["argv"][0] == "scripts/torchrun_bounded.py"
     launcher, script, args = script_and_args(call["argv"][1:])
     for option in ("--nnodes=2", "--nproc_per_node=8", "--rdzv-backend=c10d",
@@ -217,7 +216,8 @@ def test_slurm_batch_script_command(stubs, script_help, tmp_path):
     # The arguments are checked once before srun; no scancel, no requeue.
     assert [c["cmd"] for c in calls()] == ["python", "scontrol", "srun"]
     assert calls()[0]["argv"][-1] == "--check-args"
-    launcher, script, args = script_and_args(srun[0]["argv"])
+    assert srun[0]["argv"][1] == "scripts/torchrun_bounded.py"  # torchrun, with each node's own settings
+    launcher, script, args = script_and_args(srun[0]["argv"][2:])
     for option in ("--nnodes=2", "--nproc_per_node=8", "--rdzv-backend=c10d",
                    "--rdzv-endpoint=gpu01:24242", "--rdzv-id=4242", "--max-restarts=3"):
         assert option in launcher, launcher

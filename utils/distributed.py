@@ -148,11 +148,17 @@ def setup(rank: int, world_size: int, local_rank: int, local_world_size: int,
     The timeout bounds how long a rank waits in a collective for a peer that died,
     so a failed job ends instead of hanging.
     """
-    device = pick_device(local_rank, local_world_size, device, distributed=True)  # may refuse: before the watcher starts
-    backend = dist.get_default_backend_for_device(device)
-    peer_host = _meeting_host(init_method)
-    if world_size > local_world_size:  # several nodes: a network setup that cannot work is refused now
-        check_network(peer_host, {backend, "gloo"}, announce=local_rank == 0)  # gloo: the stop agreement's on GPUs
+    peer_host, store_address = _meeting_host(init_method), _store_address(init_method)
+    try:
+        device = pick_device(local_rank, local_world_size, device, distributed=True)  # before the watcher starts
+        backend = dist.get_default_backend_for_device(device)
+        if world_size > local_world_size:  # several nodes: a network setup that cannot work is refused now
+            check_network(peer_host, {backend, "gloo"}, announce=local_rank == 0)  # gloo: the stop agreement's
+    except UsageError as refusal:
+        # The ranks of the other nodes would otherwise wait --dist-timeout to join: they read it (bounded_join).
+        if world_size > local_world_size:
+            _post_refusal(store_address, rank, str(refusal))
+        raise
     watch_launcher()
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
@@ -160,12 +166,46 @@ def setup(rank: int, world_size: int, local_rank: int, local_world_size: int,
     # first collective, so a broken setup fails now, with the launch, and not minutes later.
     global _timeout_s
     _timeout_s = timeout_s
-    with bounded_join(rank, timeout_s, peer_host, multi_node=world_size > local_world_size, backend=backend):
+    with bounded_join(rank, timeout_s, peer_host, multi_node=world_size > local_world_size, backend=backend,
+                      store_address=store_address, world_size=world_size):
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=device if device.type != "cpu" else None)
     joined_a_group()  # the process now ends through cli.leave (see there)
     return DistEnv(rank, local_rank, world_size, local_world_size, device, distributed=True)
+
+
+def _store_address(init_method: str):
+    """(host, port) of the TCP store that init_process_group meets at (env://, tcp://), or None."""
+    try:
+        if init_method.startswith("env://"):
+            return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        if init_method.startswith("tcp://"):
+            host, port = init_method[len("tcp://"):].rsplit(":", 1)
+            return host.strip("[]"), int(port.split("?")[0].split("/")[0])
+    except (KeyError, ValueError):
+        pass
+    return None
+
+
+REFUSED_KEY = "utils.distributed/refused-to-join/"  # + rank: the line of a rank that refused to start
+
+
+def _store_client(store_address, timeout_s: float):
+    host, port = store_address
+    return dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def _post_refusal(store_address, rank: int, line: str):
+    """Leave a rank's refusal where the others, waiting to join, look (best effort: a store
+    that is not up yet, or unreachable, is no reason to wait)."""
+    if store_address is None:
+        return
+    try:
+        _store_client(store_address, 2.0).set(f"{REFUSED_KEY}{rank}", line)
+    except Exception:  # noqa: BLE001 - the refusal itself is reported anyway
+        pass
 
 
 def _meeting_host(init_method: str):
@@ -216,21 +256,47 @@ def _join_failure_cause(peer_host, backend: str, multi_node: bool) -> str:
             "(scripts/preflight.py names it)")
 
 
+def _refusal_of_a_peer(store, world_size: int):
+    """(rank, line) of a rank that refused to start and said so in the store, or None."""
+    for peer in range(world_size):
+        key = f"{REFUSED_KEY}{peer}"
+        if store.check([key]):
+            return peer, store.get(key).decode(errors="replace")
+    return None
+
+
 @contextlib.contextmanager
-def bounded_join(rank: int, timeout_s: float, peer_host, multi_node: bool, backend: str):
+def bounded_join(rank: int, timeout_s: float, peer_host, multi_node: bool, backend: str,
+                 store_address=None, world_size: int = 1):
     """Around init_process_group: a rank that has not joined `timeout_s` + JOIN_GRACE_S later
     prints one line with the likeliest cause and exits with status 1, instead of waiting on.
     On several nodes, a rank whose joining fails (a store timeout, a connection refused) ends
-    the same way: one line, status 1, not a traceback from the depths of gloo."""
+    the same way: one line, status 1, not a traceback from the depths of gloo; and one whose
+    peer refused to start (a node whose host name resolves to loopback, more processes than
+    GPUs) ends at once with that peer's line, rather than after --dist-timeout."""
     joined = threading.Event()
 
     def watch():
-        if joined.wait(timeout_s + JOIN_GRACE_S):
-            return
-        print(error_line(f"rank {rank} did not join the {backend} process group within --dist-timeout "
-                         f"{timeout_s:g} s: {_join_failure_cause(peer_host, backend, multi_node)}"),
-              file=sys.stderr, flush=True)
-        os._exit(1)
+        deadline = time.monotonic() + timeout_s + JOIN_GRACE_S
+        store = None
+        while not joined.wait(min(2.0, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                print(error_line(f"rank {rank} did not join the {backend} process group within --dist-timeout "
+                                 f"{timeout_s:g} s: {_join_failure_cause(peer_host, backend, multi_node)}"),
+                      file=sys.stderr, flush=True)
+                os._exit(1)
+            if not multi_node or store_address is None:
+                continue
+            try:
+                store = store or _store_client(store_address, 5.0)
+                refused = _refusal_of_a_peer(store, world_size)
+            except Exception:  # noqa: BLE001 - the store is not up yet: look again later
+                store, refused = None, None
+            if refused is not None and not joined.is_set():
+                peer, line = refused
+                print(error_line(f"rank {rank} could not join: rank {peer} refused to start: {line}"),
+                      file=sys.stderr, flush=True)
+                os._exit(1)
 
     threading.Thread(target=watch, name="bounded-join", daemon=True).start()
     try:

@@ -2,7 +2,8 @@
 to, which of its interfaces gloo and NCCL will use, and which one reaches the rendezvous
 host. What breaks multi-node jobs is most often here, and it can be read off before any
 process group exists (scripts/preflight.py reports it; the training scripts refuse the
-setups that cannot work; scripts/launch_multi_node.sh chooses around them).
+setups that cannot work; scripts/torchrun_bounded.py, which the launchers use, chooses
+around them).
 
 How the libraries choose, as their sources say:
 
@@ -272,27 +273,3 @@ def multi_node_findings(peer_host: str, backends=("gloo",), endpoint: str = None
                 f"{route_interface}", f"export NCCL_SOCKET_IFNAME=={route_interface}"))
     return findings
 
-
-def main(argv=None):
-    """`python -m utils.network launch HOST`: the settings scripts/launch_multi_node.sh uses,
-    as shell assignments: IS_HOST (1 if HOST is this host) and, when not set already,
-    GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME (the interface that reaches HOST)."""
-    import shlex
-    import sys
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2 or args[0] != "launch":
-        sys.exit("usage: python -m utils.network launch HOST")
-    host = args[1]
-    if not resolve(host):
-        sys.exit(f"utils.network: error: {host} does not resolve on {socket.gethostname()}: "
-                 "name node 0 by an address, or add it to /etc/hosts")
-    print(f"IS_HOST={1 if is_this_host(host) else 0}")
-    interface, _ = interface_toward(host)
-    # NCCL reads its variable as prefixes (eth1 would also take eth10): "=" asks for the name.
-    for variable, value in (("GLOO_SOCKET_IFNAME", interface), ("NCCL_SOCKET_IFNAME", f"={interface}")):
-        if interface and interface != "lo" and not os.environ.get(variable):
-            print(f"{variable}={shlex.quote(value)}")
-
-
-if __name__ == "__main__":
-    main()
