@@ -5,7 +5,9 @@
 - every ```python snippet runs (unless its first line is `# not run`);
 - every code block introduced by "From `FILE`:" is a verbatim quote of FILE;
 - every `SCRIPT: error: ...` line shown right after a command block is printed, word for word,
-  by one of its commands, which exits with status 2;
+  by one of its commands, which exits with status 2 (or the N of its `# exit status N`); so is
+  every exception line (`RuntimeError: ...`) shown after a command said to fail that way, where
+  `[...]` in a shown line stands for text that differs between machines;
 - every script is linked from a lesson, the README links the tutorials, the
   index links every lesson, and every relative link points to a file;
 - lesson 00's first DDP program is built from the lesson (the programs a reader
@@ -652,47 +654,79 @@ def test_stateful_block_runs_twice(block, scratch):
                                       f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
 
 
-# --- what a refused command prints ----------------------------------------------------------------
+# --- what a refused or failing command prints -------------------------------------------------------
 
 ERROR_LINE = re.compile(r"^([\w./-]+\.py): error: \S.*$")
+# An error as Python prints it last in a traceback: `RuntimeError: ...`, `utils.distributed.MissedCollective: ...`
+# (not torchrun's own `SignalException: Process PID got signal`, which names a process id).
+EXCEPTION_LINE = re.compile(r"^(?:\w+\.)*(?:\w+Error|MissedCollective): \S.*$")
+EXIT_STATUS = re.compile(r"#\s*exit status (\d+)")
 
 
-def shown_refusals():
-    """(command block, output block, error lines): a lesson's bash block followed directly by a text
-    block that shows `SCRIPT: error: ...` lines, what the commands print when they refuse their input."""
+def expected_status(command: str) -> int:
+    """The exit status a command is said to end with (`# exit status N`); 2, a refusal's, if unsaid."""
+    m = EXIT_STATUS.search(command)
+    return int(m.group(1)) if m else 2
+
+
+def shown_failures():
+    """(command block, output block, shown lines): a lesson's bash block followed directly by a text
+    block that shows what its commands print when they fail: `SCRIPT: error: ...` lines (a refusal),
+    and, where a command says how it ends (`# exit status N`), the exception lines of a traceback."""
     found = []
     for path in lesson_files():
         blocks = blocks_of(path)
         for commands, output in zip(blocks, blocks[1:]):
             if commands.lang != "bash" or output.lang != "text" or FROM_LINE.match(commands.intro):
                 continue
-            errors = [line.rstrip() for line in output.lines if ERROR_LINE.match(line.rstrip())]
-            if errors:
-                found.append((commands, output, errors))
+            said = any(EXIT_STATUS.search(c) for c in shell_commands(commands))
+            shown = [line.rstrip() for line in output.lines
+                     if ERROR_LINE.match(line.rstrip()) or (said and EXCEPTION_LINE.match(line.rstrip()))]
+            if shown:
+                found.append((commands, output, shown))
     return found
 
 
-def test_the_shown_refusals_are_found():
-    shown = {(b.path.name, line) for _, b, errors in shown_refusals() for line in errors}
+def printed_as_shown(shown: str, printed: str) -> bool:
+    """A shown line is the printed one word for word, where it shows `[...]` any text (a path, an address)."""
+    return re.fullmatch(".*".join(re.escape(part) for part in shown.split("[...]")), printed) is not None
+
+
+def test_the_shown_failures_are_found():
+    shown = {(b.path.name, line) for _, b, lines in shown_failures() for line in lines}
     assert any(name == "03-ddp-training-tricks.md" and "--sync-bn needs GPUs" in line for name, line in shown), shown
+    for fragment in ("MissedCollective: rank 0 waited in metrics.evaluate()", "Timed out waiting 3000ms for recv",
+                     "rank 0 could not join the gloo process group"):
+        assert any(name == "09-debugging.md" and fragment in line for name, line in shown), (fragment, shown)
 
 
-@pytest.mark.parametrize("refusal", shown_refusals(), ids=lambda r: r[1].where)
-def test_a_shown_refusal_is_what_the_command_prints(refusal, scratch):
-    """Each error line shown after a command block is printed, word for word, by one of its commands,
-    which then exits with status 2 (run on the CPU, as the lessons' outputs were). The commands run
-    last to first and stop once every shown line has been printed: a block that trains first and
-    is refused second runs only the refusal."""
-    commands, output, errors = refusal
-    missing, printed = set(errors), []
+def test_the_shown_line_matcher():
+    assert printed_as_shown("RuntimeError: [...] Timed out", "RuntimeError: [/a/b.cc:78] Timed out")
+    assert not printed_as_shown("RuntimeError: [...] Timed out", "RuntimeError: [/a/b.cc:78] Timed out twice")
+    assert printed_as_shown("a (b) c", "a (b) c") and not printed_as_shown("a (b) c", "a (b) d")
+
+
+@pytest.mark.parametrize("failure", shown_failures(), ids=lambda r: r[1].where)
+def test_a_shown_failure_is_what_the_command_prints(failure, scratch):
+    """Each line shown after a command block is printed, word for word (but for `[...]`), on stdout or
+    stderr by one of its commands, which exits with the status it says (`# exit status N`), or 2, a
+    refusal's (run on the CPU, as the lessons' outputs were). The commands run last to first and stop
+    once every shown line has been printed: a block that trains first and is refused second runs only
+    the refusal."""
+    commands, output, shown = failure
+    missing, printed = list(shown), []
     for command in reversed(shell_commands(commands)):
         if not missing:
             break
-        proc = run_block([command], scratch, timeout=SNIPPET_TIMEOUT)
-        lines = {line.rstrip() for line in proc.stderr.splitlines()}
-        if lines & missing:
-            assert proc.returncode == 2, f"{commands.where}: `{command[:70]}` exited {proc.returncode}\n{proc.stderr}"
-        missing -= lines
-        printed += [line for line in lines if ERROR_LINE.match(line)]
-    assert not missing, (f"{output.where} shows error lines that no command of {commands.where} prints:\n"
-                         + "\n".join(sorted(missing)) + "\nprinted:\n" + "\n".join(printed))
+        said = EXIT_STATUS.search(command)
+        proc = run_block([command[:said.start()].rstrip() if said else command], scratch, timeout=SNIPPET_TIMEOUT)
+        lines = [line.rstrip() for line in (proc.stdout + proc.stderr).splitlines()]
+        found = [s for s in missing if any(printed_as_shown(s, line) for line in lines)]
+        if found:
+            assert proc.returncode == expected_status(command), (
+                f"{commands.where}: `{command[:70]}` exited {proc.returncode}, not {expected_status(command)}\n"
+                f"{proc.stderr[-4000:]}")
+        missing = [s for s in missing if s not in found]
+        printed += [line for line in lines if ERROR_LINE.match(line) or EXCEPTION_LINE.match(line)]
+    assert not missing, (f"{output.where} shows lines that no command of {commands.where} prints:\n"
+                         + "\n".join(missing) + "\nprinted:\n" + "\n".join(printed))
