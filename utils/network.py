@@ -238,7 +238,7 @@ def multi_node_findings(peer_host: str, backends=("gloo",), endpoint: str = None
                 f"this host is the rendezvous endpoint {endpoint}, but torchrun's c10d rendezvous will not "
                 f"host its store here: it recognises itself by its name, and {name} resolves to "
                 f"{', '.join(own) or 'nothing'}; every node then waits for a store that nobody serves, and "
-                "fails after 2 minutes with RendezvousConnectionError (The client socket has timed out)",
+                "fails 2 to 3 minutes later with RendezvousConnectionError (The client socket has timed out)",
                 f"{map_it}; or add --rdzv-conf is_host=1 to torchrun on this node only; or use the static "
                 f"rendezvous: --master-addr {endpoint} --master-port PORT --node-rank 0 here (1, 2... elsewhere) "
                 "instead of --rdzv-backend/--rdzv-endpoint"))
