@@ -306,6 +306,15 @@ class Captured(BaseException):  # not an Exception: passes through the scripts' 
 def capture(self, args=None, namespace=None):
     raise Captured(self)
 
+def options_of(parser):  # {option string: takes a value}, sub-commands' too (netns_hosts.py up --own-name)
+    options = {}
+    for action in parser._actions:
+        options.update({s: action.nargs != 0 for s in action.option_strings})
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                options.update(options_of(sub))
+    return options
+
 argparse.ArgumentParser.parse_known_args = capture
 argparse.ArgumentParser.parse_known_intermixed_args = capture
 table = {}
@@ -321,7 +330,7 @@ for name in sys.argv[1:]:
             runpy.run_path(name, run_name="__main__")
         table[name] = {"error": "it never parsed its arguments"}
     except Captured as c:
-        table[name] = {"options": {s: a.nargs != 0 for a in c.parser._actions for s in a.option_strings}}
+        table[name] = {"options": options_of(c.parser)}
     except BaseException as e:
         table[name] = {"error": f"{type(e).__name__}: {e}"}
     finally:
@@ -342,9 +351,12 @@ def check_script_flags(script: str, args, where: str):
     if options is None:
         return [f"{where}: {script} is not a script whose flags this test knows"]
     for k, token in enumerate(args):
-        if token == "--":  # e.g. tests/fault_injection.py ... -- distributed.py ARGS
-            if k + 1 < len(args):
-                problems += check_script_flags(args[k + 1], args[k + 2:], where)
+        if token == "--":  # the rest is another script's (tests/fault_injection.py ... -- distributed.py ARGS)
+            rest = args[k + 1:]  # or a whole command (scripts/netns_hosts.py run HOST -- torchrun ...)
+            if rest and rest[0].endswith(".py"):
+                problems += check_script_flags(rest[0], rest[1:], where)
+            elif rest:
+                problems += check_command(rest, where)
             break
         if token.startswith("--"):
             name = token.split("=", 1)[0]
@@ -391,24 +403,35 @@ def test_the_lessons_and_the_index_exist():
     assert not missing, f"missing in tutorials/: {missing}"
 
 
+def check_invocation(kind, script, args, env, where: str):
+    """The flags of one project-script invocation (script_invocations' answer)."""
+    if kind == "torchrun":
+        return check_torchrun(args, where)
+    if kind == "python":
+        return check_script_flags(script, args, where)
+    launcher = ROOT / script.lstrip("./") if script.startswith("./") else ROOT / script
+    if not launcher.is_file():
+        return [f"{where}: launcher {script} does not exist"]
+    target = launcher_target(launcher, env)
+    flags = [a for a in args if a.startswith("--")]
+    return check_script_flags(target, args, where) if flags and target else []  # extra flags go on
+
+
+def check_command(tokens, where: str):
+    """A command that a script runs for us (netns_hosts.py run HOST -- COMMAND): checked like a
+    command line if it runs a project script (`env VAR=value` in front allowed), else left alone."""
+    if tokens and tokens[0] == "env":
+        tokens = tokens[1:]
+    hit = script_invocations(tokens)
+    return check_invocation(*hit, where) if hit else []
+
+
 def test_commands_use_only_flags_their_scripts_accept():
     commands = project_commands()
     assert len(commands) >= 20, f"expected the docs to hold many runnable commands, found {len(commands)}"
     problems = []
     for where, kind, script, args, env in commands:
-        if kind == "torchrun":
-            problems += check_torchrun(args, where)
-        elif kind == "python":
-            problems += check_script_flags(script, args, where)
-        else:
-            launcher = ROOT / script.lstrip("./") if script.startswith("./") else ROOT / script
-            if not launcher.is_file():
-                problems.append(f"{where}: launcher {script} does not exist")
-                continue
-            target = launcher_target(launcher, env)
-            flags = [a for a in args if a.startswith("--")]
-            if flags and target:  # extra flags go on to the training script
-                problems += check_script_flags(target, args, where)
+        problems += check_invocation(kind, script, args, env, where)
     assert not problems, "\n".join(problems)
 
 
@@ -420,6 +443,13 @@ def test_the_flag_checker_catches_a_wrong_flag():
     assert check_torchrun(["--standalone", "--nproc_per_node", "2", "distributed.py", "--epochs", "1"], "x") == []
     assert check_torchrun(["--nproc_per_nodes=2", "distributed.py"], "x")
     assert check_torchrun(["--standalone", "nosuch.py"], "x")
+    # A command after `--` (netns_hosts.py run HOST -- ...): checked if it runs a project script.
+    assert check_script_flags("scripts/netns_hosts.py", ["run", "nodea", "--", "getent", "hosts", "nodea"], "x") == []
+    assert check_script_flags("scripts/netns_hosts.py", ["run", "nodea", "--", "env", "A=1", "torchrun",
+                                                         "--standalone", "distributed.py", "--epochs", "1"], "x") == []
+    assert check_script_flags("scripts/netns_hosts.py", ["run", "nodea", "--", "python", "distributed.py",
+                                                         "--epoch", "1"], "x")
+    assert check_script_flags("scripts/netns_hosts.py", ["up", "--two-interfaces"], "x") == []
     hit = script_invocations(next(iter(segments("OMP_NUM_THREADS=1 .venv/bin/python -m torch.distributed.run "
                                                 "--standalone --nproc_per_node=2 distributed.py --epochs 1"))))
     assert hit[0] == "torchrun" and hit[2][-3:] == ["distributed.py", "--epochs", "1"]
@@ -661,6 +691,7 @@ ERROR_LINE = re.compile(r"^([\w./-]+\.py): error: \S.*$")
 # (not torchrun's own `SignalException: Process PID got signal`, which names a process id).
 EXCEPTION_LINE = re.compile(r"^(?:\w+\.)*(?:\w+Error|MissedCollective): \S.*$")
 EXIT_STATUS = re.compile(r"#\s*exit status (\d+)")
+TEST_BED = re.compile(r"scripts/netns_hosts\.py")  # several hosts on one machine: commands that need each other
 
 
 def expected_status(command: str) -> int:
@@ -714,6 +745,9 @@ def test_a_shown_failure_is_what_the_command_prints(failure, scratch):
     once every shown line has been printed: a block that trains first and is refused second runs only
     the refusal."""
     commands, output, shown = failure
+    if any(TEST_BED.search(c) for c in shell_commands(commands)):
+        pytest.skip("drives the multi-host test bed (root, network namespaces) through shell loops and jobs: "
+                    "a block to run whole, which DOCS_RUN_TWICE=all does")
     missing, printed = list(shown), []
     for command in reversed(shell_commands(commands)):
         if not missing:
