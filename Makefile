@@ -28,9 +28,14 @@ $(FLOOR_VENV)/.installed: requirements.txt requirements-test.txt requirements-fl
 train: venv
 	bash scripts/quickstart.sh
 
-# One thread per process: the tests start several processes on a small CPU.
+# One thread per process: the tests start several processes on a small CPU. Test files run
+# side by side, TEST_WORKERS at a time (pytest-xdist, one file per worker): most tests wait
+# on signals, timeouts, rendezvous and Slurm, and the waiting overlaps with work.
+# TEST_WORKERS=0 runs them one at a time, in one process (for debugging).
+TEST_WORKERS ?= 4
+XDIST = -n $(TEST_WORKERS) $(if $(filter 0,$(TEST_WORKERS)),,--dist loadfile)
 test: venv
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 # The multi-process tests (launchers, mp.spawn, fault tolerance, your own data, collectives,
 # DDP) again on the oldest PyTorch we support, in .venv-floor.
@@ -39,7 +44,7 @@ FLOOR_TESTS := tests/test_launchers.py tests/test_distributed_mp.py tests/test_f
                tests/test_distributed_script.py tests/test_observe.py tests/test_devices.py tests/test_clip_grad.py \
                tests/test_fsdp.py
 test-floor: $(FLOOR_VENV)/.installed
-	OMP_NUM_THREADS=1 $(FLOOR_PY) -m pytest -q $(FLOOR_TESTS) $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(FLOOR_PY) -m pytest -q $(XDIST) $(FLOOR_TESTS) $(PYTEST_ARGS)
 
 # Many short multi-process runs, several at a time, every rank required to exit 0: the
 # check for rare failures at exit. STRESS_RUNS=N per kind (default 20); PY=... for another venv.
