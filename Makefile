@@ -33,7 +33,7 @@ train: venv
 # on signals, timeouts, rendezvous and Slurm, and the waiting overlaps with work.
 # TEST_WORKERS=0 runs them one at a time, in one process (for debugging).
 TEST_WORKERS ?= 4
-XDIST = -n $(TEST_WORKERS) $(if $(filter 0,$(TEST_WORKERS)),,--dist loadfile)
+XDIST = -n $(TEST_WORKERS) $(if $(filter 0,$(TEST_WORKERS)),,--dist loadfile --no-loadscope-reorder)
 test: venv
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
