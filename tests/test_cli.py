@@ -222,6 +222,9 @@ def main(argv):
     if "join" in sys.argv:
         cli.joined_a_group()  # what utils.distributed.setup calls after init_process_group
     print("main ran", flush=True)
+    if "slow-exit" in sys.argv:  # a rank still on its way out, as under load
+        import atexit, time
+        atexit.register(time.sleep, 3)
     if "usage-error" in sys.argv:
         raise cli.UsageError("bad input")
 
@@ -253,6 +256,29 @@ def test_run_main_as_the_program_leaves_without_teardown_once_a_group_was_joined
     assert ("teardown ran" in proc.stdout) == teardown, proc.stdout + proc.stderr
     if code == 2:
         assert "error: bad input" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("joined", [False, True])
+def test_a_refusing_rank_keeps_exit_status_2_when_sigterm_comes_on_its_way_out(tmp_path, joined):
+    # Under torchrun the first rank to refuse makes the agent send SIGTERM to the others;
+    # one still exiting must not be reported as killed by it (exitcode -15) in the summary.
+    import signal
+    import subprocess
+    import sys
+    import time
+    program = tmp_path / "program.py"
+    program.write_text(RUN_MAIN_PROGRAM.format(root=os.path.dirname(os.path.dirname(__file__))))
+    env = dict(os.environ)
+    env.pop("RANK", None)
+    args = [*(["join"] if joined else []), "slow-exit", "usage-error"]
+    proc = subprocess.Popen([sys.executable, str(program), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    assert "error: bad input" in proc.stderr.readline()  # printed: now on its way out (3 s)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 2, proc.stdout.read() + proc.stderr.read()
+    proc.stdout.close()
+    proc.stderr.close()
 
 
 LEAVE_WITH_LOADER_WORKERS = """

@@ -386,6 +386,7 @@ def run_main(main, argv=None):
         try:
             main(argv)
         except UsageError as err:
+            _keep_this_exit_status()
             if _prints_errors(getattr(err, "met_by", "job")):
                 print(error_line(err), file=sys.stderr, flush=True)
                 record_for_torchrun(error_line(err))
@@ -430,6 +431,19 @@ def run_main(main, argv=None):
         leave(1)
     if _joined_a_group:
         leave(0)
+
+
+def _keep_this_exit_status():
+    """Ignore SIGTERM from here on: this rank has refused bad input and exits with 2.
+
+    Every rank refuses the same input at once. Under torchrun the first rank out makes
+    the agent stop the others with SIGTERM (SIGKILL 30 s later), and a rank still on its
+    way out, its line printed and its error file written, died of it: torchrun's summary
+    then showed the root cause with `exitcode: -15 (SIGTERM)` instead of 2 (seen under
+    load). Ignoring the signal lets the rank end with its own status a moment later."""
+    import threading
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def record_for_torchrun(line: str):
