@@ -292,31 +292,24 @@ def run_two_nodes(args, extra=(), timeout=420):
             node.kill()
 
 
-def test_two_nodes_train_together(tmp_path):
-    metrics = tmp_path / "metrics.jsonl"
-    nodes = run_two_nodes(["distributed.py", *TINY, "--max-steps", "4", "--metrics", metrics,
-                           "--checkpoint-dir", tmp_path / "ckpt"])
-    outputs = [expect(node) for node in nodes]
-    final = read_metrics(metrics)[-1]  # written by global rank 0 only, on whichever node
-    assert (final["event"], final["world_size"], final["step"], final["global_batch"]) == ("end", 4, 4, 32)
-    assert sum(out.count("done: 4 steps") for out in outputs) == 1
-
-
-def test_two_nodes_survive_a_killed_worker(tmp_path):
+def test_two_nodes_train_together_and_survive_a_killed_worker(tmp_path):
     metrics, ckpt_dir = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
-    # Rank 3 dies once; only its node's torchrun counts a failure (restart 1), the other
-    # node restarts its healthy workers as part of the new rendezvous round.
+    # Two torchrun agents on one rendezvous, 2 workers each: one job of 4 ranks. Rank 3 dies
+    # once; only its node's torchrun counts a failure (restart 1), the other node restarts
+    # its healthy workers as part of the new rendezvous round. (Checked in one launch: the
+    # run that ends after the restart is the same 4-rank job as one that never failed.)
     nodes = run_two_nodes([FAULTS, "--fault", "kill", "--rank", "3", "--step", "3",
                            "--once-file", tmp_path / "fired", "--",
                            "distributed.py", *TINY, "--max-steps", "8", "--metrics", metrics,
                            "--checkpoint-dir", ckpt_dir], extra=["--max-restarts=1"])
     outputs = "\n".join(expect(node) for node in nodes)
+    assert outputs.count("done: 8 steps") == 1, outputs  # global rank 0 alone, on whichever node
     assert "fault_injection: kill on rank 3 at step 3" in outputs
     assert "resuming from" in outputs and "2 steps in all" in outputs, outputs
     # Every rank of the new round resumes: none refuses the checkpoint as if fresh.
     assert "already holds a checkpoint" not in outputs and "exitcode: 2" not in outputs, outputs
     final = read_metrics(metrics)[-1]
-    assert (final["event"], final["world_size"], final["step"]) == ("end", 4, 8)
+    assert (final["event"], final["world_size"], final["step"], final["global_batch"]) == ("end", 4, 8, 32)
     assert checkpoint.load(ckpt_dir / "checkpoint.pt")["global_step"] == 8
 
 
@@ -441,6 +434,8 @@ def test_mp_spawn_stops_on_a_signal_to_its_process_group(long_reference, tmp_pat
     no_loader_failure(output)
     step = checkpoint.load(tmp_path / "checkpoint.pt")["global_step"]
     assert 0 < step < LONG_STEPS and step % 10 == 0, output
+    if sig != signal.SIGINT:
+        return  # the resume reads only the checkpoint, which the signal does not enter: resumed once, below
     expect(run(["distributed_mp.py", *LONG_RUN, "--nproc-per-node", "2", "--checkpoint-dir", tmp_path,
                 "--resume"]))
     assert_same_training_state(tmp_path / "checkpoint.pt", long_reference, steps=LONG_STEPS)
