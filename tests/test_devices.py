@@ -169,6 +169,7 @@ def test_torchrun_virtual_local_rank_gives_each_worker_its_own_gpu(monkeypatch):
     assert dist_utils.pick_device(0, 4, distributed=True) == torch.device("cuda", 0)
 
 
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 def test_without_virtual_local_rank_a_second_process_on_one_gpu_refuses_and_says_so(monkeypatch, capsys):
     """2 processes with one GPU visible: local rank 1 has no device. Its line is printed by
     that rank (not only rank 0 prints), with exit status 2."""
