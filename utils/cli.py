@@ -57,9 +57,8 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):
         # Every rank of a job parses the same arguments: one copy of the line is enough.
         line = f"{self.prog}: error: {message} (see --help)"
-        if _prints_errors():
-            record_for_torchrun(line)
-        self.exit(2, f"{line}\n" if _prints_errors() else None)
+        refuse(line, _prints_errors())
+        self.exit(2)
 
 
 _NOT_GIVEN = object()
@@ -386,10 +385,7 @@ def run_main(main, argv=None):
         try:
             main(argv)
         except UsageError as err:
-            _keep_this_exit_status()
-            if _prints_errors(getattr(err, "met_by", "job")):
-                print(error_line(err), file=sys.stderr, flush=True)
-                record_for_torchrun(error_line(err))
+            refuse(error_line(err), _prints_errors(getattr(err, "met_by", "job")))
             sys.exit(2)
         except KeyboardInterrupt:
             sys.exit(130)
@@ -405,6 +401,8 @@ def run_main(main, argv=None):
     if argv is not None:
         record(guarded)()
         return
+    global _as_program
+    _as_program = True
     # Whether the process joined a group is known only once main has run: ask afterwards.
     try:
         record(guarded)()
@@ -431,6 +429,25 @@ def run_main(main, argv=None):
         leave(1)
     if _joined_a_group:
         leave(0)
+
+
+def refuse(line: str, prints: bool):
+    """What a rank does with a bad-input line before it exits with status 2.
+
+    The printing rank (global rank 0, for input every rank meets) puts it on stderr.
+    Every rank leaves it in torchrun's error file: torchrun stops the other ranks with
+    SIGTERM as soon as one has exited, and under load rank 0 could still be starting
+    when rank 1 had refused and left, and died of it without a word (seen with the
+    CPU busy); the summary's root cause is then rank 1's, and it holds the line. A rank
+    that does not print waits 2 s before leaving under torchrun, so that rank 0's line
+    normally comes first, as the one line to read."""
+    if _as_program:  # a caller's own process (run_main given argv) keeps its handlers
+        _keep_this_exit_status()
+    if prints:
+        print(line, file=sys.stderr, flush=True)
+    record_for_torchrun(line)
+    if not prints and os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        time.sleep(2.0)
 
 
 def _keep_this_exit_status():
@@ -469,6 +486,7 @@ def error_line(message, kind: str = "error") -> str:
     return f"{os.path.basename(sys.argv[0]) or 'train'}: {kind}: {message}"
 
 
+_as_program = False  # set by run_main called as the program (argv None): the process ends with it
 _joined_a_group = False  # set by utils.distributed.setup: only such a process needs `leave`
 
 
