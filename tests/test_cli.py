@@ -388,6 +388,7 @@ def test_the_error_line_is_what_torchrun_reads_as_the_root_cause(tmp_path, monke
     assert failure.timestamp > 0  # torchrun names the failure with the smallest as the root cause
 
 
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 def test_every_rank_that_refuses_leaves_the_line_for_torchrun_and_only_rank_0_prints(tmp_path, monkeypatch,
                                                                                      capsys):
     # torchrun stops the others once one rank has left: if rank 0 was still starting then,
