@@ -43,12 +43,13 @@ test: venv
 # in .venv-floor: process groups, DDP's construction, collectives and their names, FSDP2,
 # torchrun and its rendezvous and stores (launchers, stop signals, faults, several hosts),
 # mp.spawn, device selection, the profiler's events. The rest (templates, clipping, the
-# metrics file) runs the same code on any release and is left to `make test`.
+# metrics file) runs the same code on any release and is left to `make test`, as are the
+# tests marked not_on_floor: each names the tests that make the same PyTorch calls here.
 FLOOR_TESTS := tests/test_launchers.py tests/test_distributed_mp.py tests/test_fault_tolerance.py \
                tests/test_missed_collective.py tests/test_collectives.py tests/test_ddp.py \
                tests/test_observe.py tests/test_devices.py tests/test_fsdp.py tests/test_hosts.py
 test-floor: $(FLOOR_VENV)/.installed
-	OMP_NUM_THREADS=1 $(FLOOR_PY) -m pytest -q $(XDIST) $(FLOOR_TESTS) $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(FLOOR_PY) -m pytest -q $(XDIST) -m "not stress and not not_on_floor" $(FLOOR_TESTS) $(PYTEST_ARGS)
 
 # Many short multi-process runs, several at a time, every rank required to exit 0: the
 # check for rare failures at exit. STRESS_RUNS=N per kind (default 20); PY=... for another venv.

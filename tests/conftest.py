@@ -30,6 +30,11 @@ LONGEST_FIRST = ["test_fault_tolerance.py", "test_docs.py", "test_hosts.py", "te
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
+    for item in items:
+        marker = item.get_closest_marker("not_on_floor")
+        if marker is not None and not (marker.args and isinstance(marker.args[0], str) and marker.args[0]):
+            raise pytest.UsageError(f"{item.nodeid}: not_on_floor needs its reason (which tests run the same "
+                                    f"PyTorch calls on the floor)")
     import torch
     if torch.cuda.is_available():
         return

@@ -148,7 +148,8 @@ def driver_reports(tmp_path_factory) -> list[dict]:
 NO_DEPRECATIONS = ["-W", "error::FutureWarning", "-W", "error::DeprecationWarning"]
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.not_on_floor(
+    "the same collectives, at 2 processes: test_tour_passes_and_prints_tables[2]"))])
 def test_tour_passes_and_prints_tables(nproc: int) -> None:
     result = run_bounded([sys.executable, *NO_DEPRECATIONS, str(SCRIPT), "--nproc", str(nproc)])
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"

@@ -164,6 +164,7 @@ def test_resume_with_an_empty_checkpoint_dir_starts_fresh(python_reference):
     assert checkpoint.load(ckpt_dir / "checkpoint.pt")["global_step"] == STEPS
 
 
+@pytest.mark.not_on_floor("one process, torch.save and torch.load: test_ctrl_c_to_one_process_with_loader_workers")
 def test_fresh_run_refuses_to_overwrite_a_checkpoint(python_reference):
     ckpt_dir, _ = python_reference
     before = sha256(ckpt_dir / "checkpoint.pt")
@@ -176,6 +177,7 @@ def test_fresh_run_refuses_to_overwrite_a_checkpoint(python_reference):
 
 # --- SIGTERM: checkpoint, exit 0, resume -----------------------------------------------------
 
+@pytest.mark.not_on_floor("one process, torch.save and torch.load: test_ctrl_c_to_one_process_with_loader_workers")
 def test_sigterm_checkpoints_and_resume_ends_with_the_same_weights(python_reference, tmp_path):
     reference_dir, _ = python_reference
     ckpt = tmp_path / "checkpoint.pt"
@@ -228,6 +230,7 @@ def test_killed_worker_is_restarted_and_ends_with_the_same_weights(ddp_reference
     assert_same_training_state(ckpt, ddp_reference)
 
 
+@pytest.mark.not_on_floor("one process, torch.save and torch.load: test_ctrl_c_to_one_process_with_loader_workers")
 def test_crash_during_a_checkpoint_write_keeps_the_previous_checkpoint(python_reference, tmp_path):
     reference_dir, _ = python_reference
     ckpt = tmp_path / "checkpoint.pt"

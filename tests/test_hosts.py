@@ -152,6 +152,8 @@ def test_the_hosts_leave_nothing_behind_however_the_test_ends():
 
 # --- a. the same training, bitwise, on two hosts as on one -----------------------------------
 
+@pytest.mark.not_on_floor("two agents on one c10d rendezvous: the two nodes of test_fault_tolerance.py; across hosts: "
+                          "the partition, lost-host and host-name tests here")
 def test_two_hosts_train_bitwise_equal_to_the_same_processes_on_one(make_hosts, tmp_path):
     """torchrun c10d, 2 hosts x 2 processes, loader workers on: the same weights as 4
     processes on one host."""
@@ -286,6 +288,8 @@ def test_elastic_torchrun_goes_on_without_a_lost_host_with_the_same_global_batch
 
 # --- b. mp.spawn across hosts, by tcp:// and by file:// ---------------------------------------
 
+@pytest.mark.not_on_floor("tcp:// and file:// with mp.spawn: test_distributed_mp.py (two nodes, a shared file); "
+                          "addresses across hosts: the other tests here")
 def test_mp_spawn_across_hosts_by_tcp_and_by_a_shared_file(make_hosts, tmp_path):
     """distributed_mp.py --nodes 2 on both hosts, meeting at host A's address (tcp://) or
     through a file in a folder both see (file://): the weights of distributed.py's 2
@@ -315,6 +319,7 @@ def full_state(checkpoint_dir) -> dict:
     return checkpoint.load_full(str(Path(checkpoint_dir) / "checkpoint.pt"))
 
 
+@pytest.mark.not_on_floor("the sharded save and resume of FSDP2: test_fsdp.py; torchrun across hosts: the other tests here")
 def test_fsdp_checkpoint_written_from_two_hosts_resumes_on_one(make_hosts, tmp_path):
     """distributed_fsdp.py, 2 hosts x 1 process, 4 steps: each host writes its own shard
     files into the shared folder, and the checkpoint holds what 2 processes on one host
