@@ -326,21 +326,46 @@ def no_loader_failure(output):
         "torch.distributed.elastic.multiprocessing.api.SignalException", ""), output
 
 
-@pytest.mark.parametrize("sig", ["TERM", "INT"])
-def test_signal_to_every_process_of_the_job_with_loader_workers(ddp_reference, tmp_path, sig):
-    # scancel --signal / a preemption: the agent, both workers and their loader workers all
-    # get the signal. The loader workers leave it to their rank; the ranks agree on step 10.
-    ckpt = tmp_path / "checkpoint.pt"
-    stopped = torchrun([FAULTS, "--fault", "signal-job", "--send", sig, "--rank", "0", "--step", "3", "--",
-                        "distributed.py", *TINY, *WORKERS, "--checkpoint-dir", tmp_path])
-    output = stopped.output()
-    assert f"stopping at step 10 on SIG{sig}" in output, output
-    assert not re.search(r"^\[rank\d+\]:", output, re.M), output
-    assert "DataLoader worker" not in output, output
-    assert checkpoint.load(ckpt)["global_step"] == 10
-    resumed = expect(torchrun(["distributed.py", *TINY, *WORKERS, "--checkpoint-dir", tmp_path, "--resume"]))
+def assert_same_checkpoint(path, other):
+    """Every entry of two checkpoints bitwise equal (the folder each names for itself apart)."""
+    def same(a, b, where):
+        assert type(a) is type(b), f"{where}: {type(a).__name__} != {type(b).__name__}"
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b), f"{where} differs"
+        elif isinstance(a, dict):
+            assert a.keys() == b.keys(), f"{where}: {sorted(a)} != {sorted(b)}"
+            for key in a:
+                same(a[key], b[key], f"{where}.{key}")
+        elif isinstance(a, (list, tuple)):
+            assert len(a) == len(b), where
+            for i, (x, y) in enumerate(zip(a, b)):
+                same(x, y, f"{where}[{i}]")
+        else:
+            assert a == b, f"{where}: {a!r} != {b!r}"
+    got, want = checkpoint.load(path), checkpoint.load(other)
+    for state in (got, want):
+        state["config"].pop("checkpoint_dir")
+    same(got, want, "checkpoint")
+
+
+def test_signal_to_every_process_of_the_job_with_loader_workers(ddp_reference, tmp_path):
+    # scancel --signal / a preemption (SIGTERM), Ctrl-C to an interactive job (SIGINT): the
+    # agent, both workers and their loader workers all get the signal. The loader workers
+    # leave it to their rank; the ranks agree on step 10. One job per signal; the two
+    # checkpoints are the same, bitwise, and that checkpoint resumes to the uninterrupted run.
+    for sig in ("TERM", "INT"):
+        folder = tmp_path / sig
+        stopped = torchrun([FAULTS, "--fault", "signal-job", "--send", sig, "--rank", "0", "--step", "3", "--",
+                            "distributed.py", *TINY, *WORKERS, "--checkpoint-dir", folder])
+        output = stopped.output()
+        assert f"stopping at step 10 on SIG{sig}" in output, output
+        assert not re.search(r"^\[rank\d+\]:", output, re.M), output
+        assert "DataLoader worker" not in output, output
+        assert checkpoint.load(folder / "checkpoint.pt")["global_step"] == 10
+    assert_same_checkpoint(tmp_path / "INT" / "checkpoint.pt", tmp_path / "TERM" / "checkpoint.pt")
+    resumed = expect(torchrun(["distributed.py", *TINY, *WORKERS, "--checkpoint-dir", tmp_path / "INT", "--resume"]))
     assert "10 steps in all" in resumed
-    assert_same_training_state(ckpt, ddp_reference)
+    assert_same_training_state(tmp_path / "INT" / "checkpoint.pt", ddp_reference)
 
 
 def test_ctrl_c_to_one_process_with_loader_workers(python_reference, tmp_path):
