@@ -524,11 +524,28 @@ class Loader(DataLoader):
         if env is not None and env.local_rank == 0 and self.num_workers:  # once per node
             _shm_unchecked.add(self)
 
-    def __iter__(self):
+    def start_workers(self):
+        """Fork the persistent worker processes now, not at the first batch: train_loader and
+        eval_loader call it, so that every worker of a run is forked before the run's first
+        collective. After a collective, a thread of the process group may still drop its
+        reference to the tensor it carried, and PyTorch takes the GIL for that from the
+        backend's thread, making a Python thread state there. Python up to 3.11.9 (3.12 has
+        the fix; CPython issue gh-112275) leaves a child forked at that instant waiting
+        forever on the interpreter's thread-state lock: a loader worker that never starts,
+        and its rank waiting for a batch while its peers time out in the next collective.
+        The prefetch the early start makes (2 batches a worker) is dropped at the first
+        iteration, which starts from the sampler's epoch as usual."""
+        if self.num_workers and self.persistent_workers:
+            self._batches()  # DataLoader keeps the iterator of persistent workers for the next iter()
+
+    def _batches(self):
         if self.num_workers:
             end_loader_workers_at_exit()  # they ignore SIGTERM, which exit handlers would send
         with stop_signals_blocked():
-            batches = super().__iter__()
+            return super().__iter__()
+
+    def __iter__(self):
+        batches = self._batches()
         if self.channels_last:
             batches = _images_only(batches)
         if self in _shm_unchecked:
@@ -576,20 +593,24 @@ def train_loader(train_set, per_device_batch: int, global_batch: int, env: DistE
     workers = loader_workers(args, env)
     # Pinned (page-locked) host memory lets the copy to the device run asynchronously
     # (non_blocking=True); Apple's MPS shares memory with the CPU and has nothing to pin.
-    return Loader(train_set, batch_size=per_device_batch, sampler=sampler,
-                  num_workers=workers, pin_memory=env.device.type not in ("cpu", "mps"),
-                  persistent_workers=workers > 0, worker_init_fn=_worker_init,
-                  drop_last=False,  # the sampler already yields whole batches
-                  env=env, purpose="training", channels_last=getattr(args, "channels_last", False))
+    loader = Loader(train_set, batch_size=per_device_batch, sampler=sampler,
+                    num_workers=workers, pin_memory=env.device.type not in ("cpu", "mps"),
+                    persistent_workers=workers > 0, worker_init_fn=_worker_init,
+                    drop_last=False,  # the sampler already yields whole batches
+                    env=env, purpose="training", channels_last=getattr(args, "channels_last", False))
+    loader.start_workers()  # before the model's first collective: see Loader.start_workers
+    return loader
 
 
 def eval_loader(test_set, batch_size: int, env: DistEnv, args) -> DataLoader:
     workers = loader_workers(args, env)
-    return Loader(test_set, batch_size=batch_size,
-                  sampler=ShardSampler(len(test_set), env.rank, env.world_size),
-                  num_workers=workers, pin_memory=env.device.type not in ("cpu", "mps"),
-                  persistent_workers=workers > 0, worker_init_fn=_worker_init,
-                  env=env, purpose="evaluation", channels_last=getattr(args, "channels_last", False))
+    loader = Loader(test_set, batch_size=batch_size,
+                    sampler=ShardSampler(len(test_set), env.rank, env.world_size),
+                    num_workers=workers, pin_memory=env.device.type not in ("cpu", "mps"),
+                    persistent_workers=workers > 0, worker_init_fn=_worker_init,
+                    env=env, purpose="evaluation", channels_last=getattr(args, "channels_last", False))
+    loader.start_workers()  # with the training loader's, not after the first epoch's collectives
+    return loader
 
 
 # --- shared memory -------------------------------------------------------------------

@@ -446,10 +446,26 @@ def all_ranks_ok(ok: bool, device: torch.device, call: str = "all_ranks_ok()") -
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32,
                         device=device if group is None else "cpu")
     if dist.is_available() and dist.is_initialized():
+        references = sys.getrefcount(flag)
         with meeting(call):
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-            return bool(flag.item())  # inside: on a device, this is where the wait is
+            agreed = bool(flag.item())  # inside: on a device, this is where the wait is
+        _released_by_backend(flag, references)
+        return agreed
     return bool(flag.item())
+
+
+def _released_by_backend(tensor: torch.Tensor, references: int, timeout_s: float = 1.0):
+    """Wait (at most timeout_s) until the process group's threads hold no reference to
+    `tensor`, which had `references` (sys.getrefcount in the caller) before a collective. A collective returns when its
+    result is there; the backend's thread lets go of the tensor a moment later, taking the
+    GIL for it. all_ranks_ok guards the data's download and reading, just before the
+    loaders fork their workers: a fork at that moment can leave the new worker stuck for
+    good (see data.Loader.start_workers). While the backend holds the tensor, PyTorch keeps
+    its Python object alive, so that sys.getrefcount counts one more."""
+    deadline = time.monotonic() + timeout_s
+    while sys.getrefcount(tensor) > references + 1 and time.monotonic() < deadline:  # +1: `tensor` here
+        time.sleep(0.0002)  # releases the GIL, which the backend's thread is waiting for
 
 
 # DDP's switch for broadcasting rank 0's buffers (batch-norm statistics) before every forward
