@@ -529,8 +529,8 @@ class Loader(DataLoader):
         eval_loader call it, so that every worker of a run is forked before the run's first
         collective. After a collective, a thread of the process group may still drop its
         reference to the tensor it carried, and PyTorch takes the GIL for that from the
-        backend's thread, making a Python thread state there. Python up to 3.11.9 (3.12 has
-        the fix; CPython issue gh-112275) leaves a child forked at that instant waiting
+        backend's thread, making a Python thread state there. Python 3.11.9 and older (fixed
+        in 3.11.10 and 3.12; CPython issue gh-112275) leave a child forked at that instant waiting
         forever on the interpreter's thread-state lock: a loader worker that never starts,
         and its rank waiting for a batch while its peers time out in the next collective.
         The prefetch the early start makes (2 batches a worker) is dropped at the first
