@@ -534,9 +534,21 @@ class Loader(DataLoader):
         forever on the interpreter's thread-state lock: a loader worker that never starts,
         and its rank waiting for a batch while its peers time out in the next collective.
         The prefetch the early start makes (2 batches a worker) is dropped at the first
-        iteration, which starts from the sampler's epoch as usual."""
-        if self.num_workers and self.persistent_workers:
-            self._batches()  # DataLoader keeps the iterator of persistent workers for the next iter()
+        iteration, which starts from the sampler's epoch as usual. Workers started by exec
+        (the "spawn" and "forkserver" methods: under mp.spawn, distributed_mp.py's) are not
+        forked from this process and start at the first batch, as before: each imports
+        PyTorch, which a run that stops before it evaluates would pay for nothing."""
+        if self.num_workers and self.persistent_workers and self._start_method() == "fork":
+            # A new iterator draws its workers' base seed from PyTorch's global generator: put
+            # it back as it was, so that the model is initialised from the same random numbers
+            # as with --workers 0 (the samples are seeded on their own, see SeededSamples).
+            with torch.random.fork_rng(devices=[]):
+                self._batches()  # DataLoader keeps the iterator of persistent workers for the next iter()
+
+    def _start_method(self) -> str:
+        # DataLoader's default context is torch.multiprocessing's: "fork" on Linux, but "spawn"
+        # in a process that mp.spawn started (the start method travels with it).
+        return (self.multiprocessing_context or torch.multiprocessing).get_start_method()
 
     def _batches(self):
         if self.num_workers:
