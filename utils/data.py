@@ -529,10 +529,11 @@ class Loader(DataLoader):
         eval_loader call it, so that every worker of a run is forked before the run's first
         collective. After a collective, a thread of the process group may still drop its
         reference to the tensor it carried, and PyTorch takes the GIL for that from the
-        backend's thread, making a Python thread state there. Python 3.11.9 and older (fixed
-        in 3.11.10 and 3.12; CPython issue gh-112275) leave a child forked at that instant waiting
-        forever on the interpreter's thread-state lock: a loader worker that never starts,
-        and its rank waiting for a batch while its peers time out in the next collective.
+        backend's thread, making a Python thread state there. Python 3.11.9 and older
+        (fixed in 3.11.10 and 3.12; CPython issue gh-112275) leave a child forked at that
+        instant waiting forever on the interpreter's thread-state lock: a loader worker that
+        never starts, and its rank waiting for a batch while its peers time out in the next
+        collective.
         The prefetch the early start makes (2 batches a worker) is dropped at the first
         iteration, which starts from the sampler's epoch as usual. Workers started by exec
         (the "spawn" and "forkserver" methods: under mp.spawn, distributed_mp.py's) are not
@@ -543,7 +544,7 @@ class Loader(DataLoader):
             # it back as it was, so that the model is initialised from the same random numbers
             # as with --workers 0 (the samples are seeded on their own, see SeededSamples).
             with torch.random.fork_rng(devices=[]):
-                self._batches()  # DataLoader keeps the iterator of persistent workers for the next iter()
+                self._batches()  # DataLoader keeps a persistent-worker iterator for the next iter()
 
     def _start_method(self) -> str:
         # DataLoader's default context is torch.multiprocessing's: "fork" on Linux, but "spawn"

@@ -457,9 +457,9 @@ def all_ranks_ok(ok: bool, device: torch.device, call: str = "all_ranks_ok()") -
 
 def _released_by_backend(tensor: torch.Tensor, references: int, timeout_s: float = 1.0):
     """Wait (at most timeout_s) until the process group's threads hold no reference to
-    `tensor`, which had `references` (sys.getrefcount in the caller) before a collective. A collective returns when its
-    result is there; the backend's thread lets go of the tensor a moment later, taking the
-    GIL for it. all_ranks_ok guards the data's download and reading, just before the
+    `tensor`, which had `references` (sys.getrefcount in the caller) before a collective. A
+    collective returns when its result is there; the backend's thread lets go of the tensor
+    a moment later, taking the GIL for it. all_ranks_ok guards the data's download and reading, just before the
     loaders fork their workers: a fork at that moment can leave the new worker stuck for
     good (see data.Loader.start_workers). While the backend holds the tensor, PyTorch keeps
     its Python object alive, so that sys.getrefcount counts one more."""
