@@ -44,6 +44,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def assert_same_state(a, b, what="state"):
+    """Two state dicts (or checkpoints) alike entry by entry: tensors bitwise, the rest ==."""
+    import torch
+    assert a.keys() == b.keys(), what
+    for key in a:
+        if isinstance(a[key], dict):
+            assert_same_state(a[key], b[key], f"{what}.{key}")
+        elif isinstance(a[key], torch.Tensor):
+            assert torch.equal(a[key], b[key]), f"{what}.{key} differs"
+        else:
+            assert a[key] == b[key], f"{what}.{key}: {a[key]!r} != {b[key]!r}"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

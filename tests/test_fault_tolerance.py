@@ -22,7 +22,7 @@ import uuid
 import pytest
 import torch
 
-from conftest import ROOT, assert_one_line_error, free_port, read_metrics, run_script, subprocess_env
+from conftest import ROOT, assert_one_line_error, assert_same_state, free_port, read_metrics, run_script, subprocess_env
 from utils import checkpoint
 
 FAULTS = "tests/fault_injection.py"
@@ -328,24 +328,10 @@ def no_loader_failure(output):
 
 def assert_same_checkpoint(path, other):
     """Every entry of two checkpoints bitwise equal (the folder each names for itself apart)."""
-    def same(a, b, where):
-        assert type(a) is type(b), f"{where}: {type(a).__name__} != {type(b).__name__}"
-        if isinstance(a, torch.Tensor):
-            assert torch.equal(a, b), f"{where} differs"
-        elif isinstance(a, dict):
-            assert a.keys() == b.keys(), f"{where}: {sorted(a)} != {sorted(b)}"
-            for key in a:
-                same(a[key], b[key], f"{where}.{key}")
-        elif isinstance(a, (list, tuple)):
-            assert len(a) == len(b), where
-            for i, (x, y) in enumerate(zip(a, b)):
-                same(x, y, f"{where}[{i}]")
-        else:
-            assert a == b, f"{where}: {a!r} != {b!r}"
     got, want = checkpoint.load(path), checkpoint.load(other)
     for state in (got, want):
         state["config"].pop("checkpoint_dir")
-    same(got, want, "checkpoint")
+    assert_same_state(got, want, "checkpoint")
 
 
 def test_signal_to_every_process_of_the_job_with_loader_workers(ddp_reference, tmp_path):

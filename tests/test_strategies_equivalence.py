@@ -8,7 +8,7 @@ construction, sampling, augmentation, loss scaling or schedule would show here.
 import pytest
 import torch
 
-from conftest import SMALL, run_script
+from conftest import SMALL, assert_same_state, run_script
 
 STEPS = ["--max-steps", "5", "--train-samples", "128"]  # 4 steps per epoch: crosses an epoch boundary
 
@@ -30,24 +30,13 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-def _assert_same_tensors(a, b, what):
-    assert a.keys() == b.keys(), what
-    for key in a:
-        if isinstance(a[key], dict):
-            _assert_same_tensors(a[key], b[key], f"{what}.{key}")
-        elif isinstance(a[key], torch.Tensor):
-            assert torch.equal(a[key], b[key]), f"{what}.{key} differs"
-        else:
-            assert a[key] == b[key], f"{what}.{key}: {a[key]!r} != {b[key]!r}"
-
-
 @pytest.mark.parametrize("name", [n for n in SCRIPTS if n != "distributed"])
 def test_bitwise_identical_to_distributed(checkpoints, name):
     reference, other = checkpoints["distributed"], checkpoints[name]
     assert reference["global_step"] == other["global_step"] == 5
     assert (other["epoch"], other["step_in_epoch"]) == (reference["epoch"], reference["step_in_epoch"]) == (1, 1)
-    _assert_same_tensors(reference["model"], other["model"], "model")
-    _assert_same_tensors(reference["optimizer"]["state"], other["optimizer"]["state"], "optimizer")
+    assert_same_state(reference["model"], other["model"], "model")
+    assert_same_state(reference["optimizer"]["state"], other["optimizer"]["state"], "optimizer")
 
 
 def test_training_moved_the_weights(checkpoints, tmp_path):
