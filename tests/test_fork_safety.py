@@ -32,8 +32,10 @@ for name in ("all_reduce", "broadcast", "all_gather", "all_gather_object", "broa
     if hasattr(dist, name):
         setattr(dist, name, counted(getattr(dist, name)))
 os.register_at_fork(before=lambda: forks.append(collectives[0]))
-atexit.register(lambda: print(f"rank {os.environ.get('RANK')}: {collectives[0]} collectives; "
-                              f"collectives before each fork: {forks}", flush=True))
+# One write of the whole line: the two ranks share the pipe, and print() under PYTHONUNBUFFERED
+# writes the text and its newline apart, so that the other rank's line could land in between.
+atexit.register(lambda: os.write(1, f"rank {os.environ.get('RANK')}: {collectives[0]} collectives; "
+                                    f"collectives before each fork: {forks}\\n".encode()))
 sys.argv = sys.argv[1:]
 sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
 runpy.run_path(sys.argv[0], run_name="__main__")
