@@ -18,7 +18,8 @@
 #
 # Knobs (environment): GPU_CHECK_SECONDS (whole run, default 510 = 8.5 minutes),
 # GPU_CHECK_PYTEST_SECONDS (the test stage, default 220), GPU_CHECK_TEST_TIMEOUT (one test,
-# default 150), GPU_CHECK_PYTEST_ARGS (default: -m gpu tests), GPU_CHECK_MEMORY_ARGS (default:
+# default 150), GPU_CHECK_PYTEST_WORKERS (tests at a time with pytest-xdist, default 4, 0 for one
+# at a time), GPU_CHECK_PYTEST_ARGS (default: -m gpu tests), GPU_CHECK_MEMORY_ARGS (default:
 # none, every visible GPU), GPU_CHECK_BENCH_ARGS (default: the rows below, 3 epochs each). GPU_CHECK_REQUIRE_CUDA=0 runs the stages without a GPU
 # (the harness's own tests do that).
 set -u
@@ -137,6 +138,14 @@ if "$PYTHON" -c 'import pytest_timeout' 2>/dev/null; then
     plugin_args+=(--timeout "$TEST_TIMEOUT")
 else
     say "pytest-timeout is not installed: the stage's own timeout is the only bound"
+fi
+# The GPU tests are mostly process start-up and CUDA initialisation, one after another they
+# outlast the stage (first H200 run: 19 of 28 done in 220 s); several at a time on the one GPU
+# they fit. Each test measures only its own processes (memory_allocated is per process).
+WORKERS="${GPU_CHECK_PYTEST_WORKERS:-4}"
+if [ "$WORKERS" != 0 ] && "$PYTHON" -c 'import xdist' 2>/dev/null; then
+    [ -n "${PYTEST_DISABLE_PLUGIN_AUTOLOAD:-}" ] && plugin_args+=(-p xdist.plugin)
+    plugin_args+=(-n "$WORKERS")
 fi
 stage_seconds=$(( $(left) < PYTEST_SECONDS ? $(left) : PYTEST_SECONDS ))
 # SIGINT on time out: pytest then stops like after Ctrl-C and still writes its junit report.

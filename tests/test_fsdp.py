@@ -411,10 +411,12 @@ def test_memory_table_on_a_gpu_reads_the_peak(tmp_path):
     ranks = json.loads((tmp_path / "memory.json").read_text())["measurements"][0]["ranks"]
     first = ranks[0]["allocated_before"]
     for r in ranks:
-        # Nothing of the strategy before is left (a model is 128 MiB with its state); the first
-        # matmul's cuBLAS workspace stays, hence the slack.
-        assert r["allocated_before"] <= first + 40 * MiB, r
-        # After the step: the rank's parameters, gradients and momentum and the batch, little else.
+        # Nothing of the strategy before is left (a model is 128 MiB with its state), and what the
+        # process's first step keeps for good (65 MiB of library workspaces on an H200) was
+        # allocated by the warm-up before the first strategy, so every strategy starts level.
+        assert abs(r["allocated_before"] - first) <= 1 * MiB, r
+        # After the step: the rank's parameters, gradients and momentum and the batch, little else
+        # (measured on an H200 with 2.11, batch 512: 2.7 to 3.2 MiB more).
         held = r["allocated"] - r["allocated_before"]
         own = r["params"] + r["grads"] + r["optimizer"] + r["batch_bytes"]
-        assert own <= held <= own + 64 * MiB, r
+        assert own <= held <= own + 16 * MiB, r
