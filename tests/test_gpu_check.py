@@ -32,8 +32,10 @@ def test_stages_keep_to_their_time_and_out_holds_at_most_8_files(tmp_path):
     hang = tmp_path / "test_hang.py"
     hang.write_text("import time\n\ndef test_hangs():\n    time.sleep(600)\n")
     began = time.monotonic()
+    # Two pytest-xdist workers, not the default 4: the stop still reaches every worker (the
+    # stage's timeout signals its whole process group), at half the imports on this small CPU.
     proc = run_check(out, 240, GPU_CHECK_REQUIRE_CUDA="0", GPU_CHECK_SECONDS="150", GPU_CHECK_PYTEST_SECONDS="8",
-                     GPU_CHECK_PYTEST_ARGS=str(hang),
+                     GPU_CHECK_PYTEST_WORKERS="2", GPU_CHECK_PYTEST_ARGS=str(hang),
                      GPU_CHECK_MEMORY_ARGS="--device cpu --model resnet_tiny --world-sizes 1 --memory-batch 2",
                      GPU_CHECK_BENCH_ARGS="--quick --device cpu --rows ceiling-fp32")
     took = time.monotonic() - began
