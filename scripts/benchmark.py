@@ -18,7 +18,10 @@ no data loading, no communication.
 The report (benchmark.md, benchmark.json, benchmark.png in --out) is rewritten
 after every row, and each row's output is kept in --log-dir, so a run cut short
 (--time-budget, a row timeout, SIGTERM or Ctrl-C, which end the running row's
-processes) still leaves every finished row behind.
+processes) still leaves every finished row behind. A row whose processes have not
+exited 30 s after its end record keeps its figures, is ended with every process's
+Python stack written to its log, and makes the exit status 1: a job that would
+hold its nodes after its work is done is a bug to see, not a slow row.
 
     # every row, on all local GPUs (the report records how long it took)
     python scripts/benchmark.py
@@ -45,6 +48,7 @@ import json
 import os
 import platform
 import re
+import resource
 import shlex
 import signal
 import statistics
@@ -474,6 +478,7 @@ def subprocess_env(plan: Plan) -> dict:
     # One thread per training process (torchrun's choice too): several processes share the cores.
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"  # stacks on SIGABRT (dump_stacks) and on a crash
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     if not plan.use_cuda:
         env["CUDA_VISIBLE_DEVICES"] = ""
@@ -511,6 +516,7 @@ def _die_with_parent():
     (SIGKILL), the kernel sends it SIGTERM, which torchrun and the scripts pass on to
     their workers. Linux only; elsewhere the stop handlers are the only guard."""
     os.setsid()  # a session of its own: the whole row can be signalled as one group
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # dump_stacks' SIGABRT writes no core files
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -532,6 +538,41 @@ def end_group(proc, grace: float = 15.0):
     proc.poll()
 
 
+def _descendants(pid: int) -> list:
+    """Every live process under `pid`, read from /proc (torchrun starts its workers in sessions
+    of their own, so the row's process group does not hold them)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def dump_stacks(proc, log):
+    """Every Python thread's stack of every process of the row, into its log: the rows run
+    with PYTHONFAULTHANDLER=1, whose handler prints them on SIGABRT (core files are off for
+    the rows, see _die_with_parent)."""
+    log.write(f"\n--- benchmark: the row's processes had not exited {EXIT_SECONDS:.0f} s after its end record; "
+              "their Python stacks follow (SIGABRT) ---\n")
+    log.flush()
+    for pid in [proc.pid, *_descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGABRT)
+        except (ProcessLookupError, PermissionError):
+            pass
+    time.sleep(2)  # the handlers write, then the processes end
+
+
 def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -540,22 +581,47 @@ def _group_alive(pgid: int) -> bool:
         return False
 
 
-def run_process(cmd: list, env: dict, timeout: float, log_path: str) -> tuple:
+# A row's processes end soon after its end record: a whole --quick row, start and exit
+# included, takes 5 to 11 s on the 2-core build machine. Longer than this is a hang.
+EXIT_SECONDS = 30.0
+DID_NOT_EXIT = "did not exit"  # run_process's status for a row that finished its work but not its processes
+
+
+def run_process(cmd: list, env: dict, timeout: float, log_path: str, finished=None) -> tuple:
     """(exit status, or None after a timeout; the output). The row runs in a session of its
     own, so that a timeout or a stop signal ends the launcher and every worker it started;
-    stdout and stderr go to log_path, which is kept."""
+    stdout and stderr go to log_path, which is kept.
+
+    finished(): whether the row's work is done (its end record written). From then on its
+    processes have EXIT_SECONDS to exit; if they have not, their stacks go to the log
+    (dump_stacks), they are ended, and the status is DID_NOT_EXIT: a job that would have
+    held its nodes until the scheduler's time limit, not a slow row."""
     with open(log_path, "w") as log:
         log.write(f"$ {shlex.join(cmd)}\n")
         log.flush()
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 preexec_fn=_die_with_parent)
+        deadline, done_at = time.monotonic() + timeout, None
         try:
-            status = proc.wait(timeout=timeout)
-            if _group_alive(proc.pid):  # workers that outlived their launcher
-                end_group(proc, grace=5)
-        except subprocess.TimeoutExpired:
-            status = None
-            end_group(proc)
+            while True:
+                try:
+                    status = proc.wait(timeout=max(0.01, min(1.0, deadline - time.monotonic())))
+                    if _group_alive(proc.pid):  # workers that outlived their launcher
+                        end_group(proc, grace=5)
+                    break
+                except subprocess.TimeoutExpired:
+                    now = time.monotonic()
+                    if done_at is None and finished is not None and finished():
+                        done_at = now
+                    if done_at is not None and now - done_at >= EXIT_SECONDS:
+                        dump_stacks(proc, log)
+                        end_group(proc)
+                        status = DID_NOT_EXIT
+                        break
+                    if now >= deadline:
+                        status = None
+                        end_group(proc)
+                        break
         except BaseException:  # Interrupted (a stop signal), or anything else: end the row first
             end_group(proc)
             raise
@@ -619,10 +685,15 @@ def run_row(row: Row, plan: Plan, work_dir: str, timeout: float = None) -> dict:
     result["log"] = os.path.join(work_dir, f"{row.name}.log")
     started = time.perf_counter()
     try:
-        status, output = run_process(cmd, subprocess_env(plan), timeout, result["log"])
+        status, output = run_process(cmd, subprocess_env(plan), timeout, result["log"],
+                                     finished=lambda: any(r.get("event") == "end" for r in read_records(metrics_path)))
     finally:
         result["wall_seconds"] = time.perf_counter() - started
     records = read_records(metrics_path)
+    if status == DID_NOT_EXIT:  # the figures are whole; the processes are the problem
+        status = 0
+        result["did_not_exit"] = (f"trained and wrote its figures, but its processes had not exited "
+                                  f"{EXIT_SECONDS:.0f} s later and were ended; their stacks are in its log")
     if status != 0 or not any(r.get("event") == "epoch" for r in records):
         result["status"], result["timed_out"] = "failed", status is None
         if status is None:
@@ -814,6 +885,7 @@ def write_markdown(path: str, report: dict):
     if not report["comparisons"]:
         lines.append("| (none: no pair of rows measured) | | |")
     notes = [f"- {r['name']}: {r['status']}: {r['reason']}" for r in report["rows"] if r["status"] != "ok"]
+    notes += [f"- {r['name']}: {r['did_not_exit']}" for r in report["rows"] if r.get("did_not_exit")]
     notes += [f"- {r['name']}: {r['about']}" for r in report["rows"] if "CPU:" in r.get("about", "")]
     lines += ["", "## Notes", ""] + notes + [
         "- images/s are the scripts' own figures (their --metrics records): the first min(10, steps/4) steps "
@@ -1191,8 +1263,13 @@ def main(argv=None):
     print(f"\nwrote {report.paths['md']}, {report.paths['json']}"
           + (f", {report.paths['png']}" if final["chart"] else "") + f"; row logs in {plan.log_dir}")
     failed = [r["name"] for r in final["rows"] if r["status"] == "failed"]
+    stuck = [r["name"] for r in final["rows"] if r.get("did_not_exit")]
     if failed:
         print(f"failed rows: {', '.join(failed)}", file=sys.stderr)
+    if stuck:
+        print(f"rows whose processes did not exit after their work (stacks in their logs): {', '.join(stuck)}",
+              file=sys.stderr)
+    if failed or stuck:
         sys.exit(1)
 
 

@@ -34,6 +34,9 @@ Faults, when global step S completes on global rank R:
     pause           every rank (--rank -1) or rank R: create --marker PATH.RANK, then
                     sleep --pause-seconds before going on (a test acts on the network
                     meanwhile, at a known step).
+    hang-at-exit    rank R (every rank with --rank -1) never returns from the script's
+                    last call, dist_utils.cleanup() (destroy_process_group): a job whose
+                    work is done but whose processes do not end. --step is not used.
 
 kill and raise act after the step's bookkeeping (a checkpoint due at step S is
 written first). The signals are sent just before it, so that the run's own stop
@@ -56,7 +59,7 @@ import sys
 import time
 
 FAULTS = ("kill", "raise", "sigterm-self", "sigterm-parent", "kill-during-save", "signal-group",
-          "signal-job", "kill-launcher", "signal-during-eval", "sigbus-loader", "pause")
+          "signal-job", "kill-launcher", "signal-during-eval", "sigbus-loader", "pause", "hang-at-exit")
 SIGNAL = signal.SIGTERM  # set from --send
 PAUSE = {"marker": None, "seconds": 0.0}  # set from --marker, --pause-seconds
 
@@ -158,6 +161,24 @@ def patch_evaluate(rank: int, seconds: float):
     metrics.evaluate = evaluate
 
 
+def patch_cleanup(rank: int):
+    """dist_utils.cleanup(), the scripts' last call, never returns on global rank `rank`."""
+    import utils.distributed as dist_utils
+
+    original = dist_utils.cleanup
+
+    def cleanup():
+        import torch.distributed as dist
+        me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if rank in (me, -1):
+            _announce(f"hang-at-exit on rank {me} (pid {os.getpid()})")
+            while True:
+                time.sleep(60)
+        original()
+
+    dist_utils.cleanup = cleanup
+
+
 def patch_step_done(kind: str, rank: int, step: int, once: bool, once_file=None):
     from utils.run import TrainingRun
 
@@ -250,6 +271,8 @@ def main():
             patch_checkpoint_save(opts.save)
     elif opts.fault == "signal-during-eval":
         patch_evaluate(opts.rank, opts.eval_seconds)
+    elif opts.fault == "hang-at-exit":
+        patch_cleanup(opts.rank)
     else:
         patch_step_done(opts.fault, opts.rank, opts.step, once=opts.once or opts.fault == "kill",
                         once_file=opts.once_file)
