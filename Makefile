@@ -38,11 +38,11 @@ train: venv
 
 # One thread per process: the tests start several processes on a small CPU. Test files run
 # side by side, TEST_WORKERS at a time (pytest-xdist, one file per worker): most tests wait
-# on signals, timeouts, rendezvous and Slurm, and the waiting overlaps with work. 3 on the
-# 2-core build machine: with 4, the same tests took about 18% more CPU than one at a time
-# (contention), more than the extra overlap gained.
+# on signals, timeouts, rendezvous and Slurm, and the waiting overlaps with work. 4 on the
+# 2-core build machine: the whole suite, quiet, took 10 min 33 s with 4 and 11 min 01 s with 3,
+# for the same CPU time (1,172 and 1,193 CPU-s): the fourth fills some of the waiting.
 # TEST_WORKERS=0 runs them one at a time, in one process (for debugging).
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 4
 XDIST = -n $(TEST_WORKERS) $(if $(filter 0,$(TEST_WORKERS)),,--dist loadfile --no-loadscope-reorder)
 test: venv
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)

@@ -62,22 +62,13 @@ def test_all_ranks_ok_returns_once_the_backend_let_go_of_its_tensor(monkeypatch)
     from utils.distributed import all_ranks_ok
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        # The hazard is real here: a bare all_reduce returns with the backend still holding
-        # its tensor now and then (5% of calls with 2.14, 19% with 2.11, on the 2-core build
-        # machine). A weak reference outlives the caller's last reference only while someone
-        # else holds it.
-        for _ in range(20000):
-            flag = torch.zeros(1, dtype=torch.int32)
-            dist.all_reduce(flag)
-            held, flag = weakref.ref(flag), None
-            if held() is not None:
-                break
-        else:
-            raise AssertionError("the backend never held the tensor after its all_reduce returned: "
-                                 "this test no longer shows anything")
-
+        # The hazard is a race: on the 2-core build machine, quiet, a bare all_reduce returned
+        # with the backend still holding its tensor after 5% of calls with 2.14 and 19% with
+        # 2.11; under a loaded CPU, not once in 20,000 calls (the backend's thread let go before
+        # the caller ran again). So the test does not wait for the backend to show it: a thread
+        # of its own holds the tensor, which all_ranks_ok must wait for just the same.
         # all_ranks_ok must not return while another thread still holds its tensor: here a
-        # thread that lets go 50 ms after the all_reduce, as the backend's thread does sooner.
+        # thread that lets go 50 ms after the all_reduce (the backend's thread lets go sooner).
         flags = []
         all_reduce = dist.all_reduce
 
