@@ -516,7 +516,8 @@ def _die_with_parent():
     (SIGKILL), the kernel sends it SIGTERM, which torchrun and the scripts pass on to
     their workers. Linux only; elsewhere the stop handlers are the only guard."""
     os.setsid()  # a session of its own: the whole row can be signalled as one group
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # dump_stacks' SIGABRT writes no core files
+    # No core file for dump_stacks' SIGABRT (the soft limit only: a row may raise it again).
+    resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -524,7 +525,10 @@ def _die_with_parent():
 
 
 def end_group(proc, grace: float = 15.0):
-    """SIGTERM to the row's whole process group, SIGKILL to what is left after `grace` s."""
+    """SIGTERM to the row's whole process group, SIGKILL to what is left after `grace` s;
+    then SIGKILL to every process that was under the launcher and is still alive: torchrun
+    starts its workers in sessions of their own (start_new_session), outside the group."""
+    under = _descendants(proc.pid)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
@@ -533,16 +537,27 @@ def end_group(proc, grace: float = 15.0):
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
             if proc.poll() is not None and not _group_alive(proc.pid):
-                return
+                break
             time.sleep(0.1)
+        else:
+            continue
+        break
     proc.poll()
+    for pid in under:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
-def _descendants(pid: int) -> list:
-    """Every live process under `pid`, read from /proc (torchrun starts its workers in sessions
-    of their own, so the row's process group does not hold them)."""
+def _children() -> dict:
+    """Parent pid -> its children's pids, from /proc (Linux; {} elsewhere)."""
     children = {}
-    for entry in os.listdir("/proc"):
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return children
+    for entry in entries:
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
@@ -550,7 +565,12 @@ def _descendants(pid: int) -> list:
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
+    return children
+
+
+def _descendants(pid: int) -> list:
+    """Every live process under `pid` (torchrun's workers too, which sit in sessions of their own)."""
+    children, found, todo = _children(), [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
             found.append(child)
@@ -558,19 +578,32 @@ def _descendants(pid: int) -> list:
     return found
 
 
-def dump_stacks(proc, log):
-    """Every Python thread's stack of every process of the row, into its log: the rows run
-    with PYTHONFAULTHANDLER=1, whose handler prints them on SIGABRT (core files are off for
-    the rows, see _die_with_parent)."""
-    log.write(f"\n--- benchmark: the row's processes had not exited {EXIT_SECONDS:.0f} s after its end record; "
-              "their Python stacks follow (SIGABRT) ---\n")
+def dump_stacks(proc, log, why: str):
+    """The Python stacks of the row's launcher and of the processes it started (the training
+    processes; their loader workers are not asked), into its log, one process after another
+    so that their lines do not mix: the rows run with PYTHONFAULTHANDLER=1, whose handler
+    prints every thread's stack on SIGABRT and then lets the process die. end_group ends
+    what is left."""
+    log.write(f"\n--- benchmark: {why}; the Python stacks of its processes follow (SIGABRT) ---\n")
     log.flush()
-    for pid in [proc.pid, *_descendants(proc.pid)]:
+    for pid in [*_children().get(proc.pid, []), proc.pid]:  # the launcher last: it may forward signals
         try:
             os.kill(pid, signal.SIGABRT)
         except (ProcessLookupError, PermissionError):
-            pass
-    time.sleep(2)  # the handlers write, then the processes end
+            continue
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}") and _alive(pid):
+            time.sleep(0.05)
+    proc.poll()
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for its parent."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _group_alive(pgid: int) -> bool:
@@ -581,8 +614,9 @@ def _group_alive(pgid: int) -> bool:
         return False
 
 
-# A row's processes end soon after its end record: a whole --quick row, start and exit
-# included, takes 5 to 11 s on the 2-core build machine. Longer than this is a hang.
+# How long a row's processes may take to end after its end record. They end within seconds
+# (a whole --quick row, its start and exit included, took 5 to 11 s on the 2-core build
+# machine under the test suite); far longer is a hang.
 EXIT_SECONDS = 30.0
 DID_NOT_EXIT = "did not exit"  # run_process's status for a row that finished its work but not its processes
 
@@ -593,9 +627,10 @@ def run_process(cmd: list, env: dict, timeout: float, log_path: str, finished=No
     stdout and stderr go to log_path, which is kept.
 
     finished(): whether the row's work is done (its end record written). From then on its
-    processes have EXIT_SECONDS to exit; if they have not, their stacks go to the log
-    (dump_stacks), they are ended, and the status is DID_NOT_EXIT: a job that would have
-    held its nodes until the scheduler's time limit, not a slow row."""
+    processes have EXIT_SECONDS to exit; if they have not, or if the timeout comes first,
+    their stacks go to the log (dump_stacks), they are ended, and the status is
+    DID_NOT_EXIT: a job that would have held its nodes until the scheduler's time limit,
+    whose figures are whole all the same."""
     with open(log_path, "w") as log:
         log.write(f"$ {shlex.join(cmd)}\n")
         log.flush()
@@ -613,8 +648,9 @@ def run_process(cmd: list, env: dict, timeout: float, log_path: str, finished=No
                     now = time.monotonic()
                     if done_at is None and finished is not None and finished():
                         done_at = now
-                    if done_at is not None and now - done_at >= EXIT_SECONDS:
-                        dump_stacks(proc, log)
+                    if done_at is not None and (now - done_at >= EXIT_SECONDS or now >= deadline):
+                        dump_stacks(proc, log, f"the row's processes had not exited {now - done_at:.0f} s "
+                                               "after its end record")
                         end_group(proc)
                         status = DID_NOT_EXIT
                         break
@@ -692,8 +728,10 @@ def run_row(row: Row, plan: Plan, work_dir: str, timeout: float = None) -> dict:
     records = read_records(metrics_path)
     if status == DID_NOT_EXIT:  # the figures are whole; the processes are the problem
         status = 0
+        waited = re.search(r"--- benchmark: the row's processes had not exited (\d+ s) after", output)
         result["did_not_exit"] = (f"trained and wrote its figures, but its processes had not exited "
-                                  f"{EXIT_SECONDS:.0f} s later and were ended; their stacks are in its log")
+                                  f"{waited.group(1) if waited else 'some time'} later and were ended; "
+                                  "their stacks are in its log")
     if status != 0 or not any(r.get("event") == "epoch" for r in records):
         result["status"], result["timed_out"] = "failed", status is None
         if status is None:
@@ -1242,6 +1280,8 @@ def main(argv=None):
                                                     f"needed more; its processes were ended")
             current = None
             detail = f"{fmt_rate(r['median_images_per_second'])} img/s" if r["status"] == "ok" else r["reason"]
+            if r.get("did_not_exit"):
+                detail += f"; {r['did_not_exit']}"
             print(f"    {r['status']}: {detail}" + (f" ({r['wall_seconds']:.0f} s)" if "wall_seconds" in r else ""),
                   flush=True)
             report.write("partial: rows still to run")

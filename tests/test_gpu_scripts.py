@@ -138,14 +138,14 @@ def test_resume_on_cuda_continues_the_run(tmp_path, record_property):
     diff, moved = largest_difference(whole["model"], part["model"]), largest_difference(whole["model"], initial)
     record_property("max_abs_weight_difference_after_resume", diff)
     record_property("max_abs_weight_change_in_training", moved)
-    # Each process's cudnn.benchmark picks its own convolution kernels, which on Ampere and newer
-    # compute in TF32 by default (torch.backends.cudnn.allow_tf32): the two runs part by rounding
-    # that grows over the 12 steps. Measured on an H200 (PyTorch 2.11): diff 0.022, moved 1.12,
-    # 2.0%. A single wrong or skipped batch moves the weights by 4.4% of `moved` in this
-    # configuration (measured on CPU: 11 or 13 steps against 12), too close to that noise to be
-    # told apart here; the CPU resume tests catch it bitwise on the same code. What this bound
-    # catches is a resume that loses the trained weights (diff near `moved`); the step and the
-    # schedule are compared exactly above.
+    # Each process's cudnn.benchmark picks its own convolution kernels, which need not be
+    # deterministic, and PyTorch runs cuDNN convolutions in TF32 by default on Ampere and newer
+    # (torch.backends.cudnn.allow_tf32): two runs part by rounding that grows over the 12 steps.
+    # Measured on an H200 (PyTorch 2.11): diff 0.022, moved 1.12, 2.0%. A single wrong or
+    # skipped batch moves the weights by 4.4% of `moved` in this configuration (measured on CPU:
+    # 11 or 13 steps against 12), too close to that noise to be told apart here; the CPU resume
+    # tests catch it bitwise on the same code. What this bound catches is a resume that loses
+    # the trained weights (diff near `moved`); the step and the schedule are compared exactly above.
     assert diff < 0.1 * moved, (diff, moved)
 
 
