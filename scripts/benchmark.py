@@ -70,6 +70,7 @@ from utils.data import NUM_CLASSES  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))  # also when this file is imported from elsewhere (tests)
 import memory_table  # noqa: E402
+from torchrun_bounded import live_children  # noqa: E402
 
 EPOCH_IMAGES = 50_000  # one CIFAR-100 training epoch: a row's epoch is the whole global batches it holds
 WARMUP_EPOCHS = 1      # epochs left out of a row's median
@@ -550,31 +551,13 @@ def end_group(proc, grace: float = 15.0):
             pass
 
 
-def _children() -> dict:
-    """Parent pid -> its children's pids, from /proc (Linux; {} elsewhere)."""
-    children = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return children
-    for entry in entries:
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    return children
-
-
 def _descendants(pid: int) -> list:
     """Every live process under `pid` (torchrun's workers too, which sit in sessions of their own)."""
-    children, found, todo = _children(), [], [pid]
+    found, todo = [], [pid]
     while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
+        children = live_children(todo.pop())
+        found += children
+        todo += children
     return found
 
 
@@ -586,24 +569,16 @@ def dump_stacks(proc, log, why: str):
     what is left."""
     log.write(f"\n--- benchmark: {why}; the Python stacks of its processes follow (SIGABRT) ---\n")
     log.flush()
-    for pid in [*_children().get(proc.pid, []), proc.pid]:  # the launcher last: it may forward signals
+    # The launcher last (it may forward signals); each waited for until it is gone, at most 3 s.
+    for pid in [*live_children(proc.pid), proc.pid]:
         try:
             os.kill(pid, signal.SIGABRT)
         except (ProcessLookupError, PermissionError):
             continue
         deadline = time.monotonic() + 3
-        while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}") and _alive(pid):
+        while time.monotonic() < deadline and (pid in live_children(proc.pid) if pid != proc.pid
+                                               else proc.poll() is None):
             time.sleep(0.05)
-    proc.poll()
-
-
-def _alive(pid: int) -> bool:
-    """Running, not a zombie waiting for its parent."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _group_alive(pgid: int) -> bool:
