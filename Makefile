@@ -11,12 +11,19 @@ PY := $(VENV)/bin/python
 # every core (a new .venv: 61 s with pip's, 48 s with this, on the 2-core build machine).
 # A module that does not compile on this Python (PyTorch ships a test helper in 3.12 syntax)
 # is skipped, as pip skips it.
+# pip install, tried up to 3 times. The floor's PyTorch and its CUDA libraries (about 3 GB)
+# come from PyPI on a fresh machine, and a download that stalls stalls again on pip's own
+# resumes (seen in CI: 6 tries, each stuck at 192.4 of 196.5 MB); a new pip call opens new
+# connections, and the wheels it already has come from its cache.
+pip_install = for try in 1 2 3; do $(1) -m pip install --quiet $(2) && break; \
+	  if [ $$try = 3 ]; then exit 1; fi; echo "pip install failed (try $$try of 3); again in 30 s"; sleep 30; done
+
 precompile = $(1) -m compileall -q -j0 "$$($(1) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null || true
 
 $(VENV)/.installed: requirements.txt requirements-test.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet --no-compile -r requirements.txt -r requirements-test.txt
+	$(call pip_install,$(PY),--upgrade pip)
+	$(call pip_install,$(PY),--no-compile -r requirements.txt -r requirements-test.txt)
 	$(call precompile,$(PY))
 	touch $@
 
@@ -28,8 +35,8 @@ FLOOR_VENV := .venv-floor
 FLOOR_PY := $(FLOOR_VENV)/bin/python
 $(FLOOR_VENV)/.installed: requirements.txt requirements-test.txt requirements-floor.txt
 	test -x $(FLOOR_PY) || $(PYTHON) -m venv $(FLOOR_VENV)
-	$(FLOOR_PY) -m pip install --quiet --upgrade pip
-	$(FLOOR_PY) -m pip install --quiet --no-compile -r requirements-floor.txt -r requirements.txt -r requirements-test.txt
+	$(call pip_install,$(FLOOR_PY),--upgrade pip)
+	$(call pip_install,$(FLOOR_PY),--no-compile -r requirements-floor.txt -r requirements.txt -r requirements-test.txt)
 	$(call precompile,$(FLOOR_PY))
 	touch $@
 
