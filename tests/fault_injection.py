@@ -33,7 +33,8 @@ Faults, when global step S completes on global rank R:
                     gets when the shared-memory folder (/dev/shm) is full.
     pause           every rank (--rank -1) or rank R: create --marker PATH.RANK, then
                     sleep --pause-seconds before going on (a test acts on the network
-                    meanwhile, at a known step).
+                    meanwhile, at a known step), or until the process receives a stop
+                    signal (a slow step that still stops as a training step would).
     hang-at-exit    rank R (every rank with --rank -1) never returns from the script's
                     last call, dist_utils.cleanup() (destroy_process_group): a job whose
                     work is done but whose processes do not end. --step is not used.
@@ -83,7 +84,7 @@ def _announce(message: str):
     print(f"fault_injection: {message}", file=sys.stderr, flush=True)
 
 
-def _fire(kind: str, rank: int, step: int):
+def _fire(kind: str, rank: int, step: int, run=None):
     _announce(f"{kind} on rank {rank} at step {step} (pid {os.getpid()}, time {time.time():.3f})")
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -106,7 +107,11 @@ def _fire(kind: str, rank: int, step: int):
     elif kind == "pause":
         with open(f"{PAUSE['marker']}.{rank}", "w") as f:
             f.write(str(step))
-        time.sleep(PAUSE["seconds"])
+        # The run's signal handler only records a signal (utils/preemption.py): look for it
+        # between short sleeps, so that a stop is answered at the end of this step.
+        end = time.monotonic() + PAUSE["seconds"]
+        while time.monotonic() < end and getattr(getattr(run, "stop_signal", None), "received", None) is None:
+            time.sleep(min(0.1, max(0.0, end - time.monotonic())))
     elif kind == "sigbus-loader":
         import multiprocessing
         workers = [child for child in multiprocessing.active_children() if child.daemon]
@@ -192,7 +197,7 @@ def patch_step_done(kind: str, rank: int, step: int, once: bool, once_file=None)
             _fire(kind, rank, step)
         stop = original(self)
         if due and not before:
-            _fire(kind, self.env.rank, step)
+            _fire(kind, self.env.rank, step, self)
         return stop
 
     TrainingRun.step_done = step_done

@@ -376,17 +376,34 @@ def is_running(pid) -> bool:
 
 # --- cut short: a time budget, a stop signal -------------------------------------------------
 
+# The benchmark with its `ddp-1proc` row run through tests/fault_injection.py (FAULT_INJECTION
+# names the fault and the script): the same command line, rows and budget as the user's.
+WITH_FAULTY_ROW = """
+import dataclasses, sys
+sys.path.insert(0, {scripts!r})
+import benchmark
+benchmark.ROWS = [dataclasses.replace(row, script="tests/fault_injection.py") if row.name == {row!r} else row
+                  for row in benchmark.ROWS]
+sys.argv[0] = benchmark.__file__
+benchmark.cli.run_main(benchmark.main)
+"""
+
+
 def test_the_time_budget_cuts_a_row_short_and_leaves_the_rest_not_run(tmp_path):
-    """45 s of budget, 15 kept for the report: `ddp-1proc` (torchrun and one worker: half
-    the CPU of `ddp` for the same claim) starts with up to 30 s, less the benchmark's own
-    start (a --quick row needs 10, so up to 20 s of start is allowed: under a loaded CPU it
-    took more than 10) and, with far more steps than fit, is ended by the budget; the
-    ceiling row then has less than 10 s and is not started. Neither is a failure: exit 0,
-    no process left."""
+    """45 s of budget, 15 kept for the report: `ddp-1proc` (torchrun and one worker) starts
+    with up to 30 s, less the benchmark's own start (a --quick row needs 10, so up to 20 s of
+    start is allowed: under a loaded CPU it took more than 10). Its first step takes longer
+    than all of that (the worker sleeps, so that the wait costs no CPU, and answers a stop
+    signal as a step would), so the budget ends it; the ceiling row then has less than 10 s
+    and is not started. Neither is a failure: exit 0, no process left."""
     logs = tmp_path / "logs"
-    proc = run_script([TOOL, "--quick", "--device", "cpu", "--rows", "ddp-1proc,ceiling-fp32", "--time-budget", "45",
-                       "--steps", "100000", "--out", tmp_path, "--log-dir", logs], timeout=120, check=False)
+    code = WITH_FAULTY_ROW.format(scripts=str(ROOT / "scripts"), row="ddp-1proc")
+    env = subprocess_env(FAULT_INJECTION=f"--fault pause --rank 0 --step 1 --pause-seconds 600 "
+                                         f"--marker {tmp_path / 'paused'} -- distributed.py")
+    proc = run_script(["-c", code, "--quick", "--device", "cpu", "--rows", "ddp-1proc,ceiling-fp32",
+                       "--time-budget", "45", "--out", tmp_path, "--log-dir", logs], timeout=120, check=False, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "paused.0").exists(), (logs / "ddp-1proc.log").read_text()  # the row got to its step
     report = json.loads((tmp_path / "benchmark.json").read_text())
     assert report["state"] == "complete" and report["settings"]["time_budget_s"] == 45
     ddp, ceiling = report["rows"]

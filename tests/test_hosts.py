@@ -186,22 +186,34 @@ def launch_multi_node(job, hosts, key_suffix, *args, **env):
 
 
 DIST_TIMEOUT, GRACE = 10, 10  # --dist-timeout, TORCHRUN_GRACE: what the partition may cost
+# 12 steps of 32 images, checkpoints every 3: the runs of the partition and mp.spawn tests.
+TWELVE_STEPS = [*TINY, "--train-samples", "2048", "--batch-size", "32", "--workers", "1", "--max-steps", 12,
+                "--checkpoint-every", 3, "--dist-timeout", DIST_TIMEOUT]
 
 
-def test_a_partition_ends_every_process_on_both_hosts_and_resume_is_bitwise(make_hosts, tmp_path):
+@pytest.fixture(scope="module")
+def two_processes_on_one_host(tmp_path_factory):
+    """The weights of distributed.py's 2 processes on one host (torchrun --standalone) after
+    TWELVE_STEPS: what the runs across hosts must end with, bitwise. Run once for the tests
+    that compare with it."""
+    folder = tmp_path_factory.mktemp("reference")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "distributed.py", *map(str, TWELVE_STEPS), "--checkpoint-dir", str(folder)],
+                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return weights(folder)
+
+
+def test_a_partition_ends_every_process_on_both_hosts_and_resume_is_bitwise(make_hosts, tmp_path,
+                                                                            two_processes_on_one_host):
     """Host B's link goes down mid-run for longer than --dist-timeout, both hosts running
     scripts/launch_multi_node.sh (torchrun with --max-restarts 3). Every process on both
     hosts ends within --dist-timeout + TORCHRUN_GRACE + 20 s of the cut: the workers on
     their collective's timeout, the agent on host B (cut off from the rendezvous store on
     host A) by torchrun_bounded's grace. The checkpoint on the shared folder is intact, and
     once the link is back, --resume ends bitwise equal to an uninterrupted run."""
-    steps = 12
-    args = [*TINY, "--train-samples", "2048", "--batch-size", "32", "--workers", "1", "--max-steps", steps,
-            "--checkpoint-every", 3, "--dist-timeout", DIST_TIMEOUT]
+    args = TWELVE_STEPS
     hosts = make_hosts()
-    reference = Job(hosts, tmp_path)
-    reference.start("reference", "nodea", ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                                           "distributed.py", *args, "--checkpoint-dir", tmp_path / "reference"])
     shared = tmp_path / "shared"
     marker = tmp_path / "paused"
     job = Job(hosts, tmp_path)
@@ -233,8 +245,7 @@ def test_a_partition_ends_every_process_on_both_hosts_and_resume_is_bitwise(make
     launch_multi_node(resumed, hosts, "-resumed", *args, "--checkpoint-dir", shared, JOB_ID="partition-resumed")
     resumed.wait(180)
     assert "resumed from" in resumed.log("nodea-resumed") + resumed.log("nodeb-resumed")
-    reference.wait(120)
-    assert_bitwise_equal(weights(shared), weights(tmp_path / "reference"))
+    assert_bitwise_equal(weights(shared), two_processes_on_one_host)
 
 
 # --- g. a host lost for good under elastic torchrun -------------------------------------------
@@ -246,8 +257,7 @@ def test_elastic_torchrun_goes_on_without_a_lost_host_with_the_same_global_batch
     in one process instead of 16 in each of two): it ends with the weights of the same
     checkpoint resumed by one process, bitwise. (Not those of a run that stayed on two: batch
     norm then normalises over 16 images per process, not 32.)"""
-    args = [*TINY, "--train-samples", "2048", "--batch-size", "32", "--workers", "1", "--max-steps", 12,
-            "--checkpoint-every", 3, "--dist-timeout", DIST_TIMEOUT]
+    args = TWELVE_STEPS
     hosts = make_hosts()
     shared, marker = tmp_path / "shared", tmp_path / "paused"
     job = Job(hosts, tmp_path)
@@ -290,15 +300,15 @@ def test_elastic_torchrun_goes_on_without_a_lost_host_with_the_same_global_batch
 
 @pytest.mark.not_on_floor("tcp:// and file:// with mp.spawn: test_distributed_mp.py (two nodes, a shared file); "
                           "addresses across hosts: the other tests here")
-def test_mp_spawn_across_hosts_by_tcp_and_by_a_shared_file(make_hosts, tmp_path):
+def test_mp_spawn_across_hosts_by_tcp_and_by_a_shared_file(make_hosts, tmp_path, two_processes_on_one_host):
     """distributed_mp.py --nodes 2 on both hosts, meeting at host A's address (tcp://) or
     through a file in a folder both see (file://): the weights of distributed.py's 2
     processes on one host, bitwise."""
-    args = [*TINY, "--train-samples", "256", "--batch-size", "32", "--workers", "1"]
+    # The later --dist-timeout wins: each host's processes wait in init_process_group for the
+    # other host's to start, which takes longer than 10 s on a loaded machine.
+    args = [*TWELVE_STEPS, "--dist-timeout", "120"]
     hosts = make_hosts()
     job = Job(hosts, tmp_path)
-    job.start("reference", "nodea", ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                                     "distributed.py", *args, "--checkpoint-dir", tmp_path / "reference"])
     for rank, name in enumerate(hosts.names):
         job.start(f"tcp-{name}", name, ["distributed_mp.py", *args, "--nodes", "2", "--node-rank", rank,
                                         "--nproc-per-node", "1", "--ip", hosts.address("nodea"), "--port", PORT,
@@ -309,7 +319,7 @@ def test_mp_spawn_across_hosts_by_tcp_and_by_a_shared_file(make_hosts, tmp_path)
     job.wait(240)
     for way in ("tcp", "file"):
         assert json.loads((tmp_path / way / "config.json").read_text())["world_size"] == 2
-        assert_bitwise_equal(weights(tmp_path / way), weights(tmp_path / "reference"))
+        assert_bitwise_equal(weights(tmp_path / way), two_processes_on_one_host)
 
 
 # --- c. sharded checkpoints written from two hosts, resumed on one ----------------------------
