@@ -517,11 +517,13 @@ def test_workers_stop_when_the_mp_spawn_parent_is_killed(tmp_path):
 # --- one run per checkpoint directory ------------------------------------------------------
 
 def test_second_run_on_the_same_directory_is_refused_and_no_lock_outlives_a_run(tmp_path):
-    # Long enough (thousands of steps) to be still running whatever the machine's speed.
+    # The first run checkpoints step 2 and then sleeps in it (as a long step would, without
+    # using the CPU the second run needs to start): still running whatever the machine's speed.
     longer = [*TINY, "--train-samples", "8192", "--epochs", "50", *WORKERS, "--checkpoint-dir", tmp_path]
-    first = Proc(["distributed.py", *longer])
+    first = Proc([FAULTS, "--fault", "pause", "--step", "2", "--pause-seconds", "600", "--marker",
+                  tmp_path / "paused", "--", "distributed.py", *longer])
     try:
-        wait_for_file(tmp_path / "checkpoint.pt", first)
+        wait_for_file(tmp_path / "paused.0", first)
         second = run_script(["distributed.py", *longer, "--resume"], check=False, timeout=120)
         line = assert_one_line_error(second, f"--checkpoint-dir {tmp_path} is in use by another run",
                                      f"pid {first.popen.pid}")
