@@ -1,9 +1,12 @@
 """Shared test helpers: run the real scripts as subprocesses, bounded in time."""
+import contextlib
+import io
 import json
 import os
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -170,14 +173,16 @@ def fake_accelerator(monkeypatch, kind, count=1):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count if kind == "cuda" else 0)
 
 
-@pytest.fixture
-def run_in_process(monkeypatch, capsys):
+def script_runner(monkeypatch, capture):
     """run(script, argv, **env) -> (exit status, stdout, stderr): the script's main behind
     cli.run_main, in this process, as `python SCRIPT ARGV` runs it with the launcher's
     variables of `env` only (none: plain python), on the CPU. A tenth of a second where a
-    subprocess takes two (it imports torch again)."""
+    subprocess takes two (it imports torch again). `capture()`: a context manager that
+    collects what the run prints and returns a function giving (stdout, stderr)."""
     import importlib
     import signal
+
+    import torch
     from utils import cli
     keep_on_cpu(monkeypatch)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -191,18 +196,49 @@ def run_in_process(monkeypatch, capsys):
             monkeypatch.setenv(key, str(value))
         monkeypatch.setattr(sys, "argv", [script])
         module = importlib.import_module(script[:-3])
-        capsys.readouterr()
-        code = 0
-        try:
-            cli.run_main(module.main, [str(a) for a in argv])
-        except SystemExit as stop:
-            code = stop.code
-        finally:
-            for sig, handler in saved.items():  # a run installs its stop handlers
-                signal.signal(sig, handler)
-        captured = capsys.readouterr()
-        return code, captured.out, captured.err
+        code, threads = 0, torch.get_num_threads()
+        torch.set_num_threads(1)  # as in the scripts' subprocesses (OMP_NUM_THREADS=1): the same sums
+        with capture() as printed, warnings.catch_warnings():
+            # torchelastic's @record (cli.run_main) enables faulthandler on sys.stderr, which has
+            # no file descriptor while the output is captured: it warns and goes on without.
+            warnings.filterwarnings("ignore", message="Unable to enable fault handler")
+            try:
+                cli.run_main(module.main, [str(a) for a in argv])
+            except SystemExit as stop:
+                code = stop.code
+            finally:
+                torch.set_num_threads(threads)
+                for sig, handler in saved.items():  # a run installs its stop handlers
+                    signal.signal(sig, handler)
+        return (code, *printed())
     return run
+
+
+@pytest.fixture
+def run_in_process(monkeypatch, capsys):
+    """script_runner for one test, its output read through capsys."""
+    @contextlib.contextmanager
+    def capture():
+        capsys.readouterr()
+        result = []
+        yield lambda: result[0]
+        captured = capsys.readouterr()
+        result.append((captured.out, captured.err))
+
+    return script_runner(monkeypatch, capture)
+
+
+@pytest.fixture(scope="module")
+def run_in_process_once():
+    """script_runner for a module's fixtures: runs shared by several tests, made once."""
+    @contextlib.contextmanager
+    def capture():
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            yield lambda: (out.getvalue(), err.getvalue())
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        yield script_runner(monkeypatch, capture)
 
 
 def assert_refused(outcome, *fragments):

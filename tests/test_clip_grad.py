@@ -34,13 +34,25 @@ SCRIPTS = {
 }
 
 
+def expect_ok(outcome):
+    code, out, err = outcome
+    assert code == 0, f"exit {code}\n{out}\n{err}"
+
+
 @pytest.fixture(scope="module")
-def clipped(tmp_path_factory):
+def clipped(tmp_path_factory, run_in_process_once):
+    # In this process, one script after another (each seeds what it draws), but for
+    # distributed_mp.py, whose mp.spawn would start its worker from the test runner's
+    # __main__: as a program.
     out = {}
     for name, argv in SCRIPTS.items():
         directory = tmp_path_factory.mktemp(name)
-        run_script([*argv, *SMALL, *STEPS, "--clip-grad-norm", MAX_NORM, "--checkpoint-dir", directory,
-                    "--metrics", directory / "m.jsonl"])
+        flags = [*SMALL, *STEPS, "--clip-grad-norm", MAX_NORM, "--checkpoint-dir", directory,
+                 "--metrics", directory / "m.jsonl"]
+        if name == "mp_spawn":
+            run_script([*argv, *flags])
+        else:
+            expect_ok(run_in_process_once(argv[0], [*argv[1:], *flags]))
         out[name] = (torch.load(directory / "checkpoint.pt", weights_only=True),
                      read_metrics(directory / "m.jsonl")[-1])
     return out
@@ -54,10 +66,11 @@ def test_every_script_clips_like_distributed(clipped, name):
     assert record["grad_norm"] == reference_record["grad_norm"]
 
 
-def test_clipping_happened_and_the_record_has_the_norm_before_it(clipped, tmp_path):
+def test_clipping_happened_and_the_record_has_the_norm_before_it(clipped, tmp_path, run_in_process):
     state, record = clipped["distributed"]
     assert record["grad_norm"] > MAX_NORM  # the norm before clipping: above the bound
-    run_script(["distributed.py", *SMALL, *STEPS, "--checkpoint-dir", tmp_path, "--metrics", tmp_path / "m.jsonl"])
+    expect_ok(run_in_process("distributed.py", [*SMALL, *STEPS, "--checkpoint-dir", tmp_path,
+                                                "--metrics", tmp_path / "m.jsonl"]))
     unclipped = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert max_difference(state["model"], unclipped["model"]) > 1e-4  # clipping changed the steps
     assert read_metrics(tmp_path / "m.jsonl")[-1]["grad_norm"] is None  # no flag, no norm
@@ -133,7 +146,7 @@ def test_torchrun_two_processes_keep_the_replicas_equal_with_clipping(tmp_path):
 
 
 @pytest.mark.skipif(not cpu_autocast_works(torch.float16), reason="no float16 autocast on this CPU")
-def test_fp16_clips_the_unscaled_gradient_and_skips_no_more_steps(tmp_path):
+def test_fp16_clips_the_unscaled_gradient_and_skips_no_more_steps(tmp_path, run_in_process):
     # float16 backward is a slow fallback on the CPU: a few tiny steps.
     tiny = ["--dataset", "synthetic", "--model", "resnet_tiny", "--train-samples", "16", "--test-samples", "4",
             "--batch-size", "2", "--workers", "0", "--epochs", "1", "--max-steps", "4"]
@@ -142,8 +155,8 @@ def test_fp16_clips_the_unscaled_gradient_and_skips_no_more_steps(tmp_path):
                         ("fp16", ["--amp", "fp16"]),
                         ("fp32_clip", ["--opt-level", "O0", "--clip-grad-norm", MAX_NORM])]:
         directory = tmp_path / name
-        run_script(["distributed_apex.py", *tiny, *extra, "--checkpoint-dir", directory,
-                    "--metrics", directory / "m.jsonl"])
+        expect_ok(run_in_process("distributed_apex.py", [*tiny, *extra, "--checkpoint-dir", directory,
+                                                         "--metrics", directory / "m.jsonl"]))
         out[name] = (torch.load(directory / "checkpoint.pt", weights_only=True)["scaler"],
                      read_metrics(directory / "m.jsonl")[-1])
     # Each skipped step halves the scale (no growth within 2000 steps): equal scales, equal skips.
