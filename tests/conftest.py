@@ -241,6 +241,13 @@ def run_in_process_once():
         yield script_runner(monkeypatch, capture)
 
 
+def expect_ok(outcome) -> str:
+    """run_in_process's outcome of a run that must succeed: exit status 0; its stdout."""
+    code, out, err = outcome
+    assert code in (0, None), f"exit {code}\n{out}\n{err}"
+    return out
+
+
 def assert_refused(outcome, *fragments):
     """run_in_process's outcome for bad input: exit status 2, one line on stderr holding each
     fragment, no traceback, nothing on stdout."""

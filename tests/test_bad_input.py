@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, SMALL, assert_one_line_error, assert_refused, run_script, subprocess_env
+from conftest import ROOT, SMALL, assert_one_line_error, assert_refused, expect_ok, run_script, subprocess_env
 from test_data import ONE_CPU_PROCESS, args_for, write_cifar100
 from models import MODEL_NAMES
 from utils import checkpoint, cli, data
@@ -114,9 +114,9 @@ def test_metrics_failure_after_an_epoch_keeps_its_checkpoint(tmp_path, monkeypat
 # --- checkpoints that do not fit ---------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
+def finished_run(tmp_path_factory, run_in_process_once):
     directory = tmp_path_factory.mktemp("finished")
-    run_script(["distributed.py", *SMALL, "--checkpoint-dir", directory], timeout=180)
+    expect_ok(run_in_process_once("distributed.py", [*SMALL, "--checkpoint-dir", directory]))
     return directory
 
 

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from conftest import SMALL, free_port, keep_on_cpu, read_metrics, run_script, torchrun
+from conftest import SMALL, expect_ok, free_port, keep_on_cpu, read_metrics, run_script, torchrun
 from models import build_model
 from test_gradient_accumulation import load_script, max_difference
 from utils.metrics import TrainMeter
@@ -32,11 +32,6 @@ SCRIPTS = {
     "accumulation": ["distributed_gradient_accumulation.py", "--accum-steps", "1"],
     "apex_fp32": ["distributed_apex.py", "--opt-level", "O0"],
 }
-
-
-def expect_ok(outcome):
-    code, out, err = outcome
-    assert code == 0, f"exit {code}\n{out}\n{err}"
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import argparse
 import pytest
 import torch
 
-from conftest import SMALL, run_script
+from conftest import SMALL, expect_ok
 from models import build_model
 from utils import data, device_data, metrics
 from utils.distributed import DistEnv
@@ -32,11 +32,11 @@ def test_augmentation_plan_depends_on_epoch_and_seed_only():
     assert a[:, :2].min() >= 0 and a[:, :2].max() <= 2 * data.PAD and set(a[:, 2].tolist()) == {0, 1}
 
 
-def test_data_on_device_trains_bitwise_like_the_loader(tmp_path):
+def test_data_on_device_trains_bitwise_like_the_loader(tmp_path, run_in_process):
     # 160 samples, batch 32: 5 steps per epoch, so 7 steps cross an epoch boundary.
     common = [*SMALL, "--epochs", "2", "--train-samples", "160", "--max-steps", "7"]
-    run_script(["distributed.py", *common, "--checkpoint-dir", tmp_path / "loader"])
-    run_script(["distributed.py", *common, "--data-on-gpu", "--checkpoint-dir", tmp_path / "device"])
+    expect_ok(run_in_process("distributed.py", [*common, "--checkpoint-dir", tmp_path / "loader"]))
+    expect_ok(run_in_process("distributed.py", [*common, "--data-on-gpu", "--checkpoint-dir", tmp_path / "device"]))
     a = torch.load(tmp_path / "loader" / "checkpoint.pt", weights_only=True)
     b = torch.load(tmp_path / "device" / "checkpoint.pt", weights_only=True)
     assert a["global_step"] == b["global_step"] == 7
@@ -110,11 +110,12 @@ def test_device_evaluation_counts_every_sample_once():
     assert on_device["test_loss"] == pytest.approx(reference["test_loss"], rel=1e-5)
 
 
-def test_bf16_data_on_device_trains_bitwise_like_the_loader(tmp_path):
+def test_bf16_data_on_device_trains_bitwise_like_the_loader(tmp_path, run_in_process):
     # Handing the model bf16 images is what autocast does at the first convolution anyway.
     common = [*SMALL, "--amp", "bf16", "--train-samples", "64", "--max-steps", "2", "--channels-last"]
-    run_script(["distributed_apex.py", *common, "--checkpoint-dir", tmp_path / "loader"])
-    run_script(["distributed_apex.py", *common, "--data-on-gpu", "--checkpoint-dir", tmp_path / "device"])
+    expect_ok(run_in_process("distributed_apex.py", [*common, "--checkpoint-dir", tmp_path / "loader"]))
+    expect_ok(run_in_process("distributed_apex.py", [*common, "--data-on-gpu",
+                                                     "--checkpoint-dir", tmp_path / "device"]))
     a = torch.load(tmp_path / "loader" / "checkpoint.pt", weights_only=True)
     b = torch.load(tmp_path / "device" / "checkpoint.pt", weights_only=True)
     assert a["global_step"] == b["global_step"] == 2

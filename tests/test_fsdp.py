@@ -22,7 +22,7 @@ import signal
 import pytest
 import torch
 
-from conftest import ROOT, SMALL, assert_refused, read_metrics, run_script, torchrun
+from conftest import ROOT, SMALL, assert_refused, expect_ok, read_metrics, run_script, torchrun
 from utils import checkpoint
 
 FAULTS = "tests/fault_injection.py"
@@ -64,11 +64,12 @@ def training_state(path) -> dict:
 # --- runs to compare with ---------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    """distributed.py and distributed_fsdp.py, one process each under plain python."""
+def one_process(tmp_path_factory, run_in_process_once):
+    """distributed.py and distributed_fsdp.py, one process each as under plain python (their
+    main() in this process)."""
     root = tmp_path_factory.mktemp("one")
     for script in ("distributed.py", "distributed_fsdp.py"):
-        run_script([script, *ONE, "--checkpoint-dir", root / script])
+        expect_ok(run_in_process_once(script, [*ONE, "--checkpoint-dir", root / script]))
     return root
 
 
@@ -188,7 +189,7 @@ def test_resume_at_another_world_size(tmp_path):
     assert max_difference(moved, straight) <= TOLERANCE
 
 
-def test_crash_during_a_sharded_save_keeps_the_previous_checkpoint(one_process, tmp_path):
+def test_crash_during_a_sharded_save_keeps_the_previous_checkpoint(one_process, tmp_path, run_in_process):
     # Killed while rank 0 commits its second save (step 4): the shards of step 4 are on disk,
     # checkpoint.pt still names those of step 2, which are whole.
     crashed = run_script([FAULTS, "--fault", "kill-during-save", "--save", "2", "--",
@@ -196,8 +197,8 @@ def test_crash_during_a_sharded_save_keeps_the_previous_checkpoint(one_process, 
     assert crashed.returncode == -signal.SIGKILL, crashed.stdout + crashed.stderr
     assert checkpoint.load(str(tmp_path / "checkpoint.pt"))["sharded"]["folder"] == "sharded-step2"
     assert (tmp_path / "sharded-step2" / ".metadata").exists() and (tmp_path / "sharded-step4").exists()
-    resumed = run_script(["distributed_fsdp.py", *ONE, "--checkpoint-dir", tmp_path, "--resume"])
-    assert "step 2 of 8 in it, 2 steps in all" in resumed.stdout, resumed.stdout
+    resumed = expect_ok(run_in_process("distributed_fsdp.py", [*ONE, "--checkpoint-dir", tmp_path, "--resume"]))
+    assert "step 2 of 8 in it, 2 steps in all" in resumed, resumed
     # The orphaned shards are removed, and the run ends where the uninterrupted one did.
     assert [p.name for p in tmp_path.glob("sharded-step*")] == ["sharded-step8"]
     reference = training_state(one_process / "distributed_fsdp.py" / "checkpoint.pt")

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import SMALL, assert_one_line_error, read_metrics, run_script, subprocess_env, torchrun
+from conftest import SMALL, assert_one_line_error, expect_ok, read_metrics, run_script, subprocess_env, torchrun
 
 from utils import observe
 from utils.distributed import DistEnv
@@ -92,14 +92,15 @@ def test_profile_two_ranks_shows_the_all_reduces_inside_backward(tmp_path):
             assert any(e["tid"] != launched[0]["tid"] and e["ts"] >= launched[0]["ts"] for e in comm), comm
 
 
-def test_run_too_short_to_profile_says_so(tmp_path):
+def test_run_too_short_to_profile_says_so(tmp_path, run_in_process):
     profile_dir = tmp_path / "profile"
-    proc = run_script(["distributed.py", *SMALL, "--max-steps", 3, "--profile", profile_dir])
-    line, = [line for line in proc.stdout.splitlines() if line.startswith("--profile:")]
+    code, out, err = run_in_process("distributed.py", [*SMALL, "--max-steps", 3, "--profile", profile_dir])
+    assert code == 0, out + err
+    line, = [line for line in out.splitlines() if line.startswith("--profile:")]
     assert "too short to profile" in line and "ended at step 3" in line
     assert f"needs {observe.STEPS_TO_PROFILE} steps" in line
     assert os.listdir(profile_dir) == []
-    assert "Traceback" not in proc.stderr
+    assert "Traceback" not in err
 
 
 def test_resumed_run_profiles_after_its_own_warmup(tmp_path, capsys):
@@ -165,12 +166,12 @@ def read_scalars(log_dir) -> dict:
     return {tag: [(s.step, s.value) for s in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
 
 
-def test_tensorboard_scalars_are_the_metrics_records(tmp_path):
+def test_tensorboard_scalars_are_the_metrics_records(tmp_path, run_in_process):
     pytest.importorskip("tensorboard")
     log_dir, metrics_file = tmp_path / "tb", tmp_path / "metrics.jsonl"
     # Two epochs of 8 steps, evaluated after the second only: the first has NaN test values.
-    run_script(["distributed.py", *small(epochs=2), "--eval-every", 2,
-                "--tensorboard", log_dir, "--metrics", metrics_file])
+    expect_ok(run_in_process("distributed.py", [*small(epochs=2), "--eval-every", 2,
+                                                "--tensorboard", log_dir, "--metrics", metrics_file]))
     records = [r for r in read_metrics(metrics_file) if r["event"] == "epoch"]
     assert [r["step"] for r in records] == [8, 16]
     scalars = {tag: dict(points) for tag, points in read_scalars(log_dir).items()}

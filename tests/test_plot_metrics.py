@@ -5,22 +5,24 @@ import struct
 
 import pytest
 
-from conftest import SMALL, assert_one_line_error, read_metrics, run_script
+from conftest import SMALL, assert_one_line_error, expect_ok, read_metrics, run_script
 from scripts import plot_metrics
 
 TWO_EPOCHS = [*SMALL[:-2], "--epochs", "2"]  # 256 samples, batch 32: 8 steps per epoch
 
 
 @pytest.fixture(scope="module")
-def metrics(tmp_path_factory):
+def metrics(tmp_path_factory, run_in_process_once):
     """ddp.jsonl: distributed.py stopped at step 12 (in epoch 2), then resumed to the end,
-    appending to the same file. accum.jsonl: the accumulation script, 2 micro-batches."""
+    appending to the same file. accum.jsonl: the accumulation script, 2 micro-batches.
+    (The scripts' main() in this process: the files are what is tested.)"""
     folder = tmp_path_factory.mktemp("metrics")
     ddp, accum = folder / "ddp.jsonl", folder / "accum.jsonl"
     common = [*TWO_EPOCHS, "--checkpoint-dir", folder / "ckpt", "--metrics", ddp]
-    run_script(["distributed.py", *common, "--max-steps", "12"])
-    run_script(["distributed.py", *common, "--resume"])
-    run_script(["distributed_gradient_accumulation.py", *TWO_EPOCHS, "--accum-steps", "2", "--metrics", accum])
+    expect_ok(run_in_process_once("distributed.py", [*common, "--max-steps", "12"]))
+    expect_ok(run_in_process_once("distributed.py", [*common, "--resume"]))
+    expect_ok(run_in_process_once("distributed_gradient_accumulation.py",
+                                  [*TWO_EPOCHS, "--accum-steps", "2", "--metrics", accum]))
     return ddp, accum
 
 

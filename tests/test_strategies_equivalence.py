@@ -8,7 +8,7 @@ construction, sampling, augmentation, loss scaling or schedule would show here.
 import pytest
 import torch
 
-from conftest import SMALL, assert_same_state, run_script
+from conftest import SMALL, assert_same_state, expect_ok, run_script
 
 STEPS = ["--max-steps", "5", "--train-samples", "128"]  # 4 steps per epoch: crosses an epoch boundary
 
@@ -39,8 +39,9 @@ def test_bitwise_identical_to_distributed(checkpoints, name):
     assert_same_state(reference["optimizer"]["state"], other["optimizer"]["state"], "optimizer")
 
 
-def test_training_moved_the_weights(checkpoints, tmp_path):
+def test_training_moved_the_weights(checkpoints, tmp_path, run_in_process):
     # Guard against a vacuous pass: a different seed gives different weights.
-    run_script(["distributed.py", *SMALL, "--epochs", "3", *STEPS, "--seed", "1", "--checkpoint-dir", tmp_path])
+    expect_ok(run_in_process("distributed.py", [*SMALL, "--epochs", "3", *STEPS, "--seed", "1",
+                                                "--checkpoint-dir", tmp_path]))
     other = torch.load(tmp_path / "checkpoint.pt", map_location="cpu", weights_only=True)
     assert not torch.equal(other["model"]["fc.weight"], checkpoints["distributed"]["model"]["fc.weight"])
