@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dataparallel
-from conftest import SMALL, assert_refused, read_metrics, run_script, subprocess_env
+from conftest import SMALL, assert_refused, expect_ok, read_metrics, run_script, subprocess_env
 from models import build_model
 
 
@@ -83,10 +83,10 @@ def test_autocast_inside_forward_reaches_replica_threads():
     assert set(dict(wrapped.module.named_parameters())) == {"weight", "bias"}
 
 
-def test_end_to_end_on_the_cpu(tmp_path):
+def test_end_to_end_on_the_cpu(tmp_path, run_in_process):
     metrics = tmp_path / "metrics.jsonl"
-    proc = run_script(["dataparallel.py", *SMALL, "--metrics", metrics])  # CUDA hidden: the CPU path
-    assert "no GPU visible: training the plain module on the CPU" in proc.stdout
+    out = expect_ok(run_in_process("dataparallel.py", [*SMALL, "--metrics", metrics]))  # CUDA hidden: the CPU path
+    assert "no GPU visible: training the plain module on the CPU" in out
     records = read_metrics(metrics)
     assert [r["event"] for r in records] == ["epoch", "end"]
     end = records[-1]
