@@ -22,7 +22,8 @@ import uuid
 import pytest
 import torch
 
-from conftest import ROOT, assert_one_line_error, assert_same_state, free_port, read_metrics, run_script, subprocess_env
+from conftest import (ROOT, assert_one_line_error, assert_refused, assert_same_state, expect_ok, free_port,
+                      read_metrics, run_script, subprocess_env)
 from utils import checkpoint
 
 FAULTS = "tests/fault_injection.py"
@@ -141,11 +142,12 @@ def sha256(path):
 # --- the uninterrupted runs to compare with --------------------------------------------------
 
 @pytest.fixture(scope="module")
-def python_reference(tmp_path_factory):
-    """One process, start to end. --resume on an empty --checkpoint-dir: a fresh start."""
+def python_reference(tmp_path_factory, run_in_process_once):
+    """One process, start to end (main() in this process, as plain python runs it). --resume
+    on an empty --checkpoint-dir: a fresh start."""
     ckpt_dir = tmp_path_factory.mktemp("python_reference")
-    proc = run(["distributed.py", *TINY, "--checkpoint-dir", ckpt_dir, "--resume"])
-    return ckpt_dir, expect(proc)
+    return ckpt_dir, expect_ok(run_in_process_once("distributed.py", [*TINY, "--checkpoint-dir", ckpt_dir,
+                                                                      "--resume"]))
 
 
 @pytest.fixture(scope="module")
@@ -165,20 +167,18 @@ def test_resume_with_an_empty_checkpoint_dir_starts_fresh(python_reference):
 
 
 @pytest.mark.not_on_floor("one process, torch.save and torch.load: test_ctrl_c_to_one_process_with_loader_workers")
-def test_fresh_run_refuses_to_overwrite_a_checkpoint(python_reference):
+def test_fresh_run_refuses_to_overwrite_a_checkpoint(python_reference, run_in_process):
     ckpt_dir, _ = python_reference
     before = sha256(ckpt_dir / "checkpoint.pt")
-    proc = run_script(["distributed.py", *TINY, "--checkpoint-dir", ckpt_dir], check=False, timeout=180)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "already holds a checkpoint" in lines[0] and "--resume" in lines[0], proc.stderr
+    assert_refused(run_in_process("distributed.py", [*TINY, "--checkpoint-dir", ckpt_dir]),
+                   "already holds a checkpoint", "--resume")
     assert sha256(ckpt_dir / "checkpoint.pt") == before
 
 
 # --- SIGTERM: checkpoint, exit 0, resume -----------------------------------------------------
 
 @pytest.mark.not_on_floor("one process, torch.save and torch.load: test_ctrl_c_to_one_process_with_loader_workers")
-def test_sigterm_checkpoints_and_resume_ends_with_the_same_weights(python_reference, tmp_path):
+def test_sigterm_checkpoints_and_resume_ends_with_the_same_weights(python_reference, tmp_path, run_in_process):
     reference_dir, _ = python_reference
     ckpt = tmp_path / "checkpoint.pt"
     stopped = run([FAULTS, "--fault", "sigterm-self", "--step", "3", "--",
@@ -189,7 +189,7 @@ def test_sigterm_checkpoints_and_resume_ends_with_the_same_weights(python_refere
             in output), output
     assert checkpoint.load(ckpt)["global_step"] == 3
 
-    resumed = expect(run(["distributed.py", *TINY, "--checkpoint-dir", tmp_path, "--resume"]))
+    resumed = expect_ok(run_in_process("distributed.py", [*TINY, "--checkpoint-dir", tmp_path, "--resume"]))
     assert "3 steps in all" in resumed
     assert_same_training_state(ckpt, reference_dir / "checkpoint.pt")
 
@@ -231,7 +231,7 @@ def test_killed_worker_is_restarted_and_ends_with_the_same_weights(ddp_reference
 
 
 @pytest.mark.not_on_floor("one process, torch.save and torch.load: test_ctrl_c_to_one_process_with_loader_workers")
-def test_crash_during_a_checkpoint_write_keeps_the_previous_checkpoint(python_reference, tmp_path):
+def test_crash_during_a_checkpoint_write_keeps_the_previous_checkpoint(python_reference, tmp_path, run_in_process):
     reference_dir, _ = python_reference
     ckpt = tmp_path / "checkpoint.pt"
     crashed = run([FAULTS, "--fault", "kill-during-save", "--save", "2", "--",
@@ -244,7 +244,7 @@ def test_crash_during_a_checkpoint_write_keeps_the_previous_checkpoint(python_re
     with pytest.raises(Exception):
         torch.load(leftovers[0], weights_only=True)
 
-    resumed = expect(run(["distributed.py", *TINY, "--checkpoint-dir", tmp_path, "--resume"]))
+    resumed = expect_ok(run_in_process("distributed.py", [*TINY, "--checkpoint-dir", tmp_path, "--resume"]))
     assert f"resumed from {ckpt}: epoch 1, step 2 of {STEPS} in it, 2 steps in all" in resumed, resumed
     assert_same_training_state(ckpt, reference_dir / "checkpoint.pt")
 
