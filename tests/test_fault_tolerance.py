@@ -423,7 +423,7 @@ def test_a_loader_worker_killed_by_a_bus_error_ends_the_run_with_one_line(tmp_pa
     output = proc.output()
     assert proc.rc != 0, output
     line = "distributed.py: error: a DataLoader worker died of a bus error"
-    assert output.count(line) == 1 and "--shm-size" in output.split(line, 1)[1].splitlines()[0], output
+    assert line in output and "--shm-size" in output.split(line, 1)[1].splitlines()[0], output
     fired = re.search(r"fault_injection: sigbus-loader on rank \d at step 2 \(pid \d+, time ([\d.]+)\)", output)
     assert fired and proc.ended - float(fired.group(1)) < 30, output  # every rank gone, not at a timeout
     if launch == "python":
@@ -431,12 +431,48 @@ def test_a_loader_worker_killed_by_a_bus_error_ends_the_run_with_one_line(tmp_pa
         # multiprocessing's resource-sharer thread print its own ConnectionResetError first.
         ours = [line for line in output.splitlines() if line.strip().startswith('File "')
                 and ("utils/" in line or "distributed.py" in line or "fault_injection.py" in line)]
-        assert proc.rc == 1 and not ours, output
+        assert proc.rc == 1 and not ours and output.count(line) == 1, output
         assert "distributed.py: error: a DataLoader worker" in output.rstrip().splitlines()[-1], output
-    else:  # torchrun's summary names the rank whose loader failed, not its peer's lost connection
-        assert "Root Cause (first observed failure):" in output, output
+    else:  # torchrun's summary names the rank whose loader failed, not its peer's lost connection,
+        # and shows the line as its error: printed by the rank, then once more at the end
+        assert "Root Cause (first observed failure):" in output and output.count(line) == 2, output
         root_cause = output.split("Root Cause (first observed failure):", 1)[1]
         assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", root_cause), output
+        assert re.search(rf"traceback\s*:\s*{re.escape(line)}", root_cause), output
+
+
+# A rank's error, as @record writes it, cut short by the loader's SIGCHLD handler raising in
+# the middle of the write (it raises wherever the main thread is): the file is left empty.
+CUT_SHORT = """
+import sys
+from torch.distributed.elastic.multiprocessing.errors import error_handler
+from utils import cli
+
+def cut_short(self, e):
+    open(self._get_error_file_path(), "w").close()
+
+def main(argv):
+    cli.joined_a_group()
+    raise RuntimeError("DataLoader worker (pid 4242) is killed by signal: Bus error. ")
+
+error_handler.ErrorHandler.record_exception = cut_short
+sys.argv = ["distributed.py"]
+cli.run_main(main)
+"""
+
+
+def test_a_bus_error_leaves_torchrun_an_error_file_it_can_read(tmp_path):
+    # torchrun's agent reads a failed rank's error file with ProcessFailure; an empty one
+    # made it fail with a JSONDecodeError and end the job without its summary.
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+    error_file = tmp_path / "error.json"
+    proc = run_script(["-c", CUT_SHORT], check=False, timeout=120,
+                      env=subprocess_env(TORCHELASTIC_ERROR_FILE=error_file))
+    line = "distributed.py: error: a DataLoader worker died of a bus error"
+    assert proc.returncode == 1 and line in proc.stderr, proc.stdout + proc.stderr
+    failure = ProcessFailure(local_rank=1, pid=4242, exitcode=1, error_file=str(error_file))
+    assert failure.message["message"].startswith(line), failure.message  # the summary's root cause
+    assert [p.name for p in tmp_path.iterdir()] == ["error.json"]  # the file written beside it was renamed
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

@@ -381,6 +381,8 @@ def run_main(main, argv=None):
     """
     from torch.distributed.elastic.multiprocessing.errors import record
 
+    failed_at = []  # when main raised: the time torchrun orders the ranks' failures by
+
     def guarded():
         try:
             main(argv)
@@ -390,6 +392,7 @@ def run_main(main, argv=None):
         except KeyboardInterrupt:
             sys.exit(130)
         except Exception as err:
+            failed_at.append(time.time())
             if _joined_a_group and isinstance(err, RuntimeError) and any(words in str(err) for words in _PEER_LOST):
                 # Only a consequence of a peer's failure: report it a second later. torchrun
                 # names as the root cause the failure whose error file (written by @record)
@@ -419,6 +422,14 @@ def run_main(main, argv=None):
         if message is not None:
             if not _joined_a_group:
                 sys.exit(error_line(message))
+            # @record's own write of the error file can be cut short: the loader's SIGCHLD
+            # handler raises again wherever the main thread is, in the middle of that write
+            # too, and leaves the file empty. torchrun's agent then fails parsing it and the
+            # job ends without its summary (seen once, in a full run of the tests). With that handler
+            # gone, the file is written again, whole.
+            with contextlib.suppress(AttributeError, ValueError):  # no SIGCHLD; not the main thread
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            record_for_torchrun(error_line(message), failed_at[0] if failed_at else None)
             leave(1, message=error_line(message))
         if not _joined_a_group:
             raise
@@ -463,21 +474,29 @@ def _keep_this_exit_status():
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def record_for_torchrun(line: str):
+def record_for_torchrun(line: str, when: float = None):
     """Under torchrun, also leave `line` where torchrun reads a failed rank's error (the file
     TORCHELASTIC_ERROR_FILE names, in the JSON form that torch.distributed.elastic's
     ErrorHandler.record_exception writes). torchrun's closing "FAILED" summary then shows
     this line as the root cause's traceback, instead of a pointer to its documentation, so
-    the one line that says what to fix is also the last thing on the screen."""
+    the one line that says what to fix is also the last thing on the screen. `when` (now by
+    default): the time of the failure; torchrun names as the root cause the failure with the
+    earliest time, in whole seconds."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
+    data = json.dumps({"message": {"message": line, "extraInfo": {
+        "py_callstack": line, "timestamp": str(int(time.time() if when is None else when))}}})
+    # Whole or not at all: written beside it, then renamed over it. A file cut short (this
+    # process killed while writing it) makes torchrun's agent fail to parse it.
+    temporary = f"{path}.{os.getpid()}.tmp"
     try:
-        with open(path, "w") as f:
-            json.dump({"message": {"message": line, "extraInfo": {
-                "py_callstack": line, "timestamp": str(int(time.time()))}}}, f)
+        with open(temporary, "w") as f:
+            f.write(data)
+        os.replace(temporary, path)
     except OSError:  # the launcher's folder gone: the line on stderr is still there
-        pass
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
 
 
 def error_line(message, kind: str = "error") -> str:
