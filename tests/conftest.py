@@ -230,15 +230,20 @@ def run_in_process(monkeypatch, capsys):
 
 @pytest.fixture(scope="module")
 def run_in_process_once():
-    """script_runner for a module's fixtures: runs shared by several tests, made once."""
+    """script_runner for a module's fixtures: runs shared by several tests, made once. What
+    a run patches (the CPU only, the environment) is undone when it returns, not when the
+    module ends: the module's other tests (a GPU test among them) see this process as it was."""
     @contextlib.contextmanager
     def capture():
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             yield lambda: (out.getvalue(), err.getvalue())
 
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        yield script_runner(monkeypatch, capture)
+    def run(script, argv, **env):
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            return script_runner(monkeypatch, capture)(script, argv, **env)
+
+    return run
 
 
 def expect_ok(outcome) -> str:
