@@ -173,6 +173,13 @@ def fake_accelerator(monkeypatch, kind, count=1):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count if kind == "cuda" else 0)
 
 
+# Python's own warning filters (the warnings module's documentation, "Default Warning Filter"),
+# first match first: what a script run as `python SCRIPT` shows.
+PYTHON_DEFAULT_WARNINGS = [("default", DeprecationWarning, "__main__"), ("ignore", DeprecationWarning, ""),
+                           ("ignore", PendingDeprecationWarning, ""), ("ignore", ImportWarning, ""),
+                           ("ignore", ResourceWarning, "")]
+
+
 def script_runner(monkeypatch, capture):
     """run(script, argv, **env) -> (exit status, stdout, stderr): the script's main behind
     cli.run_main, in this process, as `python SCRIPT ARGV` runs it with the launcher's
@@ -183,7 +190,7 @@ def script_runner(monkeypatch, capture):
     import signal
 
     import torch
-    from utils import cli
+    from utils import checkpoint, cli
     keep_on_cpu(monkeypatch)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_RESTART_COUNT"):
@@ -196,9 +203,16 @@ def script_runner(monkeypatch, capture):
             monkeypatch.setenv(key, str(value))
         monkeypatch.setattr(sys, "argv", [script])
         module = importlib.import_module(script[:-3])
-        code, threads = 0, torch.get_num_threads()
+        code, threads, locks = 0, torch.get_num_threads(), len(checkpoint._held_locks)
         torch.set_num_threads(1)  # as in the scripts' subprocesses (OMP_NUM_THREADS=1): the same sums
         with capture() as printed, warnings.catch_warnings():
+            # Warnings printed on stderr, as `python SCRIPT` shows them (Python's default
+            # filters), not collected by pytest: a refusal must still be one line.
+            warnings.resetwarnings()
+            for action, category, module_name in reversed(PYTHON_DEFAULT_WARNINGS):
+                warnings.filterwarnings(action, category=category, module=module_name)
+            warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: \
+                sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
             # torchelastic's @record (cli.run_main) enables faulthandler on sys.stderr, which has
             # no file descriptor while the output is captured: it warns and goes on without.
             warnings.filterwarnings("ignore", message="Unable to enable fault handler")
@@ -210,6 +224,8 @@ def script_runner(monkeypatch, capture):
                 torch.set_num_threads(threads)
                 for sig, handler in saved.items():  # a run installs its stop handlers
                     signal.signal(sig, handler)
+                while len(checkpoint._held_locks) > locks:  # released as the program's exit releases them
+                    os.close(checkpoint._held_locks.pop())
         return (code, *printed())
     return run
 

@@ -34,7 +34,7 @@ Faults, when global step S completes on global rank R:
     pause           every rank (--rank -1) or rank R: create --marker PATH.RANK, then
                     sleep --pause-seconds before going on (a test acts on the network
                     meanwhile, at a known step), or until the process receives a stop
-                    signal (a slow step that still stops as a training step would).
+                    signal (then the run goes on to its next stop check and stops there).
     hang-at-exit    rank R (every rank with --rank -1) never returns from the script's
                     last call, dist_utils.cleanup() (destroy_process_group): a job whose
                     work is done but whose processes do not end. --step is not used.
@@ -108,7 +108,8 @@ def _fire(kind: str, rank: int, step: int, run=None):
         with open(f"{PAUSE['marker']}.{rank}", "w") as f:
             f.write(str(step))
         # The run's signal handler only records a signal (utils/preemption.py): look for it
-        # between short sleeps, so that a stop is answered at the end of this step.
+        # between short sleeps, so that the pause ends soon after one; the run then stops at
+        # its next stop check, as after any step.
         end = time.monotonic() + PAUSE["seconds"]
         while time.monotonic() < end and getattr(getattr(run, "stop_signal", None), "received", None) is None:
             time.sleep(min(0.1, max(0.0, end - time.monotonic())))

@@ -392,9 +392,9 @@ benchmark.cli.run_main(benchmark.main)
 def test_the_time_budget_cuts_a_row_short_and_leaves_the_rest_not_run(tmp_path):
     """45 s of budget, 15 kept for the report: `ddp-1proc` (torchrun and one worker) starts
     with up to 30 s, less the benchmark's own start (a --quick row needs 10, so up to 20 s of
-    start is allowed: under a loaded CPU it took more than 10). Its first step takes longer
-    than all of that (the worker sleeps, so that the wait costs no CPU, and answers a stop
-    signal as a step would), so the budget ends it; the ceiling row then has less than 10 s
+    start is allowed: under a loaded CPU it took more than 10). After its first step it
+    pauses for longer than all of that (the worker sleeps, so that the wait costs no CPU, and
+    a stop signal ends the pause), so the budget ends it; the ceiling row then has less than 10 s
     and is not started. Neither is a failure: exit 0, no process left."""
     logs = tmp_path / "logs"
     code = WITH_FAULTY_ROW.format(scripts=str(ROOT / "scripts"), row="ddp-1proc")

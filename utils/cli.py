@@ -393,6 +393,7 @@ def run_main(main, argv=None):
             sys.exit(130)
         except Exception as err:
             failed_at.append(time.time())
+            _loader_handler_off()  # before @record writes the error file
             if _joined_a_group and isinstance(err, RuntimeError) and any(words in str(err) for words in _PEER_LOST):
                 # Only a consequence of a peer's failure: report it a second later. torchrun
                 # names as the root cause the failure whose error file (written by @record)
@@ -422,13 +423,7 @@ def run_main(main, argv=None):
         if message is not None:
             if not _joined_a_group:
                 sys.exit(error_line(message))
-            # @record's own write of the error file can be cut short: the loader's SIGCHLD
-            # handler raises again wherever the main thread is, in the middle of that write
-            # too, and leaves the file empty. torchrun's agent then fails parsing it and the
-            # job ends without its summary (seen once, in a full run of the tests). With that handler
-            # gone, the file is written again, whole.
-            with contextlib.suppress(AttributeError, ValueError):  # no SIGCHLD; not the main thread
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            # The rank's error file then holds this line (written whole), for torchrun's summary.
             record_for_torchrun(error_line(message), failed_at[0] if failed_at else None)
             leave(1, message=error_line(message))
         if not _joined_a_group:
@@ -440,6 +435,24 @@ def run_main(main, argv=None):
         leave(1)
     if _joined_a_group:
         leave(0)
+
+
+def _loader_handler_off():
+    """Put SIGCHLD back to its default in a rank that is failing. A DataLoader's SIGCHLD
+    handler raises its error wherever the main thread is, each time a child ends, once a
+    worker has died: in the middle of @record's write of the error file too, which it then
+    leaves empty or cut (`open(file, "w")`, then `json.dump`). torchrun's agent fails to
+    parse such a file and ends the job without its summary (seen once, in a full run of
+    the tests, after a loader worker's bus error). signal.signal first runs the handlers
+    of signals already pending, so the loader's may raise once more here: try again."""
+    for _ in range(5):
+        try:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            return
+        except RuntimeError:  # the loader's error, raised again: it is being handled already
+            continue
+        except (AttributeError, ValueError):  # no SIGCHLD here; not the main thread
+            return
 
 
 def refuse(line: str, prints: bool):
