@@ -393,7 +393,7 @@ def run_main(main, argv=None):
             sys.exit(130)
         except Exception as err:
             failed_at.append(time.time())
-            _loader_handler_off()  # before @record writes the error file
+            loader_sigchld_off()  # before @record writes the error file
             if _joined_a_group and isinstance(err, RuntimeError) and any(words in str(err) for words in _PEER_LOST):
                 # Only a consequence of a peer's failure: report it a second later. torchrun
                 # names as the root cause the failure whose error file (written by @record)
@@ -437,7 +437,7 @@ def run_main(main, argv=None):
         leave(0)
 
 
-def _loader_handler_off():
+def loader_sigchld_off():
     """Put SIGCHLD back to its default in a rank that is failing. A DataLoader's SIGCHLD
     handler raises its error wherever the main thread is, each time a child ends, once a
     worker has died: in the middle of @record's write of the error file too, which it then

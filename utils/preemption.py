@@ -24,6 +24,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from .cli import loader_sigchld_off
 from .distributed import cpu_group, print0
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -112,9 +113,7 @@ def _end_loader_workers():
     children = [child for child in multiprocessing.active_children() if child.daemon]
     if not children:
         return
-    # torch's loader would report each kill as a failed worker from its SIGCHLD handler.
-    with contextlib.suppress(AttributeError, ValueError):  # no SIGCHLD; not the main thread
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    loader_sigchld_off()  # torch's loader would report each kill as a failed worker
     for child in children:
         child.kill()
 
