@@ -37,7 +37,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, free_port, keep_on_cpu, read_metrics, torchrun
+from conftest import ROOT, free_port, freeze_the_imports, keep_on_cpu, read_metrics, torchrun
 from utils import checkpoint, cli, data, preemption
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
@@ -432,6 +432,7 @@ def run_script_here(monkeypatch, capsys, tmp_path, cifar):
     from torch.utils.data import dataloader
     from utils import distributed as dist_utils, spawn
     import distributed_mp
+    freeze_the_imports()
     keep_on_cpu(monkeypatch)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_RESTART_COUNT"):
