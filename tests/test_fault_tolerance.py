@@ -475,6 +475,47 @@ def test_a_bus_error_leaves_torchrun_an_error_file_it_can_read(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["error.json"]  # the file written beside it was renamed
 
 
+class _SlowSamples(torch.utils.data.Dataset):
+    """Samples that take a minute: the worker is killed while it makes the first."""
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        time.sleep(60)
+        return torch.zeros(1)
+
+
+def test_a_bus_error_is_told_after_the_loader_reaped_its_worker():
+    # Seen once (PyTorch 2.11, the test above with plain python, a loaded machine): the worker
+    # died of SIGBUS while the training process read a batch it had handed over; the read
+    # failed (the worker's socket closed), the loader checked its workers (is_alive(), which
+    # takes a dead child out of multiprocessing's set of children) and raised "exited
+    # unexpectedly" before its SIGCHLD handler could report the bus error; the run ended with
+    # that traceback instead of the line. The same path here, every time: the SIGCHLD handler
+    # off, the loader's read timing out instead of losing a socket (the same check follows).
+    import multiprocessing.process
+    from utils import cli
+    from utils.data import Loader
+    sigchld = signal.getsignal(signal.SIGCHLD)
+    iterator = iter(Loader(_SlowSamples(), num_workers=1, timeout=1))
+    try:
+        cli.loader_sigchld_off()
+        [worker] = iterator._workers
+        os.kill(worker.pid, signal.SIGBUS)
+        deadline = time.monotonic() + 30
+        while open(f"/proc/{worker.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":  # dead, not reaped
+            assert time.monotonic() < deadline, "the worker did not die of SIGBUS"
+            time.sleep(0.05)
+        with pytest.raises(RuntimeError, match="exited unexpectedly") as failed:
+            next(iterator)
+        assert worker not in multiprocessing.process._children and worker.exitcode == -signal.SIGBUS
+        message = cli.bus_error_message(failed.value)
+        assert message is not None and message.startswith("a DataLoader worker died of a bus error"), failed.value
+    finally:
+        del iterator
+        signal.signal(signal.SIGCHLD, sigchld)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_mp_spawn_stops_on_a_signal_to_its_process_group(long_reference, tmp_path, sig):
     # distributed_mp.py in a terminal (Ctrl-C) or killed with `kill -- -PGID`: the parent,

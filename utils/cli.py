@@ -20,6 +20,7 @@ import sys
 import time
 import traceback
 import types
+import weakref
 
 
 class UsageError(Exception):
@@ -570,17 +571,32 @@ def bus_error_message(err: BaseException):
             "scripts/preflight.py shows what the workers need")
 
 
+# The worker processes of the DataLoader iterators that utils.data.Loader made (weakly held).
+_loader_workers = weakref.WeakSet()
+
+
+def note_loader_workers(iterator):
+    """Remember the worker processes of a DataLoader iterator (none for --workers 0), so that
+    a worker's death by SIGBUS can still be told after the loader has reaped it."""
+    for worker in getattr(iterator, "_workers", ()):  # _MultiProcessingDataLoaderIter's list
+        _loader_workers.add(worker)
+
+
 def _a_loader_worker_died_of_sigbus(wait_s: float = 0.0) -> bool:
     """Whether a daemonic child (a DataLoader worker) of this process ended by SIGBUS. When
     the worker dies while handing a batch over, the error seen first is its closed socket
-    (ConnectionResetError), not the loader's. (multiprocessing keeps its started children
-    in process._children until they are joined: not public, hence the care.)"""
+    (ConnectionResetError), not the loader's. multiprocessing keeps its started children
+    in process._children (not public, hence the care) until they are joined or seen dead:
+    the loader's own check of its workers after a failed read (worker.is_alive(), in
+    _try_get_data, in 2.11 and 2.14) takes the dead worker out of that set before its
+    "exited unexpectedly" error reaches us, so the workers of our loaders are looked at too,
+    where the loader keeps them (their exit status stays readable)."""
     import multiprocessing.process
     bus = getattr(signal, "SIGBUS", None)
     deadline = time.monotonic() + wait_s
     try:
         while bus is not None:
-            for child in list(getattr(multiprocessing.process, "_children", ())):
+            for child in {*getattr(multiprocessing.process, "_children", ()), *_loader_workers}:
                 try:
                     if child.daemon and child.exitcode == -bus:
                         return True

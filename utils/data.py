@@ -555,7 +555,9 @@ class Loader(DataLoader):
         if self.num_workers:
             end_loader_workers_at_exit()  # they ignore SIGTERM, which exit handlers would send
         with stop_signals_blocked():
-            return super().__iter__()
+            iterator = super().__iter__()
+        cli.note_loader_workers(iterator)
+        return iterator
 
     def __iter__(self):
         batches = self._batches()
