@@ -496,8 +496,8 @@ def test_a_bus_error_is_told_after_the_loader_reaped_its_worker():
     import multiprocessing.process
     from utils import cli
     from utils.data import Loader
-    sigchld = signal.getsignal(signal.SIGCHLD)
     iterator = iter(Loader(_SlowSamples(), num_workers=1, timeout=1))
+    sigchld = signal.getsignal(signal.SIGCHLD)  # after iter(): the loader's handler, set once per process
     try:
         cli.loader_sigchld_off()
         [worker] = iterator._workers
