@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: train test test-floor test-stress venv clean
+.PHONY: train test test-floor test-stress venv floor-venv clean
 
 # pip compiles the installed modules to bytecode one file at a time; compileall does it on
 # every core (a new .venv: 61 s with pip's, 48 s with this, on the 2-core build machine).
@@ -39,6 +39,8 @@ $(FLOOR_VENV)/.installed: requirements.txt requirements-test.txt requirements-fl
 	$(call pip_install,$(FLOOR_PY),--no-compile -r requirements-floor.txt -r requirements.txt -r requirements-test.txt)
 	$(call precompile,$(FLOOR_PY))
 	touch $@
+
+floor-venv: $(FLOOR_VENV)/.installed
 
 train: venv
 	bash scripts/quickstart.sh
