@@ -322,8 +322,7 @@ def test_two_nodes_train_together_and_survive_a_killed_worker(tmp_path):
 # --- stop signals as clusters and terminals deliver them: loader workers on ---------------
 
 # After TINY: what users run, loader workers included. One per process, the default on a
-# 2-core machine with 2 processes (--workers: the cores per process, at most 4). Under mp.spawn
-# every loader worker is a new interpreter: 2 a process cost 6.5 CPU-s more per 2-process run.
+# 2-core machine with 2 processes (--workers: the cores per process, at most 4).
 WORKERS = ["--workers", "1"]
 
 
