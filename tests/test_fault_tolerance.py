@@ -9,6 +9,7 @@ SIGKILLed afterwards, including workers that torchrun put in sessions of their o
 "The same weights" means bitwise: torch.equal on every tensor of the model and of the
 optimizer state, against an uninterrupted run with the same flags.
 """
+import faulthandler
 import hashlib
 import os
 import re
@@ -478,16 +479,24 @@ def test_a_bus_error_leaves_torchrun_an_error_file_it_can_read(tmp_path):
 
 
 class _SlowSamples(torch.utils.data.Dataset):
-    """Samples that take a minute: the worker is killed while it makes the first."""
+    """Samples that take a minute: the worker is killed while it makes the first, once it
+    has left the file `started`."""
+    def __init__(self, started):
+        self.started = started
+
     def __len__(self):
         return 4
 
     def __getitem__(self, index):
+        # The worker inherited pytest's fault handler, which would print a "Fatal Python
+        # error" and a stack for the bus error this test sends on purpose.
+        faulthandler.disable()
+        self.started.touch()
         time.sleep(60)
         return torch.zeros(1)
 
 
-def test_a_bus_error_is_told_after_the_loader_reaped_its_worker():
+def test_a_bus_error_is_told_after_the_loader_reaped_its_worker(tmp_path):
     # Seen once (PyTorch 2.11, the test above with plain python, a loaded machine): the worker
     # died of SIGBUS while the training process read a batch it had handed over; the read
     # failed (the worker's socket closed), the loader checked its workers (is_alive(), which
@@ -498,11 +507,16 @@ def test_a_bus_error_is_told_after_the_loader_reaped_its_worker():
     import multiprocessing.process
     from utils import cli
     from utils.data import Loader
-    iterator = iter(Loader(_SlowSamples(), num_workers=1, timeout=1))
+    started = tmp_path / "started"
+    iterator = iter(Loader(_SlowSamples(started), num_workers=1, timeout=1))
     sigchld = signal.getsignal(signal.SIGCHLD)  # after iter(): the loader's handler, set once per process
     try:
         cli.loader_sigchld_off()
         [worker] = iterator._workers
+        deadline = time.monotonic() + 60
+        while not started.exists():
+            assert time.monotonic() < deadline and worker.is_alive(), "the worker never began its first sample"
+            time.sleep(0.05)
         os.kill(worker.pid, signal.SIGBUS)
         deadline = time.monotonic() + 30
         while open(f"/proc/{worker.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":  # dead, not reaped
