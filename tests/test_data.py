@@ -352,3 +352,20 @@ def test_build_datasets_synthetic_with_limits():
     assert image.shape == (3, 32, 32) and label == 3
     assert torch.allclose(image, normalized(data.SyntheticCIFAR(False, 100)[3][0].transpose(2, 0, 1)),
                           atol=1e-6)
+
+
+def _report_loader_workers(rank, out):
+    loader = data.Loader(torch.utils.data.TensorDataset(torch.zeros(8, 1)), batch_size=4, num_workers=1)
+    iterator = iter(loader)
+    next(iterator)
+    [worker] = iterator._workers
+    with open(out, "w") as f:
+        f.write(f"{torch.multiprocessing.get_start_method()} {type(worker).__name__}")
+
+
+def test_loader_workers_are_forked_in_a_process_that_mp_spawn_started(tmp_path):
+    # distributed_mp.py's ranks: their own start method is "spawn", their loader workers'
+    # is "fork" (each spawned worker would import PyTorch again, see Loader.__init__).
+    out = tmp_path / "workers"
+    torch.multiprocessing.spawn(_report_loader_workers, args=(out,), nprocs=1)
+    assert out.read_text() == "spawn ForkProcess"
