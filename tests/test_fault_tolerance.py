@@ -296,9 +296,6 @@ def run_two_nodes(args, extra=(), timeout=420):
             node.kill()
 
 
-@pytest.mark.not_on_floor("two agents on one c10d rendezvous that meet again after a failure: test_hosts.py's "
-                          "lost-host and partition tests; a killed worker restarted from its checkpoint: "
-                          "test_killed_worker_is_restarted_and_ends_with_the_same_weights")
 def test_two_nodes_train_together_and_survive_a_killed_worker(tmp_path):
     metrics, ckpt_dir = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
     # Two torchrun agents on one rendezvous, 2 workers each: one job of 4 ranks. Rank 3 dies

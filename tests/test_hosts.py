@@ -152,8 +152,8 @@ def test_the_hosts_leave_nothing_behind_however_the_test_ends():
 
 # --- a. the same training, bitwise, on two hosts as on one -----------------------------------
 
-@pytest.mark.not_on_floor("two agents on one c10d rendezvous across hosts: the partition, lost-host and host-name "
-                          "tests here")
+@pytest.mark.not_on_floor("two agents on one c10d rendezvous: the two nodes of test_fault_tolerance.py; across hosts: "
+                          "the partition, lost-host and host-name tests here")
 def test_two_hosts_train_bitwise_equal_to_the_same_processes_on_one(make_hosts, tmp_path):
     """torchrun c10d, 2 hosts x 2 processes, loader workers on: the same weights as 4
     processes on one host."""
