@@ -4,6 +4,7 @@ digits), the samplers, and the synthetic stand-in."""
 import os
 import pickle
 import struct
+import sys
 import warnings
 
 import numpy as np
@@ -363,6 +364,7 @@ def _report_loader_workers(rank, out):
         f.write(f"{torch.multiprocessing.get_start_method()} {type(worker).__name__}")
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="fork is asked for on Linux only")
 def test_loader_workers_are_forked_in_a_process_that_mp_spawn_started(tmp_path):
     # distributed_mp.py's ranks: their own start method is "spawn", their loader workers'
     # is "fork" (each spawned worker would import PyTorch again, see Loader.__init__).

@@ -528,6 +528,8 @@ class Loader(DataLoader):
             # PyTorch again, for work that never touches the GPU. Measured on the 2-core build
             # machine, one worker in a process that mp.spawn started: 1.1 s to the first batch
             # and 283 MB of its own memory spawned; 0.05 s and 15 MB forked (the rest shared).
+            # Workers that need another start method (a data set that uses CUDA in them) are
+            # asked for with multiprocessing_context: set_start_method alone does not reach them.
             self.multiprocessing_context = "fork"
         self.env, self.purpose, self.channels_last = env, purpose, channels_last
         if env is not None and env.local_rank == 0 and self.num_workers:  # once per node
