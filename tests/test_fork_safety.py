@@ -12,43 +12,68 @@ import threading
 import time
 import weakref
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from conftest import ROOT, run_script
 
-# Runs a script with every collective counted and, before each fork, how many had run.
-COUNTING_RUNNER = """
-import atexit, os, runpy, sys
+# Counts every collective of this process and, before each fork, how many had run; prints
+# both at exit. A module, so that a rank that mp.spawn starts (a new interpreter) can import it.
+COUNTING = """
+import atexit, os
 import torch.distributed as dist
-collectives, forks = [0], []
-def counted(call):
-    def counting(*args, **kwargs):
-        collectives[0] += 1
-        return call(*args, **kwargs)
-    return counting
-for name in ("all_reduce", "broadcast", "all_gather", "all_gather_object", "broadcast_object_list",
-             "reduce_scatter_tensor", "all_gather_into_tensor", "barrier", "_broadcast_coalesced"):
-    if hasattr(dist, name):
-        setattr(dist, name, counted(getattr(dist, name)))
-os.register_at_fork(before=lambda: forks.append(collectives[0]))
-# One write of the whole line: the two ranks share the pipe, and print() under PYTHONUNBUFFERED
-# writes the text and its newline apart, so that the other rank's line could land in between.
-atexit.register(lambda: os.write(1, f"rank {os.environ.get('RANK')}: {collectives[0]} collectives; "
-                                    f"collectives before each fork: {forks}\\n".encode()))
+def count(rank):
+    collectives, forks = [0], []
+    def counted(call):
+        def counting(*args, **kwargs):
+            collectives[0] += 1
+            return call(*args, **kwargs)
+        return counting
+    for name in ("all_reduce", "broadcast", "all_gather", "all_gather_object", "broadcast_object_list",
+                 "reduce_scatter_tensor", "all_gather_into_tensor", "barrier", "_broadcast_coalesced"):
+        if hasattr(dist, name):
+            setattr(dist, name, counted(getattr(dist, name)))
+    os.register_at_fork(before=lambda: forks.append(collectives[0]))
+    # One write of the whole line: the two ranks share the pipe, and print() under
+    # PYTHONUNBUFFERED writes the text and its newline apart, so that the other rank's line
+    # could land in between.
+    atexit.register(lambda: os.write(1, f"rank {rank}: {collectives[0]} collectives; "
+                                        f"collectives before each fork: {forks}\\n".encode()))
+def counted_worker(index, fn, *args):  # mp.spawn's worker, counted in its own process
+    count(index)
+    return fn(index, *args)
+"""
+
+# Runs a script with the collectives of each training process counted: under torchrun in
+# this process; under mp.spawn in each process it starts.
+COUNTING_RUNNER = """
+import os, runpy, sys
+import torch.multiprocessing as mp
+import counting
+if "RANK" in os.environ:
+    counting.count(os.environ["RANK"])
+spawn = mp.spawn
+mp.spawn = lambda fn, args=(), **kwargs: spawn(counting.counted_worker, args=(fn, *args), **kwargs)
 sys.argv = sys.argv[1:]
 sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
+RUN = ["--dataset", "synthetic", "--model", "resnet_tiny", "--train-samples", "256", "--test-samples", "64",
+       "--batch-size", "32", "--epochs", "1", "--workers", "2"]
 
-def test_every_loader_worker_is_forked_before_the_first_collective(tmp_path):
-    runner = tmp_path / "counting.py"
+
+@pytest.mark.parametrize("launch", ["torchrun", "mp.spawn"])
+def test_every_loader_worker_is_forked_before_the_first_collective(tmp_path, launch):
+    runner = tmp_path / "counting_runner.py"
     runner.write_text(COUNTING_RUNNER)
-    proc = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", runner,
-                       ROOT / "distributed.py", "--dataset", "synthetic", "--model", "resnet_tiny",
-                       "--train-samples", "256", "--test-samples", "64", "--batch-size", "32", "--epochs", "1",
-                       "--workers", "2", "--checkpoint-dir", tmp_path / "ckpt"], timeout=240)
+    (tmp_path / "counting.py").write_text(COUNTING)
+    if launch == "torchrun":
+        args = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", runner, ROOT / "distributed.py"]
+    else:  # the ranks' own start method is "spawn"; their loaders fork all the same (utils/data.py)
+        args = [runner, ROOT / "distributed_mp.py", "--nproc-per-node", "2"]
+    proc = run_script([*args, *RUN, "--checkpoint-dir", tmp_path / "ckpt"], timeout=240)
     lines = [line for line in proc.stdout.splitlines() if "collectives before each fork" in line]
     assert len(lines) == 2, proc.stdout + proc.stderr
     for line in lines:
