@@ -654,3 +654,31 @@ def test_a_group_of_one_agrees_on_a_stop_without_a_collective(monkeypatch):
             stop.close()
     finally:
         dist.destroy_process_group()
+
+
+def test_a_rank_that_could_not_join_exits_once_its_store_watcher_is_back(monkeypatch, capsys):
+    """A rank of a multi-node job whose joining fails exits (one line, status 1) only once
+    the thread that watches the store for a peer's refusal has come back from the store: a
+    thread still in a store call while the interpreter finalizes ended a rank with SIGABRT
+    (seen once, tutorials/09-debugging.md's rank alone on its rendezvous). Here the
+    watcher's store call takes a second, and the join fails while it is under way."""
+    import threading
+    from utils import distributed
+    in_call = threading.Event()
+
+    def slow_check(store, world_size):
+        in_call.set()
+        time.sleep(1.0)
+        return None
+
+    monkeypatch.setattr(distributed, "_store_client", lambda address, timeout_s: object())
+    monkeypatch.setattr(distributed, "_refusal_of_a_peer", slow_check)
+    before = set(threading.enumerate())
+    with pytest.raises(SystemExit) as exited:
+        with distributed.bounded_join(0, 60.0, "127.0.0.1", multi_node=True, backend="gloo",
+                                      store_address=("127.0.0.1", 1), world_size=2):
+            assert in_call.wait(30), "the watcher never asked the store"
+            raise RuntimeError("Timed out after 6 seconds waiting for clients. 1/2 clients joined.")
+    assert exited.value.code == 1
+    assert not [t for t in set(threading.enumerate()) - before if t.name == "bounded-join"]
+    assert "rank 0 could not join the gloo process group" in capsys.readouterr().err
