@@ -49,7 +49,8 @@ train: venv
 # side by side, TEST_WORKERS at a time (pytest-xdist, one file per worker): most tests wait
 # on signals, timeouts, rendezvous and Slurm, and the waiting overlaps with work. 4 on the
 # 2-core build machine: the whole suite, quiet, took 10 min 33 s with 4 and 11 min 01 s with 3,
-# for the same CPU time (1,172 and 1,193 CPU-s): the fourth fills some of the waiting.
+# for the same CPU time (1,172 and 1,193 CPU-s): the fourth fills some of the waiting. A fifth
+# does not: 639 s of tests against 631 s with 4, warm, one after the other.
 # TEST_WORKERS=0 runs them one at a time, in one process (for debugging).
 TEST_WORKERS ?= 4
 XDIST = -n $(TEST_WORKERS) $(if $(filter 0,$(TEST_WORKERS)),,--dist loadfile --no-loadscope-reorder)
