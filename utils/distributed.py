@@ -303,7 +303,7 @@ def bounded_join(rank: int, timeout_s: float, peer_host, multi_node: bool, backe
     try:
         yield
     except RuntimeError as err:  # torch's DistError and its kinds are RuntimeErrors
-        _stop_watching(joined, watcher)
+        joined.set()
         if not multi_node:
             raise
         print(error_line(f"rank {rank} could not join the {backend} process group ({type(err).__name__}: "
@@ -321,15 +321,15 @@ _WATCHER_RETURNS_S = 10.0
 
 def _stop_watching(joined, watcher):
     """Tell the watcher to stop, and wait until it has. A watcher still inside a store call
-    when this process exits (the SystemExit above) is a thread in C++ while the interpreter
-    finalizes: the store server it asks (rank 0's own) goes away, the call fails, and the
-    thread comes back to a finalizing interpreter, which ends it with pthread_exit; that
-    unwinding through PyTorch's C++ gives "terminate called without an active exception",
-    SIGABRT, exit status 134 after the rank's one line (seen once: rank 0 alone on its
-    rendezvous, --dist-timeout 5; cli.leave tells the same of gloo's threads)."""
+    when this process exits (the SystemExit above, on its way through `finally`) is a thread
+    in C++ while the interpreter finalizes: the store server it asks (rank 0's own) goes
+    away, the call fails, and the thread comes back to a finalizing interpreter, which ends
+    it with pthread_exit; that unwinding through PyTorch's C++ gives "terminate called
+    without an active exception", SIGABRT, exit status 134 after the rank's one line (seen
+    once: rank 0 alone on its rendezvous, --dist-timeout 5; cli.leave tells the same of
+    gloo's threads)."""
     joined.set()
-    if watcher is not threading.current_thread():
-        watcher.join(_WATCHER_RETURNS_S)
+    watcher.join(_WATCHER_RETURNS_S)
 
 
 def watch_launcher(grace_s: float = 30.0, poll_s: float = 1.0):
