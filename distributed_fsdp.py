@@ -108,26 +108,37 @@ def even_eval_batches(loader, test_set, env):
     longest = torch.tensor([len(loader)], device=env.device)
     with dist_utils.meeting("even_eval_batches() (the longest evaluation shard)"):  # all ranks, once
         dist.all_reduce(longest, op=dist.ReduceOp.MAX)
-    longest = int(longest.item())
+    return EvenBatches(loader, test_set, int(longest.item()))
 
-    class EvenBatches:
-        def __len__(self):
-            return longest
 
-        def __iter__(self):
-            count, image = 0, None
-            for images, targets in loader:
-                count += 1
-                image = images[:1]
-                yield images, targets
-            if count < longest:
-                # Shaped like this rank's last image; a rank with no test image at all reads one
-                # here, in this process, after the loader's workers have started (a data set that
-                # opens its file lazily opens it in each worker first).
-                padding = torch.zeros_like(image if image is not None else test_set[0][0].unsqueeze(0))
-                for _ in range(longest - count):
-                    yield padding, torch.full((1,), metrics.PAD_TARGET, device=padding.device)
-    return EvenBatches()
+class EvenBatches:
+    """A class of its own, not one defined inside even_eval_batches: a class made in a
+    function is part of a reference cycle (it refers to itself through its methods), and
+    its methods would hold the loader in their closure until the garbage collector ran,
+    after the script had ended: the evaluation loader's persistent workers lived on to the
+    process's exit (on an H200 with PyTorch 2.11, 15 of them kept it waiting past the 30 s
+    the benchmark allows, in PyTorch's 5 s wait for each; see
+    preemption.end_loader_workers_at_exit)."""
+
+    def __init__(self, loader, test_set, longest: int):
+        self.loader, self.test_set, self.longest = loader, test_set, longest
+
+    def __len__(self):
+        return self.longest
+
+    def __iter__(self):
+        count, image = 0, None
+        for images, targets in self.loader:
+            count += 1
+            image = images[:1]
+            yield images, targets
+        if count < self.longest:
+            # Shaped like this rank's last image; a rank with no test image at all reads one
+            # here, in this process, after the loader's workers have started (a data set that
+            # opens its file lazily opens it in each worker first).
+            padding = torch.zeros_like(image if image is not None else self.test_set[0][0].unsqueeze(0))
+            for _ in range(self.longest - count):
+                yield padding, torch.full((1,), metrics.PAD_TARGET, device=padding.device)
 
 
 def shard(model, env, reshard_after_forward: bool, mp_policy: str):

@@ -292,6 +292,33 @@ def test_evaluation_padding_is_shaped_like_the_real_batches(monkeypatch):
     assert len(batches) == 4 and all(images.shape == (1, 3, 4, 4) for images, _ in batches)
 
 
+def test_evaluation_batches_let_their_loader_go_with_the_last_reference(monkeypatch):
+    """The loader (and with it its persistent workers) goes when the script lets go of it,
+    not at the garbage collector's next pass, which may come only after the script's end:
+    loader workers alive at the exit cost 5 s each in PyTorch 2.11's exit handler on a GPU
+    (tests/test_gpu_scripts.py times it)."""
+    import gc
+    import weakref
+    import distributed_fsdp
+    from utils.distributed import DistEnv
+
+    class Batches(list):  # a list that can be referred to weakly, as a DataLoader can
+        pass
+
+    monkeypatch.setattr(distributed_fsdp.dist, "all_reduce", lambda tensor, op=None: None)
+    loader = Batches([(torch.rand(2, 3, 4, 4), torch.tensor([5, 6]))])
+    gone = weakref.ref(loader)
+    gc.disable()  # only reference counting frees anything here
+    try:
+        env = DistEnv(0, 0, 1, 1, torch.device("cpu"), False)
+        batches = distributed_fsdp.even_eval_batches(loader, Untouchable(), env)
+        assert len(list(batches)) == 1
+        del loader, batches
+        assert gone() is None
+    finally:
+        gc.enable()
+
+
 # --- memory per rank: scripts/benchmark.py --memory ---------------------------------------------
 
 @pytest.mark.parametrize("rows", [1, 3, 7, 8, 9, 64, 100])

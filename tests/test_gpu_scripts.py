@@ -10,11 +10,16 @@ tolerance, and record the difference they measured (junit <property>) so that a 
 run reports it. Measured figures, not guesses, should replace the tolerances once known.
 """
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
-from conftest import SMALL, gpu_subprocess_env, read_metrics, run_script, torchrun
+from conftest import ROOT, SMALL, gpu_subprocess_env, read_metrics, run_script, torchrun
 from models import build_model
 
 pytestmark = pytest.mark.gpu
@@ -113,6 +118,77 @@ def test_sync_bn_on_cuda(tmp_path):
         assert "verify-sync: all parameters and buffers agree across 2 ranks" in proc.stdout, proc.stdout
     else:
         assert "verify-sync: all parameters and buffers agree across 1 ranks" in proc.stdout, proc.stdout
+
+
+# --- loader workers on CUDA: pinned memory, persistent workers -----------------------------
+
+def with_workers(args, workers: int) -> list:
+    """SMALL with loader workers on: on CUDA the loaders pin memory, which nothing else runs."""
+    i = args.index("--workers")
+    return [*args[:i + 1], str(workers), *args[i + 2:]]
+
+
+def exit_wait_bound() -> float:
+    # PyTorch 2.11's exit handler for a persistent, pinned-memory loader waits this long for
+    # each worker still alive (torch.utils.data._utils.MP_STATUS_CHECK_INTERVAL, 5 s) before
+    # it sends SIGTERM: a process that waited for even one worker exits later than this.
+    from torch.utils.data._utils import MP_STATUS_CHECK_INTERVAL
+    return MP_STATUS_CHECK_INTERVAL
+
+
+def run_timing_a_line(cmd, marker: str, env) -> tuple:
+    """(exit status, output, seconds from the first line that starts with marker to the
+    process's exit). Its own session: the fault injection's group signal stays in it."""
+    proc = subprocess.Popen([sys.executable, *map(str, cmd)], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    lines, seen_at = [], None
+    try:
+        for line in proc.stdout:  # until every holder of the pipe, loader workers too, is gone
+            lines.append(line)
+            if seen_at is None and line.startswith(marker):
+                seen_at = time.monotonic()
+        proc.wait(timeout=60)
+        ended = time.monotonic()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    output = "".join(lines)
+    assert seen_at is not None, output
+    return proc.returncode, output, ended - seen_at
+
+
+@pytest.mark.parametrize("script", ["distributed.py", "distributed_fsdp.py"])
+def test_a_run_with_loader_workers_exits_once_done_on_cuda(tmp_path, script, record_property):
+    # The default kind of run: loader workers (persistent, pinning memory on a GPU) in both
+    # loaders. Once its work is done, the process ends without waiting for any of them.
+    metrics = tmp_path / "m.jsonl"
+    code, output, seconds = run_timing_a_line(
+        [script, *with_workers(SMALL, 4), "--metrics", metrics], "done:", gpu_subprocess_env())
+    record_property("seconds_from_done_to_exit", round(seconds, 3))
+    assert code == 0, output
+    assert_trained_on_the_gpu(end_record(metrics), 1)
+    assert seconds < exit_wait_bound(), output
+
+
+@pytest.mark.parametrize("fault", ["signal-group", "raise"])
+def test_a_stopped_run_with_loader_workers_exits_at_once_on_cuda(tmp_path, fault, record_property):
+    # Stopped mid-epoch, both loaders' workers alive: SIGTERM to the whole process group (a
+    # preemption, what Slurm sends), or a failure. The exception that carries either keeps
+    # the training function's frame, and with it both loaders, alive to the exit.
+    cmd = ["tests/fault_injection.py", "--fault", fault, "--step", "3",
+           *(["--send", "TERM"] if fault == "signal-group" else []), "--",
+           "distributed.py", *with_workers(SMALL, 4), "--epochs", "2", "--checkpoint-dir", tmp_path]
+    code, output, seconds = run_timing_a_line(cmd, "fault_injection:", gpu_subprocess_env())
+    record_property("seconds_from_fault_to_exit", round(seconds, 3))
+    if fault == "signal-group":
+        assert code == 0, output
+        assert "stopping at step 3 on SIGTERM: checkpoint saved" in output, output
+    else:
+        assert code == 1, output
+        assert "injected failure on rank 0" in output, output
+    assert "DataLoader worker" not in output, output
+    assert seconds < exit_wait_bound(), output
 
 
 # --- resume on CUDA ------------------------------------------------------------------------

@@ -566,6 +566,8 @@ class Loader(DataLoader):
             end_loader_workers_at_exit()  # they ignore SIGTERM, which exit handlers would send
         with stop_signals_blocked():
             iterator = super().__iter__()
+        if self.num_workers:
+            end_loader_workers_at_exit()  # again: before the exit handlers the iterator registered
         cli.note_loader_workers(iterator)
         return iterator
 
