@@ -217,7 +217,7 @@ def test_resume_on_cuda_continues_the_run(tmp_path, record_property):
     # Each process's cudnn.benchmark picks its own convolution kernels, which need not be
     # deterministic, and PyTorch runs cuDNN convolutions in TF32 by default on Ampere and newer
     # (torch.backends.cudnn.allow_tf32): two runs part by rounding that grows over the 12 steps.
-    # Measured on an H200 (PyTorch 2.11): diff 0.022, moved 1.12, 2.0%. A single wrong or
+    # Measured on H200s (PyTorch 2.11): diff 0.022, moved 1.12, 2.0%; on another machine 8.3e-6. A single wrong or
     # skipped batch moves the weights by 4.4% of `moved` in this configuration (measured on CPU:
     # 11 or 13 steps against 12), too close to that noise to be told apart here; the CPU resume
     # tests catch it bitwise on the same code. What this bound catches is a resume that loses
