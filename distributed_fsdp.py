@@ -118,7 +118,7 @@ class EvenBatches:
     after the script had ended: the evaluation loader's persistent workers lived on to the
     process's exit (on an H200 with PyTorch 2.11, 15 of them kept it waiting past the 30 s
     the benchmark allows, in PyTorch's 5 s wait for each; see
-    preemption.end_loader_workers_at_exit)."""
+    preemption.end_loader_workers_before_pytorch_at_exit)."""
 
     def __init__(self, loader, test_set, longest: int):
         self.loader, self.test_set, self.longest = loader, test_set, longest

@@ -38,7 +38,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 from . import cli
 from .cli import UsageError, shm_free_bytes
 from .distributed import DistEnv, all_ranks_ok
-from .preemption import end_loader_workers_at_exit, ignore_stop_signals, stop_signals_blocked
+from .preemption import (end_loader_workers_at_exit, end_loader_workers_before_pytorch_at_exit, ignore_stop_signals,
+                         stop_signals_blocked)
 
 NUM_CLASSES = 100
 IMAGE_SHAPE = (3, 32, 32)
@@ -567,7 +568,7 @@ class Loader(DataLoader):
         with stop_signals_blocked():
             iterator = super().__iter__()
         if self.num_workers:
-            end_loader_workers_at_exit()  # again: before the exit handlers the iterator registered
+            end_loader_workers_before_pytorch_at_exit()  # PyTorch 2.11's per-worker handlers wait 5 s each
         cli.note_loader_workers(iterator)
         return iterator
 

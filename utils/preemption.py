@@ -92,20 +92,38 @@ def ignore_stop_signals():
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
 
 
+_workers_ended_at_exit = False
+
+
 def end_loader_workers_at_exit():
-    """At exit, SIGKILL the daemonic children (the loader workers) still alive. Called
-    before a loader's workers start and again once they have (utils.data.Loader).
-    multiprocessing's own exit handler ends them with SIGTERM and then waits for them, and
-    ours ignore SIGTERM: a process that ends while a loader still holds workers (persistent
-    ones, kept by an exception's traceback or a caller) would wait forever.
-    atexit runs the handlers last in, first out, so this one is registered again at each
-    call: it runs before every handler registered before it. Those are multiprocessing's,
-    and in PyTorch 2.11 one per worker that an iterator starts with persistent workers and
-    pinned memory (`_clean_up_worker`: it joins a worker that was never told to stop, for
-    5 s, then sends SIGTERM, which ours ignore): 5 s for every worker still alive (measured
-    on an H200, a run's 15 evaluation workers kept it from ending). PyTorch 2.13 has one
-    handler instead, which stops the iterators first (read in 2.13.0 and 2.14.1); it finds
-    the workers gone."""
+    """Once per process, before its first loader workers start: at exit, SIGKILL the
+    daemonic children (the loader workers) still alive. multiprocessing's own exit handler
+    ends them with SIGTERM and then waits for them, and ours ignore SIGTERM: a process
+    that ends while a loader still holds workers (persistent ones, kept by an exception's
+    traceback or a caller) would wait forever. Registered after multiprocessing's handler,
+    so it runs before it (atexit runs handlers last in, first out). PyTorch 2.13 and 2.14
+    register their own handler when a loader starts persistent workers that pin memory,
+    after this one: it runs first and stops those iterators properly (its pin-memory
+    thread, then its workers), as it should."""
+    global _workers_ended_at_exit
+    if not _workers_ended_at_exit:
+        atexit.register(_end_loader_workers)
+        _workers_ended_at_exit = True
+
+
+def end_loader_workers_before_pytorch_at_exit():
+    """Once a loader's workers have started: with PyTorch 2.11, make the handler above run
+    before the ones that iterator registered. 2.11 registers one per worker of a loader
+    with persistent workers that pins memory (`_clean_up_worker`, in
+    torch/utils/data/dataloader.py): at exit it joins a worker that was never told to stop,
+    for 5 s (MP_STATUS_CHECK_INTERVAL), then sends SIGTERM, which ours ignore. That is 5 s
+    for every worker still alive (on an H200, a run's 15 evaluation workers kept it from
+    ending for more than the benchmark's 30 s). Registered again, ours runs first and
+    those find the workers gone. PyTorch 2.13.0 and 2.14.1 (read in their sources) have
+    the single handler of the docstring above instead, which is left to run first."""
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+    if hasattr(_MultiProcessingDataLoaderIter, "_clean_up_persistent_workers_atexit"):
+        return
     atexit.unregister(_end_loader_workers)
     atexit.register(_end_loader_workers)
 
