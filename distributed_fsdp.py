@@ -112,13 +112,13 @@ def even_eval_batches(loader, test_set, env):
 
 
 class EvenBatches:
-    """A class of its own, not one defined inside even_eval_batches: a class made in a
-    function is part of a reference cycle (it refers to itself through its methods), and
-    its methods would hold the loader in their closure until the garbage collector ran,
-    after the script had ended: the evaluation loader's persistent workers lived on to the
-    process's exit (on an H200 with PyTorch 2.11, 15 of them kept it waiting past the 30 s
-    the benchmark allows, in PyTorch's 5 s wait for each; see
-    preemption.end_loader_workers_before_pytorch_at_exit)."""
+    """A class of its own, not one defined inside even_eval_batches. Every class is part
+    of a reference cycle (through its __mro__ and its __dict__), so one made inside the
+    function lived until the garbage collector ran, and its methods' closure held the
+    evaluation loader with it. Under cli.leave that collector never runs: the loader's
+    persistent workers were still alive at the exit (on an H200 with PyTorch 2.11, 15 of
+    them kept it waiting past the 30 s the benchmark allows, in PyTorch's 5 s wait for
+    each; see preemption.end_loader_workers_before_pytorch_at_exit)."""
 
     def __init__(self, loader, test_set, longest: int):
         self.loader, self.test_set, self.longest = loader, test_set, longest

@@ -294,9 +294,8 @@ def test_evaluation_padding_is_shaped_like_the_real_batches(monkeypatch):
 
 def test_evaluation_batches_let_their_loader_go_with_the_last_reference(monkeypatch):
     """The loader (and with it its persistent workers) goes when the script lets go of it,
-    not at the garbage collector's next pass, which may come only after the script's end:
-    loader workers alive at the exit cost 5 s each in PyTorch 2.11's exit handler on a GPU
-    (tests/test_gpu_scripts.py times it)."""
+    not at the garbage collector's next pass, which may never come before the exit: its
+    workers are then stopped in order by the loader, not killed by the exit handlers."""
     import gc
     import weakref
     import distributed_fsdp

@@ -565,10 +565,12 @@ class Loader(DataLoader):
     def _batches(self):
         if self.num_workers:
             end_loader_workers_at_exit()  # they ignore SIGTERM, which exit handlers would send
-        with stop_signals_blocked():
-            iterator = super().__iter__()
-        if self.num_workers:
-            end_loader_workers_before_pytorch_at_exit()  # PyTorch 2.11's per-worker handlers wait 5 s each
+        try:
+            with stop_signals_blocked():
+                iterator = super().__iter__()
+        finally:  # also when starting the workers failed part-way
+            if self.num_workers:
+                end_loader_workers_before_pytorch_at_exit()  # PyTorch 2.11's per-worker handlers wait 5 s each
         cli.note_loader_workers(iterator)
         return iterator
 
