@@ -199,9 +199,12 @@ def test_run_main_prints_only_on_global_rank_0(capsys, monkeypatch):
 
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
 def test_run_main_returns_normally_on_success():
+    import gc
+    frozen = gc.get_freeze_count()
     seen = []
     cli.run_main(seen.append, ["--x"])
     assert seen == [["--x"]]
+    assert gc.get_freeze_count() == frozen  # a caller's process: its collector sees what it saw
 
 
 # A program that calls run_main as the scripts do. The witness's __del__ runs only in
@@ -221,7 +224,8 @@ witness = Witness()
 def main(argv):
     if "join" in sys.argv:
         cli.joined_a_group()  # what utils.distributed.setup calls after init_process_group
-    print("main ran", flush=True)
+    import gc
+    print("main ran, frozen", gc.get_freeze_count(), flush=True)
     if "slow-exit" in sys.argv:  # a rank still on its way out, as under load
         import atexit, time
         atexit.register(time.sleep, 3)
@@ -253,6 +257,8 @@ def test_run_main_as_the_program_leaves_without_teardown_once_a_group_was_joined
                           timeout=120, env=env)
     assert proc.returncode == code, proc.stdout + proc.stderr
     assert "main ran" in proc.stdout, proc.stdout + proc.stderr
+    # What the program had imported is hidden from the collector (cli.freeze_what_is_imported).
+    assert int(proc.stdout.split("main ran, frozen ")[1].split()[0]) > 0, proc.stdout
     assert ("teardown ran" in proc.stdout) == teardown, proc.stdout + proc.stderr
     if code == 2:
         assert "error: bad input" in proc.stderr, proc.stderr
@@ -326,7 +332,9 @@ SPAWNED_WORKER_WITH_A_BUS_ERROR = """
 import sys
 sys.path.insert(0, {root!r})
 from utils import spawn
+import gc
 with spawn.worker_exit({error_dir!r}, 0):
+    print("frozen", gc.get_freeze_count(), flush=True)  # what it had imported: cli.freeze_what_is_imported
     raise RuntimeError({error!r})
 """
 
@@ -341,6 +349,7 @@ def test_a_spawned_worker_reports_a_bus_error_in_one_line_and_exits_1(tmp_path):
     assert proc.returncode == 1, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "error: a DataLoader worker died of a bus error" in lines[0], proc.stderr
+    assert int(proc.stdout.split("frozen ")[1].split()[0]) > 0, proc.stdout
 
 
 def test_resolved_config_is_plain_json(no_local_rank):

@@ -11,6 +11,7 @@ either into one line on stderr and exit status 2.
 """
 import argparse
 import contextlib
+import gc
 import importlib.util
 import json
 import math
@@ -410,7 +411,8 @@ def run_main(main, argv=None):
     _as_program = True
     # Whether the process joined a group is known only once main has run: ask afterwards.
     try:
-        record(guarded)()
+        with imports_frozen():
+            record(guarded)()
     except SystemExit as stop:
         if not _joined_a_group:
             raise
@@ -436,6 +438,32 @@ def run_main(main, argv=None):
         leave(1)
     if _joined_a_group:
         leave(0)
+
+
+@contextlib.contextmanager
+def imports_frozen():
+    """Around a program's work (run_main, an mp.spawn worker): every object alive when it
+    starts, its imports, hidden from Python's garbage collector (gc.freeze), and shown to
+    it again when the work ends.
+
+    Those objects are the imported modules, torch's above all (about 180,000 tracked
+    objects), and they live as long as the process. The first optimizer then imports
+    torch._dynamo (torch.optim's add_param_group is wrapped by torch._disable_dynamo,
+    torch/_compile.py), another second of Python, during which the collector's full
+    collections walk all of torch's objects again and again. Frozen, they are not walked:
+    import torch then torch._dynamo took 2.65 s of CPU, and 2.0 s with the freeze between
+    them (PyTorch 2.14.1; 2.3 and 1.73 s on 2.11; the 2-core build machine), in every
+    process a job starts. A collection first would find about 40 unreachable objects
+    there, for 0.08 s: none is run. Objects made later are collected as before.
+
+    gc.unfreeze at the end, before the interpreter's teardown: a module the collector
+    cannot see is never freed there, and nothing it holds is finalized. A file opened at
+    a module's top level and written to stayed empty at exit (Python 3.11)."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def loader_sigchld_off():

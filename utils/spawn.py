@@ -157,7 +157,8 @@ def worker_exit(error_dir, local_rank):
     traceback."""
     code = 0
     try:
-        yield
+        with cli.imports_frozen():  # a spawned worker is a new interpreter, its imports done
+            yield
     except cli.UsageError as err:
         # Each rank meets the same bad input; the parent prints one line for all of them.
         with open(os.path.join(error_dir, f"{local_rank:05d}"), "w") as f:
