@@ -121,7 +121,9 @@ class WholeParamsPeak:
 
 def live_tensor_bytes() -> int:
     """Bytes of the distinct storages of every tensor still alive in this process (after a
-    garbage collection): what one strategy leaves behind shows here at the next one's start."""
+    garbage collection) and made since its work began (gc.get_objects does not list what
+    cli.imports_frozen froze: the imports, which hold no tensor): what one strategy leaves
+    behind shows here at the next one's start."""
     gc.collect()
     tensors = []
     for obj in gc.get_objects():

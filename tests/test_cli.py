@@ -207,6 +207,26 @@ def test_run_main_returns_normally_on_success():
     assert gc.get_freeze_count() == frozen  # a caller's process: its collector sees what it saw
 
 
+def test_imports_frozen_leaves_a_freeze_made_before_it_as_it_was():
+    # A test process freezes its own imports once (conftest.freeze_the_imports) and then runs
+    # scripts in-process: an mp.spawn worker's imports_frozen must not unfreeze them.
+    import gc
+    made_here = gc.get_freeze_count() == 0  # this process may have frozen its imports already
+    if made_here:
+        gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        with cli.imports_frozen():
+            pass
+        with pytest.raises(RuntimeError), cli.imports_frozen():
+            raise RuntimeError("a failing worker")
+        assert gc.get_freeze_count() == frozen
+    finally:
+        if made_here:
+            gc.unfreeze()
+
+
 # A program that calls run_main as the scripts do. The witness's __del__ runs only in
 # the interpreter's teardown, so its line shows whether the process left through
 # cli.leave (os._exit, no teardown) or exited normally.
@@ -257,7 +277,7 @@ def test_run_main_as_the_program_leaves_without_teardown_once_a_group_was_joined
                           timeout=120, env=env)
     assert proc.returncode == code, proc.stdout + proc.stderr
     assert "main ran" in proc.stdout, proc.stdout + proc.stderr
-    # What the program had imported is hidden from the collector (cli.freeze_what_is_imported).
+    # What the program had imported is hidden from the collector (cli.imports_frozen).
     assert int(proc.stdout.split("main ran, frozen ")[1].split()[0]) > 0, proc.stdout
     assert ("teardown ran" in proc.stdout) == teardown, proc.stdout + proc.stderr
     if code == 2:
@@ -334,7 +354,7 @@ sys.path.insert(0, {root!r})
 from utils import spawn
 import gc
 with spawn.worker_exit({error_dir!r}, 0):
-    print("frozen", gc.get_freeze_count(), flush=True)  # what it had imported: cli.freeze_what_is_imported
+    print("frozen", gc.get_freeze_count(), flush=True)  # what it had imported: cli.imports_frozen
     raise RuntimeError({error!r})
 """
 

@@ -442,23 +442,27 @@ def run_main(main, argv=None):
 
 @contextlib.contextmanager
 def imports_frozen():
-    """Around a program's work (run_main, an mp.spawn worker): every object alive when it
-    starts, its imports, hidden from Python's garbage collector (gc.freeze), and shown to
-    it again when the work ends.
+    """Around a program's work (run_main, an mp.spawn worker): gc.freeze every object alive
+    when the work starts, the imported modules above all, so that the garbage collector's
+    full collections skip them; gc.unfreeze when the work ends.
 
-    Those objects are the imported modules, torch's above all (about 180,000 tracked
-    objects), and they live as long as the process. The first optimizer then imports
-    torch._dynamo (torch.optim's add_param_group is wrapped by torch._disable_dynamo,
-    torch/_compile.py), another second of Python, during which the collector's full
-    collections walk all of torch's objects again and again. Frozen, they are not walked:
-    import torch then torch._dynamo took 2.65 s of CPU, and 2.0 s with the freeze between
-    them (PyTorch 2.14.1; 2.3 and 1.73 s on 2.11; the 2-core build machine), in every
-    process a job starts. A collection first would find about 40 unreachable objects
-    there, for 0.08 s: none is run. Objects made later are collected as before.
+    Those objects (about 180,000 after torch's imports) live as long as the process. The
+    first optimizer, or DDP's constructor if it comes first, then imports torch._dynamo
+    (torch.optim's add_param_group is wrapped by torch._disable_dynamo, torch/_compile.py),
+    another second of Python, during which full collections walk all of torch's objects
+    again and again. Frozen, they are not walked: import torch then torch._dynamo took
+    2.65 s of CPU, and 2.0 s with the freeze between them (PyTorch 2.14.1; 2.3 and 1.73 s
+    on 2.11; the 2-core build machine), in every process a job starts. A collection just
+    before the freeze would find about 40 unreachable objects, for 0.08 s, so none is made.
+    Objects made later are collected as before.
 
-    gc.unfreeze at the end, before the interpreter's teardown: a module the collector
-    cannot see is never freed there, and nothing it holds is finalized. A file opened at
-    a module's top level and written to stayed empty at exit (Python 3.11)."""
+    The unfreeze comes before the interpreter's teardown: a module the collector cannot
+    see is never freed there (its functions and its namespace form a cycle), and nothing
+    it holds is finalized; a file that a module opened and wrote to stayed empty at exit
+    (Python 3.11). Where something froze first (a caller's own process), it is left as it is."""
+    if gc.get_freeze_count():
+        yield
+        return
     gc.freeze()
     try:
         yield
