@@ -451,10 +451,11 @@ def imports_frozen():
     (torch.optim's add_param_group is wrapped by torch._disable_dynamo, torch/_compile.py),
     another second of Python, during which full collections walk all of torch's objects
     again and again. Frozen, they are not walked: import torch then torch._dynamo took
-    2.65 s of CPU, and 2.0 s with the freeze between them (PyTorch 2.14.1; 2.3 and 1.73 s
-    on 2.11; the 2-core build machine), in every process a job starts. A collection just
-    before the freeze would find about 40 unreachable objects, for 0.08 s, so none is made.
-    Objects made later are collected as before.
+    2.00 s of CPU, and 1.80 s with the freeze between them (medians of 7, each process
+    ending at once with os._exit; PyTorch 2.14.1; 1.69 and 1.53 s on 2.11; the 2-core
+    build machine), in every process a job starts. A collection just before the freeze
+    would find about 40 unreachable objects, for 0.08 s, so none is made. Objects made
+    later are collected as before.
 
     The unfreeze comes before the interpreter's teardown: a module the collector cannot
     see is never freed there (its functions and its namespace form a cycle), and nothing
