@@ -37,6 +37,24 @@ LONGEST_FIRST = ["test_fault_tolerance.py", "test_docs.py", "test_hosts.py", "te
                  "test_dataparallel.py"]
 
 
+def pytest_configure(config):
+    start_reaper()
+
+
+def start_reaper():
+    """Mark everything this test process starts from now on with its pid (reaper.OWNERS_VAR,
+    inherited by every descendant), and start tests/reaper.py, which ends those processes and
+    frees this process's test hosts once it is gone: after a Ctrl-C that cut a fixture's
+    teardown short, or a SIGKILL. Once per process (the controller and each xdist worker)."""
+    import reaper
+    if os.environ.get(reaper.OWNERS_VAR, "").endswith(f":{os.getpid()}:") or not os.path.isdir("/proc"):
+        return
+    env = {k: v for k, v in os.environ.items() if k != reaper.OWNERS_VAR}  # the reaper owns nothing
+    subprocess.run([sys.executable, reaper.__file__, str(os.getpid())], env=env, stdin=subprocess.DEVNULL,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, timeout=60)
+    os.environ[reaper.OWNERS_VAR] = f"{os.environ.get(reaper.OWNERS_VAR, ':')}{os.getpid()}:"
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order

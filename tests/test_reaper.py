@@ -1,0 +1,93 @@
+"""tests/reaper.py: what a test process started is ended once it is gone, however it ended.
+
+The owner here is a plain Python process that starts its reaper as conftest does for every
+test process, then starts what tests start: a process in a session of its own (as torchrun's
+workers and the tests' Proc are), a grandchild behind a shell, one that ignores SIGTERM, and,
+where network namespaces are available, test hosts with a process on one of them. The owner
+is then killed with SIGKILL, so that none of its own cleanup runs."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import netns_hosts  # noqa: E402
+import reaper  # noqa: E402
+
+OWNER = """
+import json, os, signal, subprocess, sys
+sys.path.insert(0, {tests!r}); sys.path.insert(0, {scripts!r})
+import conftest
+conftest.start_reaper()
+pids = {{}}
+pids["own_session"] = subprocess.Popen(["sleep", "300"], start_new_session=True).pid
+shell = subprocess.run(["bash", "-c", "setsid sleep 301 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True)
+pids["behind_a_shell"] = int(shell.stdout)
+pids["ignores_sigterm"] = subprocess.Popen([sys.executable, "-c",
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(300)"],
+    stdout=subprocess.PIPE, text=True, start_new_session=True)
+assert pids["ignores_sigterm"].stdout.readline().strip() == "ready"
+pids["ignores_sigterm"] = pids["ignores_sigterm"].pid
+slot = None
+if {with_hosts!r}:
+    import netns_hosts
+    hosts = netns_hosts.Hosts()
+    hosts.up()
+    slot = hosts.slot
+    pids["on_a_host"] = hosts.popen("nodea", ["sleep", "302"]).pid
+print(json.dumps({{"pids": pids, "slot": slot}}), flush=True)
+signal.pause()
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_everything_a_killed_test_process_started_is_ended(tmp_path):
+    with_hosts = netns_hosts.unavailable_reason() is None
+    code = OWNER.format(tests=str(ROOT / "tests"), scripts=str(ROOT / "scripts"), with_hosts=with_hosts)
+    env = {k: v for k, v in os.environ.items() if k != reaper.OWNERS_VAR}  # an owner of its own, not this test's
+    owner = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        started = json.loads(owner.stdout.readline())
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+        owner.wait()
+    pids, slot = started["pids"], started["slot"]
+    assert len(pids) == (4 if with_hosts else 3), started
+    # Each was running when the owner died, and carried the owner's mark.
+    deadline = time.monotonic() + reaper.GRACE + 20
+    while [name for name, pid in pids.items() if alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = {name: pid for name, pid in pids.items() if alive(pid)}
+    if left:  # not ended: end them here, and fail
+        for pid in left.values():
+            os.kill(pid, signal.SIGKILL)
+        if slot is not None:
+            netns_hosts.remove_slot(slot)
+        pytest.fail(f"still running {reaper.GRACE + 20} s after their owner died: {left}")
+    if with_hosts:
+        while netns_hosts.namespaces_of_slot(slot) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert netns_hosts.namespaces_of_slot(slot) == [], "the owner's test hosts are still there"
+        assert not os.path.exists(os.path.join(netns_hosts.STATE_DIR, f"slot{slot}"))
+
+
+def test_the_mark_reaches_what_the_tests_start():
+    # This test process's own pid, last in the list its children inherit.
+    out = subprocess.run([sys.executable, "-c", f"import os; print(os.environ[{reaper.OWNERS_VAR!r}])"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out.endswith(f":{os.getpid()}:"), out
