@@ -26,6 +26,7 @@ the hosts have no route out of it.
 """
 import argparse
 import contextlib
+import fcntl
 import json
 import os
 import shlex
@@ -123,10 +124,25 @@ def _holder(folder):
     return None
 
 
+@contextlib.contextmanager
+def slots_locked():
+    """Held while a process decides who holds a slot: claiming one, reclaiming a dead
+    holder's, or taking one over to remove it (tests/reaper.py). Without it, a process
+    that reclaims a slot while another removes it could lose its new hosts to the removal."""
+    os.makedirs(STATE_DIR, exist_ok=True)
+    with open(os.path.join(STATE_DIR, "lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def _claim_slot(wanted=None) -> int:
     """A slot that nobody holds (a dead holder's leftovers are removed first). Without
     `wanted`, slots 1 and up: slot 0 is the one `up` makes for a reader by default."""
-    os.makedirs(STATE_DIR, exist_ok=True)
+    with slots_locked():
+        return _claim_free_slot(wanted)
+
+
+def _claim_free_slot(wanted) -> int:
     for slot in ([wanted] if wanted is not None else range(1, SLOTS)):
         folder = os.path.join(STATE_DIR, f"slot{slot}")
         try:

@@ -51,7 +51,8 @@ def start_reaper():
         return
     env = {k: v for k, v in os.environ.items() if k != reaper.OWNERS_VAR}  # the reaper owns nothing
     subprocess.run([sys.executable, reaper.__file__, str(os.getpid())], env=env, stdin=subprocess.DEVNULL,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, timeout=60)
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, timeout=60,
+                   start_new_session=True)  # out of the terminal's reach (Ctrl-C) from its first instant
     os.environ[reaper.OWNERS_VAR] = f"{os.environ.get(reaper.OWNERS_VAR, ':')}{os.getpid()}:"
 
 

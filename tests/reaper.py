@@ -9,7 +9,12 @@ they end up. When the owner exits, this process sends SIGTERM to every process t
 carries its pid, then SIGKILL to those left after GRACE seconds, and removes the test hosts
 (scripts/netns_hosts.py) whose slot the owner held, with every process on them: slurmstepd,
 which slurmd starts with an environment of its own, is ended that way (seen: the mark in
-munged, slurmctld, slurmd, the batch shell, srun and torchrun's agents, not in slurmstepd).
+munged, slurmctld, slurmd, the batch shell, srun and torchrun's agents, not in slurmstepd;
+a one-node cluster, where namespaces are not available, leaves its slurmstepd to end once
+its job's processes have). The mark is read from /proc/PID/environ, which exec sets up: a
+process the owner forks without exec (the DataLoader workers of a run made inside the test
+process) carries the marks of the owner's own parents only; such workers end when their
+parent does (torch's ManagerWatchdog, every 5 s).
 
 Why it is needed: a test's own teardown is not always allowed to finish. On Ctrl-C under
 pytest-xdist, the controller asks each worker to stop; a worker whose work is still running
@@ -21,6 +26,7 @@ killed outright (SIGKILL, the OOM killer) runs no teardown at all.
 
 Standard library only, and no torch: it starts in a few milliseconds and waits without using
 the CPU (a pidfd, Linux 5.3 and later; polling once a second otherwise)."""
+import json
 import os
 import select
 import signal
@@ -34,7 +40,7 @@ SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def owned_by(owner: int) -> list:
-    """Every live process whose environment (as it was when the process started) names owner."""
+    """Every live process whose environment, as its last exec set it up, names owner."""
     needle = f"{OWNERS_VAR}=".encode()
     mark = f":{owner}:".encode()
     found = []
@@ -60,6 +66,8 @@ def wait_until_gone(pid: int):
                 os.kill(pid, 0)
             except ProcessLookupError:
                 return
+            except PermissionError:  # alive, as another user
+                pass
             time.sleep(1.0)
     try:
         select.select([fd], [], [])  # readable once the process has exited
@@ -71,30 +79,55 @@ def signal_all(pids, sig):
     for pid in pids:
         try:
             os.kill(pid, sig)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):
             pass
 
 
-def reap(owner: int):
-    left = owned_by(owner)
-    if left:
-        signal_all(left, signal.SIGTERM)
-        deadline = time.monotonic() + GRACE
-        while left and time.monotonic() < deadline:
-            time.sleep(0.1)
-            left = owned_by(owner)
-        signal_all(left, signal.SIGKILL)  # what is left, and anything started meanwhile
+def take_over_slots(owner: int) -> list:
+    """The test hosts' slots the owner held, now held by this process: until they are
+    removed, nobody reclaims them as a dead holder's (netns_hosts.slots_locked)."""
     try:
         sys.path.insert(0, SCRIPTS)
         import netns_hosts
     except ImportError:
-        return
+        return []
     if not os.path.isdir(netns_hosts.STATE_DIR):
-        return
-    for entry in os.listdir(netns_hosts.STATE_DIR):
-        folder = os.path.join(netns_hosts.STATE_DIR, entry)
-        if entry.startswith("slot") and entry[4:].isdigit() and netns_hosts._holder(folder) == owner:
-            netns_hosts.remove_slot(int(entry[4:]))
+        return []
+    taken = []
+    with netns_hosts.slots_locked():
+        for entry in os.listdir(netns_hosts.STATE_DIR):
+            folder = os.path.join(netns_hosts.STATE_DIR, entry)
+            if entry.startswith("slot") and entry[4:].isdigit() and netns_hosts._holder(folder) == owner:
+                with open(os.path.join(folder, "owner.new"), "w") as f:
+                    json.dump({"holder": os.getpid()}, f)
+                os.replace(os.path.join(folder, "owner.new"), os.path.join(folder, "owner"))
+                taken.append(int(entry[4:]))
+    return taken
+
+
+def reap(owner: int):
+    slots = take_over_slots(owner)
+    # SIGTERM to every marked process, and to any started meanwhile (a stop handler's, a
+    # restart's) for GRACE seconds; then SIGKILL until none is left.
+    termed = set()
+    deadline = time.monotonic() + GRACE
+    while True:
+        left = owned_by(owner)
+        if not left or time.monotonic() >= deadline:
+            break
+        signal_all([pid for pid in left if pid not in termed], signal.SIGTERM)
+        termed.update(left)
+        time.sleep(0.1)
+    for _ in range(50):
+        if not left:
+            break
+        signal_all(left, signal.SIGKILL)
+        time.sleep(0.1)
+        left = owned_by(owner)
+    if slots:
+        import netns_hosts
+        for slot in slots:
+            netns_hosts.remove_slot(slot)  # with every process on them, marked or not
 
 
 def main():
