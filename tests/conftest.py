@@ -4,7 +4,6 @@ import gc
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 import warnings
@@ -87,9 +86,11 @@ def assert_same_state(a, b, what="state"):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port on 127.0.0.1 outside the kernel's ephemeral range, as distributed_mp.py
+    picks its own (utils.spawn.free_port): a process started later listens on it, and an
+    ephemeral one may meanwhile go to any outgoing connection of the tests beside."""
+    from utils import spawn
+    return spawn.free_port("127.0.0.1")
 
 
 def subprocess_env(**extra) -> dict:

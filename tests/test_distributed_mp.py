@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import distributed_mp
+from utils import spawn
 from conftest import ROOT, SMALL, fake_accelerator, free_port, read_metrics, run_script, subprocess_env
 
 
@@ -139,6 +140,17 @@ def test_a_bug_in_a_worker_shows_its_traceback(tmp_path):
     assert "(in global rank 0)" in proc.stderr
 
 
+def test_the_port_chosen_for_one_node_is_free_and_outside_the_ephemeral_range():
+    ephemeral = spawn.ephemeral_ports()
+    for _ in range(50):
+        port = spawn.free_port("127.0.0.1")
+        assert port not in ephemeral and 1024 < port < 65536
+        with socket.socket() as s:  # free: it can be listened on
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
+            s.listen()
+
+
 def test_sigterm_to_the_parent_checkpoints_and_exits_0(tmp_path):
     """Like torchrun, the parent forwards SIGTERM: the worker saves, stops and exits 0."""
     proc = subprocess.Popen(
@@ -154,6 +166,10 @@ def test_sigterm_to_the_parent_checkpoints_and_exits_0(tmp_path):
             if line.startswith("epoch 1/100"):
                 break
         assert lines and lines[-1].startswith("epoch 1/100"), "".join(lines)
+        # The port it chose itself: outside the ephemeral range, where no outgoing connection
+        # can take it before rank 0 listens (utils.spawn.free_port).
+        port = int(lines[0].split("rendezvous at tcp://127.0.0.1:")[1])
+        assert port not in spawn.ephemeral_ports(), lines[0]
         proc.send_signal(signal.SIGTERM)
         rest, _ = proc.communicate(timeout=120)
     finally:

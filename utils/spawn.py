@@ -13,6 +13,7 @@ script shows only what differs from distributed.py: mp.spawn and each process's 
 import contextlib
 import errno
 import os
+import random
 import signal
 import socket
 import sys
@@ -60,7 +61,7 @@ def check_launch(args) -> int:
             if args.nodes > 1:
                 raise cli.UsageError(f"--nodes {args.nodes} needs --port: the same free port of node 0 "
                                      "on every node, e.g. --port 29500")
-            args.port = bind_port(args.ip)
+            args.port = free_port(args.ip)
         host = f"[{args.ip}]" if ":" in args.ip else args.ip  # an IPv6 address needs brackets
         args.init_method = f"tcp://{host}:{args.port}"
     url = urlparse(args.init_method)
@@ -90,26 +91,61 @@ def check_launch(args) -> int:
     return world_size
 
 
-def bind_port(host, port=0) -> int:
-    """Bind host:port as rank 0's rendezvous server will, then let it go; returns the port
-    (port 0: any free one). Bad input raises UsageError."""
+def _bind(host, port) -> int:
+    """Bind host:port as rank 0's rendezvous server will, then let it go; the port bound."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family) as s:
         # As the rendezvous server does: a port still in TIME_WAIT after an earlier run is free.
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except socket.gaierror:
-            raise cli.UsageError(f"cannot resolve --ip {host}") from None
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise cli.UsageError(f"port {port} on {host} is already in use; choose another "
-                                     f"--port, e.g. --port {bind_port(host)}") from None
-            if exc.errno == errno.EADDRNOTAVAIL:
-                raise cli.UsageError(f"{host} is not an address of this machine: node 0 (--node-rank 0) "
-                                     "must run on the host that --ip names") from None
-            raise cli.UsageError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+        s.bind((host, port))
         return s.getsockname()[1]
+
+
+def bind_port(host, port=0) -> int:
+    """_bind, bad input raised as UsageError; returns the port (port 0: any free one)."""
+    try:
+        return _bind(host, port)
+    except socket.gaierror:
+        raise cli.UsageError(f"cannot resolve --ip {host}") from None
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise cli.UsageError(f"port {port} on {host} is already in use; choose another "
+                                 f"--port, e.g. --port {free_port(host)}") from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise cli.UsageError(f"{host} is not an address of this machine: node 0 (--node-rank 0) "
+                                 "must run on the host that --ip names") from None
+        raise cli.UsageError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+
+
+def ephemeral_ports() -> range:
+    """The ports the kernel hands out to outgoing connections and to bind(port 0)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        return range(low, high + 1)
+    except (OSError, ValueError):
+        return range(32768, 61000)  # Linux's default
+
+
+def free_port(host, tries=100) -> int:
+    """A port that is free on host now, for rank 0's rendezvous server to listen on.
+
+    Taken outside the kernel's ephemeral range: rank 0 listens on it only once mp.spawn has
+    started it, seconds later (a new interpreter that imports torch), and meanwhile any
+    outgoing connection on the machine may be given an ephemeral port as its own. A port from
+    bind(port 0), always in that range, was taken so before rank 0 listened on it (EADDRINUSE,
+    once in a test run with many gloo jobs side by side). Outside the range only a process that
+    binds that very port can take it."""
+    ephemeral = ephemeral_ports()
+    span = range(20000, ephemeral.start) if ephemeral.start > 21000 else range(ephemeral.stop, 65536)
+    pick = random.SystemRandom()
+    for _ in range(tries if len(span) > 1000 else 0):
+        try:
+            return _bind(host, pick.choice(span))
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                break  # not a busy port (a bad address): bind_port says what is wrong
+    return bind_port(host)  # or no room outside the range: any free port
 
 
 class Supervisor:
