@@ -124,6 +124,13 @@ def _holder(folder):
     return None
 
 
+def set_holder(folder, holder):
+    """Write who holds a slot (a pid, or "up"), whole: a reader never sees half a file."""
+    with open(os.path.join(folder, "owner.new"), "w") as f:
+        json.dump({"holder": holder}, f)
+    os.replace(os.path.join(folder, "owner.new"), os.path.join(folder, "owner"))
+
+
 @contextlib.contextmanager
 def slots_locked():
     """Held while a process decides who holds a slot: claiming one, reclaiming a dead
@@ -156,8 +163,7 @@ def _claim_free_slot(wanted) -> int:
                 os.mkdir(folder)
             except FileExistsError:  # another process reclaimed it first
                 continue
-        with open(os.path.join(folder, "owner"), "w") as f:
-            json.dump({"holder": os.getpid()}, f)
+        set_holder(folder, os.getpid())
         return slot
     raise HostsUnavailable(f"no free slot for hosts ({'slot ' + str(wanted) if wanted is not None else 'all'} "
                            f"taken, see {STATE_DIR}): `python3 scripts/netns_hosts.py --slot N down` frees slot N")
@@ -372,8 +378,7 @@ def main(argv=None):
         hosts = Hosts(args.names, own_name=args.own_name, two_interfaces=args.two_interfaces, slot=args.slot)
         hosts.up()
         # The slot outlives this command: `down` frees it.
-        with open(os.path.join(STATE_DIR, f"slot{hosts.slot}", "owner"), "w") as f:
-            json.dump({"holder": "up"}, f)
+        set_holder(os.path.join(STATE_DIR, f"slot{hosts.slot}"), "up")
         for name in hosts.names:
             print(f"{name}\t{hosts.address(name)}\t{sys.argv[0]} shell {name}")
         return

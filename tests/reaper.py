@@ -26,7 +26,6 @@ killed outright (SIGKILL, the OOM killer) runs no teardown at all.
 
 Standard library only, and no torch: it starts in a few milliseconds and waits without using
 the CPU (a pidfd, Linux 5.3 and later; polling once a second otherwise)."""
-import json
 import os
 import select
 import signal
@@ -98,9 +97,7 @@ def take_over_slots(owner: int) -> list:
         for entry in os.listdir(netns_hosts.STATE_DIR):
             folder = os.path.join(netns_hosts.STATE_DIR, entry)
             if entry.startswith("slot") and entry[4:].isdigit() and netns_hosts._holder(folder) == owner:
-                with open(os.path.join(folder, "owner.new"), "w") as f:
-                    json.dump({"holder": os.getpid()}, f)
-                os.replace(os.path.join(folder, "owner.new"), os.path.join(folder, "owner"))
+                netns_hosts.set_holder(folder, os.getpid())
                 taken.append(int(entry[4:]))
     return taken
 
