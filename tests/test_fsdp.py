@@ -131,6 +131,57 @@ def test_bf16_and_zero2_train(run_in_process, tmp_path):
     assert 1e-6 < max_difference(bf16, fp32) < 0.1
 
 
+@pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["zero3", "zero2"])
+def test_bf16_policy_is_bf16_layers_around_fp32_batch_norm(reshard_after_forward, tmp_path):
+    # What --mp-policy bf16 computes, against the same model written out by hand: every
+    # convolution and the classifier in bf16, every batch norm with fp32 weights and fp32
+    # statistics on the bf16 activations. Bitwise, outputs and gradients, in one process (a
+    # group of one: a reduce-scatter over one rank is a copy). Catches a batch norm left in
+    # bf16, a layer left in fp32, and a batch-norm gradient reduced before backward had
+    # finished it (all batch norms are one unit, reduced once, after the first layer's).
+    import copy
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import distributed_fsdp
+    from models import build_model
+    from utils.distributed import DistEnv
+
+    torch.manual_seed(0)
+    model = build_model("resnet_tiny", 10)
+    by_hand = copy.deepcopy(model)
+    for module in by_hand.modules():  # the layers (.to() of a container would reach batch norm too)
+        if not list(module.children()) and not isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+            module.to(torch.bfloat16)
+    assert {p.dtype for m in by_hand.modules() if isinstance(m, torch.nn.BatchNorm2d)
+            for p in [*m.parameters(), *m.buffers()] if p.is_floating_point()} == {torch.float32}
+    images, targets = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"),
+                      distributed=True)
+        distributed_fsdp.shard(model, env, reshard_after_forward, "bf16")
+        for step in range(2):  # the second step: after FSDP's first-step setup
+            for net in (model, by_hand):
+                net.zero_grad(set_to_none=True)
+            logits = model(images)
+            F.cross_entropy(logits.float(), targets).backward()
+            expected = by_hand(images.bfloat16())
+            F.cross_entropy(expected.float(), targets).backward()
+            assert logits.dtype == expected.dtype == torch.bfloat16
+            assert torch.equal(logits, expected), step
+            hand = dict(by_hand.named_parameters())
+            for name, param in model.named_parameters():
+                assert param.dtype == torch.float32, name  # the sharded weights stay fp32
+                assert torch.equal(param.grad.full_tensor(), hand[name].grad.float()), (step, name)
+            for (name, buffer), other in zip(model.named_buffers(), by_hand.buffers()):
+                assert torch.equal(buffer, other), (step, name)
+    finally:
+        dist.destroy_process_group()
+
+
 # --- sharded checkpoints ------------------------------------------------------------------
 
 def test_sigterm_to_every_process_stops_and_resumes_bitwise(two_processes, tmp_path):
@@ -396,7 +447,7 @@ def test_memory_table_measures_what_each_rank_holds(tmp_path):
         assert ranks["fsdp2", rank]["whole_params_peak"] == 4 * (root + largest_stage)
         assert ranks["fsdp2-zero2", rank]["whole_params_peak"] == 4 * numel
         # bf16 policy: the same shards in fp32; gathered, the weights take 2 bytes, batch norm's 4
-        # (each its own unit, whole only while it runs).
+        # (all of them one unit, whole from the first batch norm's forward to the last's).
         stage = max((f"layer{i}" for i in range(1, 5)),
                     key=lambda s: sum(p.numel() for p in getattr(model, s).parameters()))
         gathered_bf16 = sum(p.numel() for name, p in model.named_parameters() if name not in batch_norm
