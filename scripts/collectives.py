@@ -47,6 +47,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from utils.cli import leave  # noqa: E402  (the repository root, for `python scripts/collectives.py`)
+from utils.spawn import free_port  # noqa: E402
 import torch.nn as nn
 
 # Give up on a collective after this long: PyTorch's own default is 30 minutes for gloo and
@@ -613,13 +614,6 @@ def run_tour(rank: int, world_size: int) -> None:
 # --- process setup: torchrun or self-spawned ---------------------------------
 
 
-def find_free_port() -> int:
-    """Ask the OS for an unused port by binding to port 0."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def usage_error(message: str):
     """Bad input: one line on stderr and exit status 2, as the training scripts do."""
     print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr, flush=True)
@@ -689,7 +683,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--nproc must be at least 1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the spawned processes
     backend = choose_backend(args.backend, args.nproc)
-    init_method = f"tcp://127.0.0.1:{find_free_port()}"
+    # Outside the kernel's ephemeral range: rank 0 listens on it only once spawned, and a port
+    # from bind(port 0) can meanwhile go to an outgoing connection (utils.spawn.free_port).
+    init_method = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
     try:
         mp.spawn(_spawned_worker, args=(args.nproc, backend, init_method), nprocs=args.nproc, join=True)
     except mp.ProcessExitedException as failure:

@@ -118,7 +118,7 @@ DRIVER = textwrap.dedent(
     if __name__ == "__main__":
         script_path, out_dir, world_size = sys.argv[1], sys.argv[2], int(sys.argv[3])
         collectives = load(script_path)
-        init_method = f"tcp://127.0.0.1:{collectives.find_free_port()}"
+        init_method = f"tcp://127.0.0.1:{collectives.free_port('127.0.0.1')}"
         mp.spawn(worker, args=(world_size, init_method, script_path, out_dir), nprocs=world_size, join=True)
     """
 )
