@@ -163,6 +163,9 @@ def test_bf16_policy_is_bf16_layers_around_fp32_batch_norm(reshard_after_forward
         env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"),
                       distributed=True)
         distributed_fsdp.shard(model, env, reshard_after_forward, "bf16")
+        # One unit for all of them (one each made the step wait on the host, see shard()).
+        batch_norms = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+        assert len({id(m._get_fsdp_state()) for m in batch_norms}) == 1 < len(batch_norms)
         for step in range(2):  # the second step: after FSDP's first-step setup
             for net in (model, by_hand):
                 net.zero_grad(set_to_none=True)
@@ -447,7 +450,8 @@ def test_memory_table_measures_what_each_rank_holds(tmp_path):
         assert ranks["fsdp2", rank]["whole_params_peak"] == 4 * (root + largest_stage)
         assert ranks["fsdp2-zero2", rank]["whole_params_peak"] == 4 * numel
         # bf16 policy: the same shards in fp32; gathered, the weights take 2 bytes, batch norm's 4
-        # (all of them one unit, whole from the first batch norm's forward to the last's).
+        # (all of them one unit: whole from the first batch norm's forward to the last's, and
+        # again through backward).
         stage = max((f"layer{i}" for i in range(1, 5)),
                     key=lambda s: sum(p.numel() for p in getattr(model, s).parameters()))
         gathered_bf16 = sum(p.numel() for name, p in model.named_parameters() if name not in batch_norm
