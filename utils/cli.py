@@ -214,7 +214,8 @@ def build_parser(doc: str, model_names, own_data: bool = False) -> argparse.Argu
                         "(batch scripts run this before srun)")
     g.add_argument("--dist-timeout", type=_positive_float, default=1800.0, metavar="SECONDS",
                    help="how long a rank waits in a collective for a peer before the job fails "
-                        "(bounds the hang when a peer dies)")
+                        "(bounds the hang when a peer dies); also how long the ranks wait for each other "
+                        "to join the process group at the start")
     g.add_argument("--device", default="auto", metavar="{auto,cpu,cuda,xpu,mps,...}",
                    help="auto: this machine's accelerator (torch.accelerator) if it has one, else the CPU; "
                         "cpu: the CPU even where there is a GPU; or name the accelerator's type")
