@@ -146,6 +146,9 @@ WORKERS="${GPU_CHECK_PYTEST_WORKERS:-4}"
 if [ "$WORKERS" != 0 ] && "$PYTHON" -c 'import xdist' 2>/dev/null; then
     [ -n "${PYTEST_DISABLE_PLUGIN_AUTOLOAD:-}" ] && plugin_args+=(-p xdist.plugin)
     plugin_args+=(-n "$WORKERS")
+    # pytest-benchmark, where an image has it, warns in every worker that xdist disables it;
+    # no test here uses its fixture, so it is left out rather than let ten lines of noise in.
+    "$PYTHON" -c 'import pytest_benchmark' 2>/dev/null && plugin_args+=(-p no:benchmark)
 fi
 stage_seconds=$(( $(left) < PYTEST_SECONDS ? $(left) : PYTEST_SECONDS ))
 # SIGINT on time out: pytest then stops like after Ctrl-C and still writes its junit report.
