@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from conftest import SMALL, read_metrics, run_script, subprocess_env, torchrun
+from conftest import SMALL, expect_ok, read_metrics, torchrun
 from utils import cli
 from utils import distributed as dist_utils
 
@@ -15,11 +15,6 @@ from utils import distributed as dist_utils
 RECORD_FIELDS = ("epoch", "step", "train_loss", "train_acc1", "test_loss", "test_acc1", "test_acc5",
                  "test_samples", "epoch_seconds", "images_per_second", "world_size", "global_batch",
                  "strategy", "device")
-
-
-def cpu_python(args, timeout=180, check=True, **env):
-    # subprocess_env keeps these runs on the CPU (gloo) on a GPU machine too.
-    return run_script(["distributed.py", *args], timeout=timeout, check=check, env=subprocess_env(**env))
 
 
 def with_flag(argv, flag, value):
@@ -100,27 +95,35 @@ def assert_same_training_state(path_a, path_b, global_step):
     assert a["train_sums"] == pytest.approx(b["train_sums"], rel=1e-12)
 
 
+# The runs of this section are main() in the test process (conftest.script_runner), as plain
+# python runs it: what they check is the checkpoint's arithmetic, which does not depend on the
+# process, and each saves starting Python and importing torch (4 CPU-s on a slow 2-core
+# machine). The same resume through real processes: test_torchrun_resume_after_checkpoint_every_step
+# above, and the resumes after a signal or a crash in test_fault_tolerance.py.
+
 @pytest.fixture(scope="module")
-def straight_four_steps(tmp_path_factory):
+def straight_four_steps(tmp_path_factory, run_in_process_once):
     """4 steps in one go: 96 images, batch 32, so 3 steps per epoch; --epochs 2."""
     out = tmp_path_factory.mktemp("straight")
-    cpu_python([*RESUME_ARGS, "--max-steps", "4", "--checkpoint-dir", out / "ck", "--metrics", out / "m.jsonl"])
+    expect_ok(run_in_process_once("distributed.py", [*RESUME_ARGS, "--max-steps", "4", "--checkpoint-dir", out / "ck",
+                                                     "--metrics", out / "m.jsonl"]))
     return out
 
 
 RESUME_ARGS = [*with_flag(with_flag(SMALL, "--train-samples", 96), "--epochs", 2), "--test-samples", "20"]
 
 
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 @pytest.mark.parametrize("first_leg", [2, 3], ids=["mid-epoch", "epoch-boundary"])
-def test_resume_continues_exactly(straight_four_steps, tmp_path, first_leg):
+def test_resume_continues_exactly(straight_four_steps, tmp_path, first_leg, run_in_process):
     ck = tmp_path / "ck"
-    cpu_python([*RESUME_ARGS, "--max-steps", first_leg, "--checkpoint-dir", ck])
+    expect_ok(run_in_process("distributed.py", [*RESUME_ARGS, "--max-steps", first_leg, "--checkpoint-dir", ck]))
     saved = torch.load(ck / "checkpoint.pt", weights_only=True)
     assert (saved["epoch"], saved["step_in_epoch"]) == (0, first_leg)  # stopped where intended
-    proc = cpu_python([*RESUME_ARGS, "--max-steps", "4", "--checkpoint-dir", ck, "--resume",
-                       "--metrics", tmp_path / "m.jsonl"])
+    resumed = expect_ok(run_in_process("distributed.py", [*RESUME_ARGS, "--max-steps", "4", "--checkpoint-dir", ck,
+                                                          "--resume", "--metrics", tmp_path / "m.jsonl"]))
     expected_epoch, expected_step = (1, 2) if first_leg == 2 else (2, 0)
-    assert f"resumed from {ck / 'checkpoint.pt'}: epoch {expected_epoch}, step {expected_step} of 3" in proc.stdout
+    assert f"resumed from {ck / 'checkpoint.pt'}: epoch {expected_epoch}, step {expected_step} of 3" in resumed
 
     assert_same_training_state(straight_four_steps / "ck" / "checkpoint.pt", ck / "checkpoint.pt", global_step=4)
     # What the resumed run reports (the rest of the interrupted epoch included) is what
