@@ -195,27 +195,6 @@ def test_sigterm_checkpoints_and_resume_ends_with_the_same_weights(python_refere
     assert_same_training_state(ckpt, reference_dir / "checkpoint.pt")
 
 
-def test_sigterm_to_torchrun_checkpoints_on_rank_0_and_workers_exit_cleanly(ddp_reference, tmp_path):
-    ckpt = tmp_path / "checkpoint.pt"
-    # SIGTERM to torchrun's agent (what a scheduler does): it forwards SIGTERM to both
-    # workers, which agree on a stop step (they compare every 10 steps) and checkpoint.
-    stopped = torchrun([FAULTS, "--fault", "sigterm-parent", "--rank", "0", "--step", "3", "--",
-                        "distributed.py", *TINY, "--checkpoint-dir", tmp_path])
-    output = stopped.output()
-    assert "stopping at step 10 on SIGTERM" in output, output
-    assert checkpoint.load(ckpt)["global_step"] == 10
-    # The workers exit 0 without a traceback. torchrun itself re-raises the signal as a
-    # SignalException after its workers are gone: its own traceback, and exit status 1.
-    assert stopped.rc == 1, output
-    assert not re.search(r"^\[rank\d+\]:", output, re.M), output
-    assert output.count("Traceback") == 1 and "SignalException" in output, output
-    assert "Root Cause" not in output, output  # no worker failed
-
-    resumed = expect(torchrun(["distributed.py", *TINY, "--checkpoint-dir", tmp_path, "--resume"]))
-    assert "10 steps in all" in resumed
-    assert_same_training_state(ckpt, ddp_reference)
-
-
 # --- crashes ------------------------------------------------------------------------------
 
 def test_killed_worker_is_restarted_and_ends_with_the_same_weights(ddp_reference, tmp_path):
@@ -337,21 +316,38 @@ def assert_same_checkpoint(path, other):
     assert_same_state(got, want, "checkpoint")
 
 
-def test_signal_to_every_process_of_the_job_with_loader_workers(ddp_reference, tmp_path):
-    # scancel --signal / a preemption (SIGTERM), Ctrl-C to an interactive job (SIGINT): the
-    # agent, both workers and their loader workers all get the signal. The loader workers
-    # leave it to their rank; the ranks agree on step 10. One job per signal; the two
-    # checkpoints are the same, bitwise, and that checkpoint resumes to the uninterrupted run.
-    for sig in ("TERM", "INT"):
-        folder = tmp_path / sig
-        stopped = torchrun([FAULTS, "--fault", "signal-job", "--send", sig, "--rank", "0", "--step", "3", "--",
+def test_a_stop_signal_to_torchrun_or_to_every_process_checkpoints_and_resumes_exactly(ddp_reference, tmp_path):
+    # Three ways a torchrun job is told to stop, loader workers on, one job each:
+    # - SIGTERM to torchrun's agent alone (a scheduler that signals the launcher): the agent
+    #   forwards it to both workers;
+    # - scancel --signal or a preemption (SIGTERM), Ctrl-C to an interactive job (SIGINT): the
+    #   agent, both workers and their loader workers all get it, and the loader workers leave
+    #   it to their rank.
+    # Each time the ranks agree on step 10 (they compare every 10 steps) and checkpoint. The
+    # three checkpoints are the same, bitwise, and one of them, resumed, ends with the weights
+    # of the uninterrupted run: so would the others. (One resume for the three: each resume
+    # is a torchrun of 3 Pythons.)
+    stops = {"agent": ["--fault", "sigterm-parent"], "TERM": ["--fault", "signal-job", "--send", "TERM"],
+             "INT": ["--fault", "signal-job", "--send", "INT"]}
+    for way, fault in stops.items():
+        folder = tmp_path / way
+        stopped = torchrun([FAULTS, *fault, "--rank", "0", "--step", "3", "--",
                             "distributed.py", *TINY, *WORKERS, "--checkpoint-dir", folder])
         output = stopped.output()
-        assert f"stopping at step 10 on SIG{sig}" in output, output
+        assert f"stopping at step 10 on SIG{'TERM' if way == 'agent' else way}" in output, output
+        assert checkpoint.load(folder / "checkpoint.pt")["global_step"] == 10
+        # The workers exit 0 without a traceback (torchrun prefixes a failed worker's lines
+        # with its rank), and no loader worker complains.
         assert not re.search(r"^\[rank\d+\]:", output, re.M), output
         assert "DataLoader worker" not in output, output
-        assert checkpoint.load(folder / "checkpoint.pt")["global_step"] == 10
-    assert_same_checkpoint(tmp_path / "INT" / "checkpoint.pt", tmp_path / "TERM" / "checkpoint.pt")
+        if way == "agent":
+            # torchrun itself re-raises the signal as a SignalException once its workers are
+            # gone: its own traceback, and exit status 1; no worker failed.
+            assert stopped.rc == 1, output
+            assert output.count("Traceback") == 1 and "SignalException" in output, output
+            assert "Root Cause" not in output, output
+    for way in ("agent", "TERM"):
+        assert_same_checkpoint(tmp_path / way / "checkpoint.pt", tmp_path / "INT" / "checkpoint.pt")
     resumed = expect(torchrun(["distributed.py", *TINY, *WORKERS, "--checkpoint-dir", tmp_path / "INT", "--resume"]))
     assert "10 steps in all" in resumed
     assert_same_training_state(tmp_path / "INT" / "checkpoint.pt", ddp_reference)
