@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from utils.cli import leave  # noqa: E402  (the repository root, for `python scripts/collectives.py`)
+from utils.cli import leave, print_line  # noqa: E402  (the repository root, for `python scripts/collectives.py`)
 from utils.spawn import free_port  # noqa: E402
 import torch.nn as nn
 
@@ -130,7 +130,7 @@ def check(ok: bool, what: str, detail: str = "") -> None:
     failed_ranks = int(failure_count.item())  # how many ranks reported a failure
     if not ok:
         message = f"{what}: {detail}" if detail else what
-        print(f"[rank {dist.get_rank()}] CHECK FAILED: {message}", file=sys.stderr, flush=True)
+        print_line(f"[rank {dist.get_rank()}] CHECK FAILED: {message}")  # one write: ranks share the terminal
     if failed_ranks:
         raise CheckFailed(f"{what} (wrong on {failed_ranks} of {dist.get_world_size()} ranks)")
 
@@ -616,7 +616,7 @@ def run_tour(rank: int, world_size: int) -> None:
 
 def usage_error(message: str):
     """Bad input: one line on stderr and exit status 2, as the training scripts do."""
-    print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr, flush=True)
+    print_line(f"{os.path.basename(sys.argv[0])}: error: {message}")
     sys.exit(2)
 
 
@@ -652,7 +652,7 @@ def run_worker(rank: int, world_size: int, backend: str, init_method: str, local
         run_tour(rank, world_size)
         return 0
     except CheckFailed as failure:
-        print(f"[rank {rank}] collectives tour FAILED: {failure}", file=sys.stderr, flush=True)
+        print_line(f"[rank {rank}] collectives tour FAILED: {failure}")
         return 1
     finally:
         dist.destroy_process_group()

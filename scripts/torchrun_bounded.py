@@ -140,10 +140,12 @@ def _watch(pid: int):
             continue
         since = since or time.monotonic()
         if time.monotonic() - since >= GRACE_S:
-            print(f"torchrun_bounded.py: error: no training process has run on this node for {GRACE_S:g} s "
-                  "and torchrun is still waiting, most likely for a rendezvous store it cannot reach (a network "
-                  "partition, or the store's node lost): ending it. Check the link to the rendezvous host, "
-                  "then start the job again with --resume", file=sys.stderr, flush=True)
+            # One write, the newline included: torchrun's own lines may come at the same time.
+            sys.stderr.write(f"torchrun_bounded.py: error: no training process has run on this node for "
+                             f"{GRACE_S:g} s and torchrun is still waiting, most likely for a rendezvous store it "
+                             "cannot reach (a network partition, or the store's node lost): ending it. Check the "
+                             "link to the rendezvous host, then start the job again with --resume\n")
+            sys.stderr.flush()
             os._exit(1)
 
 
@@ -152,7 +154,8 @@ def main():
     os.environ.update(env)
     if decided:
         import socket
-        print(f"torchrun_bounded.py on {socket.gethostname()}: {decided}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"torchrun_bounded.py on {socket.gethostname()}: {decided}\n")
+        sys.stderr.flush()
     from torch.distributed.run import main as torchrun
     sys.argv = ["torchrun", *argv]
     if sys.platform.startswith("linux"):  # /proc: the watch is Linux's; elsewhere plain torchrun

@@ -81,7 +81,8 @@ def _claim(once_file) -> bool:
 
 
 def _announce(message: str):
-    print(f"fault_injection: {message}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"fault_injection: {message}\n")  # one write: the job's other lines may come at once
+    sys.stderr.flush()
 
 
 def _fire(kind: str, rank: int, step: int, run=None):

@@ -2,9 +2,12 @@
 splitting and the one-line error contract."""
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
+from conftest import ROOT, subprocess_env
 from models import MODEL_NAMES
 from utils import cli
 
@@ -267,8 +270,6 @@ def test_run_main_as_the_program_leaves_without_teardown_once_a_group_was_joined
     # Whether a group was joined is only known after main has run: a check made before
     # it once sent every finished torchrun rank through the interpreter's teardown,
     # where gloo's threads abort it now and then.
-    import subprocess
-    import sys
     program = tmp_path / "program.py"
     program.write_text(RUN_MAIN_PROGRAM.format(root=os.path.dirname(os.path.dirname(__file__))))
     env = dict(os.environ)
@@ -289,8 +290,6 @@ def test_a_refusing_rank_keeps_exit_status_2_when_sigterm_comes_on_its_way_out(t
     # Under torchrun the first rank to refuse makes the agent send SIGTERM to the others;
     # one still exiting must not be reported as killed by it (exitcode -15) in the summary.
     import signal
-    import subprocess
-    import sys
     import time
     program = tmp_path / "program.py"
     program.write_text(RUN_MAIN_PROGRAM.format(root=os.path.dirname(os.path.dirname(__file__))))
@@ -328,8 +327,6 @@ def test_leave_ends_loader_workers_that_are_still_alive(tmp_path):
     # multiprocessing's exit handler ends such children with SIGTERM and joins them; ours
     # ignore SIGTERM, so they must be ended otherwise (preemption.end_loader_workers_at_exit),
     # or the process waits forever.
-    import subprocess
-    import sys
     program = tmp_path / "program.py"
     program.write_text(LEAVE_WITH_LOADER_WORKERS.format(root=os.path.dirname(os.path.dirname(__file__))))
     proc = subprocess.run([sys.executable, str(program)], capture_output=True, text=True, timeout=60)
@@ -360,8 +357,6 @@ with spawn.worker_exit({error_dir!r}, 0):
 
 
 def test_a_spawned_worker_reports_a_bus_error_in_one_line_and_exits_1(tmp_path):
-    import subprocess
-    import sys
     program = tmp_path / "worker.py"
     program.write_text(SPAWNED_WORKER_WITH_A_BUS_ERROR.format(
         root=os.path.dirname(os.path.dirname(__file__)), error_dir=str(tmp_path), error=BUS_ERROR))
@@ -439,3 +434,35 @@ def test_every_rank_that_refuses_leaves_the_line_for_torchrun_and_only_rank_0_pr
     # Given argv (in a caller's process, as here) run_main leaves the signal handlers alone.
     import signal
     assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
+
+
+INTERLOPER = """
+import os, sys, threading
+from utils.cli import print_line
+line = "distributed.py: error: " + "x" * 400
+stop = threading.Event()
+
+def interloper():  # a thread writing to the same file descriptor, as PyTorch's C++ warnings do
+    while not stop.is_set():
+        os.write(2, b"[W interloper]\\n")
+
+thread = threading.Thread(target=interloper)
+thread.start()
+for _ in range(3000):
+    print_line(line)
+stop.set()
+thread.join()
+"""
+
+
+def test_a_line_is_never_cut_by_another_writer_on_the_same_stderr():
+    # print(line, file=sys.stderr) writes the text and its newline separately: another
+    # thread's write in between glued it to the end of the line (about 100 lines in 3000
+    # here when measured with print(); a c10d warning after a rank's join failure, in a run).
+    proc = subprocess.run([sys.executable, "-c", INTERLOPER], cwd=ROOT, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stderr.splitlines()
+    ours = [line for line in lines if line != "[W interloper]"]
+    assert len(ours) == 3000 and set(ours) == {"distributed.py: error: " + "x" * 400}, \
+        [line for line in ours if line != "distributed.py: error: " + "x" * 400][:3]

@@ -503,7 +503,7 @@ def refuse(line: str, prints: bool):
     if _as_program:  # a caller's own process (run_main given argv) keeps its handlers
         _keep_this_exit_status()
     if prints:
-        print(line, file=sys.stderr, flush=True)
+        print_line(line)
     record_for_torchrun(line)
     if not prints and os.environ.get("TORCHELASTIC_ERROR_FILE"):
         time.sleep(2.0)
@@ -545,6 +545,18 @@ def record_for_torchrun(line: str, when: float = None):
     except OSError:  # the launcher's folder gone: the line on stderr is still there
         with contextlib.suppress(OSError):
             os.unlink(temporary)
+
+
+def print_line(line: str, stream=None):
+    """`line` and its newline on stderr (or `stream`) in one write. print() writes the text
+    and then the newline, two writes; another thread's or process's output that comes in
+    between is glued to the end of the line (seen: a c10d warning from the store watcher's
+    thread, `[W... TCPStore.cpp] recvValue failed`, appended to a rank's one-line join
+    failure). Python's stderr passes each write straight to the file descriptor, and a
+    pipe takes a write of up to 4096 bytes (PIPE_BUF) whole: the line stays whole."""
+    stream = stream or sys.stderr
+    stream.write(f"{line}\n")
+    stream.flush()
 
 
 def error_line(message, kind: str = "error") -> str:
@@ -666,7 +678,7 @@ def leave(code: int = 0, message: str = None):
     still alive, see preemption.end_loader_workers_at_exit, and flush logging) and
     flushes stdout and stderr; nothing else (__del__ methods, other open files) runs."""
     if message:
-        print(message, file=sys.stderr)
+        print_line(message)
     try:
         import atexit
         atexit._run_exitfuncs()

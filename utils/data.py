@@ -716,9 +716,9 @@ def warn_if_shm_short(loaders, env: DistEnv, sample_bytes: int):
     need, formula = shm_estimate(loaders, env.local_world_size, sample_bytes)
     if need <= free:
         return
-    print(cli.error_line(
+    cli.print_line(cli.error_line(
         f"{path} has {free / 2**20:,.1f} MiB free, less than the {need / 2**20:,.1f} MiB that the "
         f"DataLoader workers of this node may hold there at once: {formula}. A worker that finds it full "
         f"dies of a bus error. In Docker: docker run --ipc=host (or --shm-size={shm_size_gib(need)}g); "
         "otherwise lower --workers or --batch-size. Training goes on: the estimate is an upper bound, "
-        "the run may still fit.", kind="warning"), file=sys.stderr, flush=True)
+        "the run may still fit.", kind="warning"))

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .cli import UsageError, error_line, joined_a_group
+from .cli import UsageError, error_line, joined_a_group, print_line
 
 
 @dataclass(frozen=True)
@@ -231,7 +231,7 @@ def check_network(peer_host, backends, announce: bool = True):
             raise UsageError(f"{finding.what}. Fix: {finding.fix}", met_by="node")
     if announce:  # once per node
         for finding in findings:
-            print(error_line(f"{finding.what}. Fix: {finding.fix}", kind="warning"), file=sys.stderr, flush=True)
+            print_line(error_line(f"{finding.what}. Fix: {finding.fix}", kind="warning"))
 
 
 # How much longer than --dist-timeout a rank may take to join before it gives up on its own:
@@ -281,9 +281,8 @@ def bounded_join(rank: int, timeout_s: float, peer_host, multi_node: bool, backe
         store = None
         while not joined.wait(min(2.0, max(0.0, deadline - time.monotonic()))):
             if time.monotonic() >= deadline:
-                print(error_line(f"rank {rank} did not join the {backend} process group within --dist-timeout "
-                                 f"{timeout_s:g} s: {_join_failure_cause(peer_host, backend, multi_node)}"),
-                      file=sys.stderr, flush=True)
+                print_line(error_line(f"rank {rank} did not join the {backend} process group within --dist-timeout "
+                                      f"{timeout_s:g} s: {_join_failure_cause(peer_host, backend, multi_node)}"))
                 os._exit(1)
             if not multi_node or store_address is None:
                 continue
@@ -294,8 +293,7 @@ def bounded_join(rank: int, timeout_s: float, peer_host, multi_node: bool, backe
                 store, refused = None, None
             if refused is not None and not joined.is_set():
                 peer, line = refused
-                print(error_line(f"rank {rank} could not join: rank {peer} refused to start: {line}"),
-                      file=sys.stderr, flush=True)
+                print_line(error_line(f"rank {rank} could not join: rank {peer} refused to start: {line}"))
                 os._exit(1)
 
     watcher = threading.Thread(target=watch, name="bounded-join", daemon=True)
@@ -306,9 +304,8 @@ def bounded_join(rank: int, timeout_s: float, peer_host, multi_node: bool, backe
         joined.set()
         if not multi_node:
             raise
-        print(error_line(f"rank {rank} could not join the {backend} process group ({type(err).__name__}: "
-                         f"{first_line(err)}): {_join_failure_cause(peer_host, backend, multi_node)}"),
-              file=sys.stderr, flush=True)
+        print_line(error_line(f"rank {rank} could not join the {backend} process group ({type(err).__name__}: "
+                              f"{first_line(err)}): {_join_failure_cause(peer_host, backend, multi_node)}"))
         raise SystemExit(1) from None
     finally:
         _stop_watching(joined, watcher)

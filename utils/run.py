@@ -45,7 +45,7 @@ import time
 import torch
 
 from . import checkpoint, observe
-from .cli import UsageError, plain_config
+from .cli import UsageError, plain_config, print_line
 from .distributed import DistEnv, all_ranks_ok, device_name, meeting, print0
 from .metrics import EpochTimer, MetricsLog, TrainMeter, peak_memory_mb, reset_peak_memory
 from .preemption import Preempted, StopSignal
@@ -311,8 +311,8 @@ class TrainingRun:
             except RuntimeError as exc:
                 if self.stop_signal.received is None or "DataLoader worker" not in str(exc):
                     raise
-                print(f"rank {self.env.rank}: {exc.args[0].splitlines()[0]} during a stop: "
-                      "loading the rest of the epoch with new workers", file=sys.stderr, flush=True)
+                print_line(f"rank {self.env.rank}: {exc.args[0].splitlines()[0]} during a stop: "
+                           "loading the rest of the epoch with new workers")
                 loader.sampler.skip += delivered * loader.batch_size
                 loader._iterator = None  # persistent workers: forget the broken set
                 iterator, delivered = iter(loader), 0

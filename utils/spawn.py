@@ -206,7 +206,7 @@ def worker_exit(error_dir, local_rank):
         message = cli.bus_error_message(err)  # a loader worker that ran out of shared memory
         if message is None:
             raise
-        print(cli.error_line(message), file=sys.stderr, flush=True)
+        cli.print_line(cli.error_line(message))
         code = 1
     cli.leave(code)  # the work is done: skip the interpreter's teardown (see cli.leave)
 
@@ -235,7 +235,7 @@ def exit_like(err, args, error_dir):
             raise cli.UsageError(f.read()) from None
     if isinstance(err, mp.ProcessRaisedException):
         sys.exit(f"{err}".strip() + f"\n(in global rank {rank})")
-    print(cli.error_line(f"{err.msg} (global rank {rank})"), file=sys.stderr, flush=True)
+    cli.print_line(cli.error_line(f"{err.msg} (global rank {rank})"))
     sys.exit(err.exit_code if err.exit_code > 0 else 128 - err.exit_code)
 
 
