@@ -323,6 +323,9 @@ def test_a_stop_signal_to_torchrun_or_to_every_process_checkpoints_and_resumes_e
     # - scancel --signal or a preemption (SIGTERM), Ctrl-C to an interactive job (SIGINT): the
     #   agent, both workers and their loader workers all get it, and the loader workers leave
     #   it to their rank.
+    # (Loader workers on in all three, as users run it; torchrun signals each worker's process
+    # group, loader workers included. A stop without loader workers: the one-process
+    # SIGTERM test above.)
     # Each time the ranks agree on step 10 (they compare every 10 steps) and checkpoint. The
     # three checkpoints are the same, bitwise, and one of them, resumed, ends with the weights
     # of the uninterrupted run: so would the others. (One resume for the three: each resume

@@ -426,7 +426,8 @@ def run_main(main, argv=None):
         message = bus_error_message(err)
         if message is not None:
             if not _joined_a_group:
-                sys.exit(error_line(message))
+                print_line(error_line(message))  # what sys.exit(line) prints, in one write
+                sys.exit(1)
             # The rank's error file then holds this line (written whole), for torchrun's summary.
             record_for_torchrun(error_line(message), failed_at[0] if failed_at else None)
             leave(1, message=error_line(message))
@@ -548,12 +549,14 @@ def record_for_torchrun(line: str, when: float = None):
 
 
 def print_line(line: str, stream=None):
-    """`line` and its newline on stderr (or `stream`) in one write. print() writes the text
-    and then the newline, two writes; another thread's or process's output that comes in
-    between is glued to the end of the line (seen: a c10d warning from the store watcher's
-    thread, `[W... TCPStore.cpp] recvValue failed`, appended to a rank's one-line join
-    failure). Python's stderr passes each write straight to the file descriptor, and a
-    pipe takes a write of up to 4096 bytes (PIPE_BUF) whole: the line stays whole."""
+    """`line` and its newline on stderr (or `stream`) in one write. Where stderr is
+    unbuffered, as in every worker torchrun starts (it runs them with `python -u`) and
+    under PYTHONUNBUFFERED=1, print() and sys.exit(text) write the text and then the
+    newline, two writes, and another thread's or process's output that comes in between is
+    glued to the end of the line (seen: a c10d warning from the store watcher's thread,
+    `[W... TCPStore.cpp] recvValue failed`, appended to a rank's one-line join failure).
+    One write of the whole line reaches the file descriptor as it is, and a pipe takes a
+    write of up to 4096 bytes (PIPE_BUF) whole."""
     stream = stream or sys.stderr
     stream.write(f"{line}\n")
     stream.flush()

@@ -234,7 +234,8 @@ def exit_like(err, args, error_dir):
         with open(os.path.join(error_dir, names[0])) as f:
             raise cli.UsageError(f.read()) from None
     if isinstance(err, mp.ProcessRaisedException):
-        sys.exit(f"{err}".strip() + f"\n(in global rank {rank})")
+        cli.print_line(f"{err}".strip() + f"\n(in global rank {rank})")  # what sys.exit(text) prints, in one write
+        sys.exit(1)
     cli.print_line(cli.error_line(f"{err.msg} (global rank {rank})"))
     sys.exit(err.exit_code if err.exit_code > 0 else 128 - err.exit_code)
 
