@@ -38,6 +38,9 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from utils.cli import print_line  # noqa: E402  (one write per line: torchrun's own lines may come at once)
+
 GRACE_S = float(os.environ.get("TORCHRUN_GRACE", "90"))
 POLL_S = 1.0
 
@@ -50,7 +53,6 @@ def node_settings(argv: list) -> tuple:
     args = get_args_parser().parse_args(argv)
     if args.rdzv_backend != "c10d" or not args.rdzv_endpoint or args.standalone:
         return argv, {}, ""
-    sys.path.insert(0, ROOT)
     from utils import network
     host = args.rdzv_endpoint.rsplit(":", 1)[0].strip("[]") if ":" in args.rdzv_endpoint else args.rdzv_endpoint
     if not network.resolve(host):
@@ -140,12 +142,10 @@ def _watch(pid: int):
             continue
         since = since or time.monotonic()
         if time.monotonic() - since >= GRACE_S:
-            # One write, the newline included: torchrun's own lines may come at the same time.
-            sys.stderr.write(f"torchrun_bounded.py: error: no training process has run on this node for "
-                             f"{GRACE_S:g} s and torchrun is still waiting, most likely for a rendezvous store it "
-                             "cannot reach (a network partition, or the store's node lost): ending it. Check the "
-                             "link to the rendezvous host, then start the job again with --resume\n")
-            sys.stderr.flush()
+            print_line(f"torchrun_bounded.py: error: no training process has run on this node for {GRACE_S:g} s "
+                       "and torchrun is still waiting, most likely for a rendezvous store it cannot reach (a network "
+                       "partition, or the store's node lost): ending it. Check the link to the rendezvous host, "
+                       "then start the job again with --resume")
             os._exit(1)
 
 
@@ -154,8 +154,7 @@ def main():
     os.environ.update(env)
     if decided:
         import socket
-        sys.stderr.write(f"torchrun_bounded.py on {socket.gethostname()}: {decided}\n")
-        sys.stderr.flush()
+        print_line(f"torchrun_bounded.py on {socket.gethostname()}: {decided}")
     from torch.distributed.run import main as torchrun
     sys.argv = ["torchrun", *argv]
     if sys.platform.startswith("linux"):  # /proc: the watch is Linux's; elsewhere plain torchrun

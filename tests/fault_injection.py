@@ -81,8 +81,8 @@ def _claim(once_file) -> bool:
 
 
 def _announce(message: str):
-    sys.stderr.write(f"fault_injection: {message}\n")  # one write: the job's other lines may come at once
-    sys.stderr.flush()
+    from utils.cli import print_line  # one write: the job's other lines may come at once
+    print_line(f"fault_injection: {message}")
 
 
 def _fire(kind: str, rank: int, step: int, run=None):

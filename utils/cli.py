@@ -548,8 +548,8 @@ def record_for_torchrun(line: str, when: float = None):
             os.unlink(temporary)
 
 
-def print_line(line: str, stream=None):
-    """`line` and its newline on stderr (or `stream`) in one write. Where stderr is
+def print_line(line: str):
+    """`line` and its newline on stderr in one write. Where stderr is
     unbuffered, as in every worker torchrun starts (it runs them with `python -u`) and
     under PYTHONUNBUFFERED=1, print() and sys.exit(text) write the text and then the
     newline, two writes, and another thread's or process's output that comes in between is
@@ -557,9 +557,8 @@ def print_line(line: str, stream=None):
     `[W... TCPStore.cpp] recvValue failed`, appended to a rank's one-line join failure).
     One write of the whole line reaches the file descriptor as it is, and a pipe takes a
     write of up to 4096 bytes (PIPE_BUF) whole."""
-    stream = stream or sys.stderr
-    stream.write(f"{line}\n")
-    stream.flush()
+    sys.stderr.write(f"{line}\n")
+    sys.stderr.flush()
 
 
 def error_line(message, kind: str = "error") -> str:
