@@ -78,14 +78,25 @@ for r in range(rounds):
               f"max {max(times)*1e3:7.2f}  issued in {statistics.median(issued)*1e3:6.2f}  {batch/med:7.0f} img/s  host CPU {cpu/steps*1e3:6.2f} ms/step "
               f"({cpu/wall:.2f} of a core)  gc {gc_time[1]} x {gc_time[0]*1e3:.1f} ms  loss {loss.item():.3f}",
               flush=True)
-if os.environ.get("SPREAD_PROFILE"):  # where the host's time goes, 20 steps of each policy
+if os.environ.get("SPREAD_PROFILE"):  # where the host's time goes (=cuda: the GPU's too), 20 steps of each policy
     from torch.profiler import profile, ProfilerActivity
+    from torch.autograd import DeviceType
     for policy, run in runs.items():
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if os.environ.get("SPREAD_PROFILE") == "cuda" else [])
+        t = time.perf_counter()
+        with profile(activities=acts) as prof:
             for _ in range(20):
                 step(*run)
             sync()
+        wall = time.perf_counter() - t
+        events = prof.key_averages()
         print(f"== host profile, {policy}", flush=True)
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=48), flush=True)
+        print(events.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=48), flush=True)
+        if ProfilerActivity.CUDA in acts:  # the kernels' own time: the GPU's work per step
+            # Only the device's own events, as the table's "Self CUDA time total" sums them
+            # (torch/autograd/profiler_util.py): an operator's row carries its kernels' time too.
+            busy_us = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA)
+            print(f"{policy}: GPU kernels {busy_us / 20 / 1e3:.2f} ms per step, in steps of "
+                  f"{wall / 20 * 1e3:.2f} ms under the profiler", flush=True)
 dist.destroy_process_group()
 os.unlink(path)
