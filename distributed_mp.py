@@ -46,7 +46,7 @@ def main(argv=None):
     # cannot be used in a forked child). This one passes stop signals on to them, waits for
     # them, and ends as the first that failed, as torchrun would.
     with spawn.Supervisor(args) as supervisor:
-        workers = mp.spawn(worker, args=(args, plan.world_size, plan.per_device_batch, supervisor.error_dir),
+        workers = mp.spawn(worker, args=(args, plan.world_size, plan.per_device_batch, supervisor.errors),
                            nprocs=args.nproc_per_node, join=False)
         supervisor.watch(workers)
 
@@ -65,9 +65,9 @@ def check(args) -> cli.Plan:
     return cli.Plan(world_size, per_device_batch=cli.split_batch(args.batch_size, world_size))
 
 
-def worker(local_rank, args, world_size, per_device_batch, error_dir):
+def worker(local_rank, args, world_size, per_device_batch, errors):
     rank = args.node_rank * args.nproc_per_node + local_rank
-    with spawn.worker_exit(error_dir, local_rank):  # exit status 2 for bad input, 0 after a stop signal
+    with spawn.worker_exit(errors, local_rank):  # exit status 2 for bad input, 0 after a stop signal
         env = dist_utils.setup(rank, world_size, local_rank, args.nproc_per_node, args.init_method,
                                timeout_s=args.dist_timeout, device=args.device)
         try:

@@ -528,6 +528,19 @@ def test_a_bus_error_is_told_after_the_loader_reaped_its_worker(tmp_path):
         signal.signal(signal.SIGCHLD, sigchld)
 
 
+def private_tmpdir(tmp_path):
+    """A TMPDIR of the run's own, to see what it leaves there."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    return tmp
+
+
+def left_in(tmp):
+    """What a run left in its TMPDIR, apart from PyTorch's compile cache (torchinductor_USER,
+    kept between runs on purpose)."""
+    return sorted(entry.name for entry in tmp.iterdir() if not entry.name.startswith("torchinductor_"))
+
+
 @pytest.mark.parametrize("sig", [
     pytest.param(signal.SIGINT, marks=pytest.mark.not_on_floor(
         "Ctrl-C to a process group with loader workers: test_ctrl_c_to_one_process_with_loader_workers; "
@@ -537,12 +550,18 @@ def test_a_bus_error_is_told_after_the_loader_reaped_its_worker(tmp_path):
 def test_mp_spawn_stops_on_a_signal_to_its_process_group(request, tmp_path, sig):
     # distributed_mp.py in a terminal (Ctrl-C) or killed with `kill -- -PGID`: the parent,
     # the spawned workers and their loader workers share one process group.
-    proc = Proc(["distributed_mp.py", *LONG_RUN, "--nproc-per-node", "2", "--checkpoint-dir", tmp_path])
+    tmp = private_tmpdir(tmp_path)
+    proc = Proc(["distributed_mp.py", *LONG_RUN, "--nproc-per-node", "2", "--checkpoint-dir", tmp_path],
+                TMPDIR=tmp)
     wait_for_file(tmp_path / "checkpoint.pt", proc)  # --checkpoint-every 2: training is under way
     os.killpg(proc.popen.pid, sig)
     output = expect(proc.wait(180))
     assert f"on {sig.name}: checkpoint saved" in output, output
     no_loader_failure(output)
+    # The loader workers, killed at exit, had their sockets in their rank's folder, which
+    # the rank's exit removed (utils/data.py, Loader._batches): one stop used to leave a
+    # folder per loader worker.
+    assert left_in(tmp) == [], output
     step = checkpoint.load(tmp_path / "checkpoint.pt")["global_step"]
     assert 0 < step < LONG_STEPS and step % 10 == 0, output
     if sig != signal.SIGINT:
@@ -602,12 +621,15 @@ def test_workers_stop_when_torchrun_is_killed(tmp_path):
 
 
 def test_workers_stop_when_the_mp_spawn_parent_is_killed(tmp_path):
-    proc = Proc(["distributed_mp.py", *LONG, "--nproc-per-node", "2", "--checkpoint-dir", tmp_path])
+    tmp = private_tmpdir(tmp_path)
+    proc = Proc(["distributed_mp.py", *LONG, "--nproc-per-node", "2", "--checkpoint-dir", tmp_path], TMPDIR=tmp)
     wait_for_file(tmp_path / "checkpoint.pt", proc)
     os.kill(proc.popen.pid, signal.SIGKILL)
     proc.popen.wait(10)
     wait_until_gone(proc)
     assert "stopping at step" in proc.output() and "done:" not in proc.output(), proc.output()
+    # The parent, killed, cleaned nothing up: it had nothing on disk to clean (utils/spawn.py).
+    assert left_in(tmp) == [], proc.output()
 
 
 # --- one run per checkpoint directory ------------------------------------------------------

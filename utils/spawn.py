@@ -17,7 +17,6 @@ import random
 import signal
 import socket
 import sys
-import tempfile
 from urllib.parse import urlparse
 
 import torch.multiprocessing as mp
@@ -150,11 +149,11 @@ def free_port(host, tries=100) -> int:
 
 class Supervisor:
     """The parent's side of a spawned run: `with Supervisor(args) as s:` start the workers
-    with s.error_dir among their arguments, then s.watch(the context mp.spawn returned)."""
+    with s.errors among their arguments, then s.watch(the context mp.spawn returned)."""
 
     def __init__(self, args):
         self.args = args
-        self._error_dir = None
+        self.errors = None
 
     def __enter__(self):
         args = self.args
@@ -162,8 +161,9 @@ class Supervisor:
             world_size = args.nodes * args.nproc_per_node
             print(f"starting {args.nproc_per_node} process{'es' if args.nproc_per_node > 1 else ''} on node 0 "
                   f"of {args.nodes} (world size {world_size}), rendezvous at {args.init_method}", flush=True)
-        self._error_dir = tempfile.TemporaryDirectory(prefix="distributed_mp-")
-        self.error_dir = self._error_dir.name  # where a worker leaves a bad-input line (worker_exit)
+        # Where a worker leaves its bad-input line (worker_exit): a pipe, not a folder, so
+        # that nothing is left on disk when this process is killed (SIGKILL runs no cleanup).
+        self.errors = mp.get_context("spawn").SimpleQueue()
         return self
 
     def watch(self, workers):
@@ -176,18 +176,15 @@ class Supervisor:
             while not workers.join(grace_period=10):
                 pass
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
-            exit_like(err, self.args, self.error_dir)
+            exit_like(err, self.args, self.errors)
 
     def __exit__(self, *exc_info):
-        try:
-            remove_rendezvous_file(self.args)
-        finally:
-            self._error_dir.cleanup()
+        remove_rendezvous_file(self.args)
 
 
 @contextlib.contextmanager
-def worker_exit(error_dir, local_rank):
-    """Around a worker's whole life: bad input (UsageError) is written to error_dir for the
+def worker_exit(errors, local_rank):
+    """Around a worker's whole life: bad input (UsageError) is put in `errors` for the
     parent's one line, exit status 2; a stop on a signal, checkpoint saved, is status 0;
     then cli.leave. Any other exception goes on to mp.spawn, which shows the parent its
     traceback."""
@@ -197,8 +194,7 @@ def worker_exit(error_dir, local_rank):
             yield
     except cli.UsageError as err:
         # Each rank meets the same bad input; the parent prints one line for all of them.
-        with open(os.path.join(error_dir, f"{local_rank:05d}"), "w") as f:
-            f.write(str(err))
+        errors.put((local_rank, str(err)))  # written before this process exits: the parent sees it
         code = 2
     except preemption.Preempted:
         code = 0  # stopped on a signal, checkpoint saved
@@ -225,14 +221,15 @@ def forward_stop_signals(workers):
         signal.signal(sig, forward)
 
 
-def exit_like(err, args, error_dir):
+def exit_like(err, args, errors):
     """End this process as its failed worker ended: bad input as one line and exit status 2,
     a bug with the worker's traceback (not ours), a signal or exit status as such."""
     rank = args.node_rank * args.nproc_per_node + err.error_index
-    names = sorted(os.listdir(error_dir))
-    if names:  # bad input that only the workers could see: the lowest local rank's line
-        with open(os.path.join(error_dir, names[0])) as f:
-            raise cli.UsageError(f.read()) from None
+    lines = []
+    while not errors.empty():
+        lines.append(errors.get())
+    if lines:  # bad input that only the workers could see: the lowest local rank's line
+        raise cli.UsageError(min(lines)[1]) from None
     if isinstance(err, mp.ProcessRaisedException):
         cli.print_line(f"{err}".strip() + f"\n(in global rank {rank})")  # what sys.exit(text) prints, in one write
         sys.exit(1)
