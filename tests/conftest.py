@@ -1,11 +1,14 @@
 """Shared test helpers: run the real scripts as subprocesses, bounded in time."""
+import atexit
 import contextlib
 import gc
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -13,6 +16,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+# The temporary files of every process a test starts go here, not straight into /tmp:
+# torchrun makes a log folder (torchelastic_*) for each run and never removes it, and a
+# process the test kills on purpose removes nothing. One folder for each pytest process
+# (each xdist worker), inside $TMPDIR when one is set, removed when that process ends, and
+# passed on in the environment. This process keeps the folder it had (pytest's tmp_path
+# lives there, kept for a look after a failure): tempfile reads TMPDIR once, here.
+tempfile.gettempdir()
+CHILD_TMPDIR = tempfile.mkdtemp(prefix="tests-")
+atexit.register(shutil.rmtree, CHILD_TMPDIR, ignore_errors=True)
+os.environ["TMPDIR"] = CHILD_TMPDIR
 
 # Small, fast settings every script accepts: the tiny ResNet on a slice of synthetic data.
 SMALL = ["--dataset", "synthetic", "--model", "resnet_tiny", "--train-samples", "256",
