@@ -329,6 +329,16 @@ def _stop_watching(joined, watcher):
     watcher.join(_WATCHER_RETURNS_S)
 
 
+_stopping = False
+
+
+def stop_under_way():
+    """Called once this process has a stop signal, its own or another rank's
+    (utils/preemption.py): watch_launcher sends it no other."""
+    global _stopping
+    _stopping = True
+
+
 def watch_launcher(grace_s: float = 30.0, poll_s: float = 1.0):
     """End this process when the process that started it (torchrun's agent, the
     mp.spawn parent) dies, instead of training on with nobody watching: first a SIGTERM
@@ -346,7 +356,13 @@ def watch_launcher(grace_s: float = 30.0, poll_s: float = 1.0):
     def watch():
         while os.getppid() == parent:
             time.sleep(poll_s)
-        os.kill(os.getpid(), signal.SIGTERM)
+        # Not when a stop is under way already: mp.spawn's workers get SIGINT from the kernel
+        # when their parent dies (PR_SET_PDEATHSIG, torch/multiprocessing/spawn.py), and once
+        # a stop has saved its checkpoint it gives the signals back to their default action.
+        # A SIGTERM from here then ended the process in the middle of its exit, before its
+        # exit handlers removed what it had in /tmp.
+        if not _stopping:
+            os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace_s)
         os.kill(os.getpid(), signal.SIGKILL)
 

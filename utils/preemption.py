@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .cli import loader_sigchld_off
-from .distributed import cpu_group, print0
+from .distributed import cpu_group, print0, stop_under_way
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
@@ -59,6 +59,7 @@ class StopSignal:
     def _handler(self, signum, frame):
         if self.received is None:
             self.received = signal.Signals(signum).name
+            stop_under_way()
 
     def should_stop(self, global_step: int, now: bool = False) -> bool:
         """True on every rank at the same step once any rank has received a signal.
@@ -74,6 +75,7 @@ class StopSignal:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)  # all ranks meet here
         if flag.item() and self.received is None:
             self.received = "a signal to another rank"
+            stop_under_way()
         return bool(flag.item())
 
     def announce(self, global_step: int, path):

@@ -12,11 +12,14 @@ script shows only what differs from distributed.py: mp.spawn and each process's 
 """
 import contextlib
 import errno
+import glob
 import os
 import random
+import secrets
 import signal
 import socket
 import sys
+import tempfile
 from urllib.parse import urlparse
 
 import torch.multiprocessing as mp
@@ -161,9 +164,13 @@ class Supervisor:
             world_size = args.nodes * args.nproc_per_node
             print(f"starting {args.nproc_per_node} process{'es' if args.nproc_per_node > 1 else ''} on node 0 "
                   f"of {args.nodes} (world size {world_size}), rendezvous at {args.init_method}", flush=True)
-        # Where a worker leaves its bad-input line (worker_exit): a pipe, not a folder, so
-        # that nothing is left on disk when this process is killed (SIGKILL runs no cleanup).
-        self.errors = mp.get_context("spawn").SimpleQueue()
+        # Where a worker leaves its bad-input line (worker_exit): ERRORS.LOCAL_RANK, a file
+        # the worker makes only when it has a line, removed here once read (mp.spawn passes a
+        # worker's traceback back the same way). Nothing is on disk otherwise, so a launcher
+        # killed outright (SIGKILL runs no cleanup) leaves nothing behind. Not a folder made
+        # here, which it would leave; nor a multiprocessing queue, whose semaphores the
+        # resource tracker then reports as leaked.
+        self.errors = os.path.join(tempfile.gettempdir(), f"distributed_mp-{os.getpid()}-{secrets.token_hex(6)}")
         return self
 
     def watch(self, workers):
@@ -179,13 +186,18 @@ class Supervisor:
             exit_like(err, self.args, self.errors)
 
     def __exit__(self, *exc_info):
-        remove_rendezvous_file(self.args)
+        try:
+            remove_rendezvous_file(self.args)
+        finally:
+            for path in error_files(self.errors):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
 
 
 @contextlib.contextmanager
 def worker_exit(errors, local_rank):
-    """Around a worker's whole life: bad input (UsageError) is put in `errors` for the
-    parent's one line, exit status 2; a stop on a signal, checkpoint saved, is status 0;
+    """Around a worker's whole life: bad input (UsageError) is written to a file of its own
+    next to `errors` (Supervisor) for the parent's one line, exit status 2; a stop on a signal, checkpoint saved, is status 0;
     then cli.leave. Any other exception goes on to mp.spawn, which shows the parent its
     traceback."""
     code = 0
@@ -194,7 +206,8 @@ def worker_exit(errors, local_rank):
             yield
     except cli.UsageError as err:
         # Each rank meets the same bad input; the parent prints one line for all of them.
-        errors.put((local_rank, str(err)))  # written before this process exits: the parent sees it
+        with open(f"{errors}.{local_rank:05d}", "x") as f:  # closed before this process exits
+            f.write(str(err))
         code = 2
     except preemption.Preempted:
         code = 0  # stopped on a signal, checkpoint saved
@@ -225,16 +238,20 @@ def exit_like(err, args, errors):
     """End this process as its failed worker ended: bad input as one line and exit status 2,
     a bug with the worker's traceback (not ours), a signal or exit status as such."""
     rank = args.node_rank * args.nproc_per_node + err.error_index
-    lines = []
-    while not errors.empty():
-        lines.append(errors.get())
-    if lines:  # bad input that only the workers could see: the lowest local rank's line
-        raise cli.UsageError(min(lines)[1]) from None
+    paths = error_files(errors)
+    if paths:  # bad input that only the workers could see: the lowest local rank's line
+        with open(paths[0]) as f:
+            raise cli.UsageError(f.read()) from None
     if isinstance(err, mp.ProcessRaisedException):
         cli.print_line(f"{err}".strip() + f"\n(in global rank {rank})")  # what sys.exit(text) prints, in one write
         sys.exit(1)
     cli.print_line(cli.error_line(f"{err.msg} (global rank {rank})"))
     sys.exit(err.exit_code if err.exit_code > 0 else 128 - err.exit_code)
+
+
+def error_files(errors):
+    """The bad-input lines the workers wrote (worker_exit), lowest local rank first."""
+    return sorted(glob.glob(glob.escape(errors) + ".[0-9]*"))
 
 
 def remove_rendezvous_file(args):
