@@ -28,6 +28,20 @@ CHILD_TMPDIR = tempfile.mkdtemp(prefix="tests-")
 atexit.register(shutil.rmtree, CHILD_TMPDIR, ignore_errors=True)
 os.environ["TMPDIR"] = CHILD_TMPDIR
 
+def private_tmpdir() -> Path:
+    """A TMPDIR for one run of its own, to see what the run leaves there. Short, and inside
+    CHILD_TMPDIR: a loader worker binds a socket in it (pymp-*/listener-*), and a socket's
+    path may not exceed 107 bytes, which tmp_path (/tmp/pytest-of-USER/pytest-N/popen-gwN/
+    TEST_NAME/) nearly takes up alone."""
+    return Path(tempfile.mkdtemp(prefix="t-", dir=CHILD_TMPDIR))
+
+
+def left_in(tmp: Path) -> list:
+    """What a run left in its TMPDIR, apart from PyTorch's compile cache (torchinductor_USER,
+    kept between runs on purpose)."""
+    return sorted(entry.name for entry in tmp.iterdir() if not entry.name.startswith("torchinductor_"))
+
+
 # Small, fast settings every script accepts: the tiny ResNet on a slice of synthetic data.
 SMALL = ["--dataset", "synthetic", "--model", "resnet_tiny", "--train-samples", "256",
          "--test-samples", "100", "--batch-size", "32", "--workers", "0", "--epochs", "1"]

@@ -13,7 +13,8 @@ import torch
 
 import distributed_mp
 from utils import spawn
-from conftest import ROOT, SMALL, fake_accelerator, free_port, read_metrics, run_script, subprocess_env
+from conftest import (ROOT, SMALL, fake_accelerator, free_port, left_in, private_tmpdir, read_metrics, run_script,
+                      subprocess_env)
 
 
 def _one_error_line(proc):
@@ -122,9 +123,11 @@ def test_port_in_use_is_one_line_and_exit_2(capsys, monkeypatch):
 
 def test_bad_input_seen_by_the_workers_is_one_line_and_exit_2(tmp_path):
     missing = tmp_path / "nothing.pt"
+    tmp = private_tmpdir()
     proc = run_script(["distributed_mp.py", *SMALL, "--nproc-per-node", "2", "--resume", missing],
-                      check=False, timeout=180)
+                      check=False, timeout=180, env=subprocess_env(TMPDIR=tmp))
     assert _one_error_line(proc) == f"distributed_mp.py: error: no checkpoint at {missing}"
+    assert left_in(tmp) == []  # the workers' lines, read, are removed (utils/spawn.py)
 
 
 def test_a_bug_in_a_worker_shows_its_traceback(tmp_path):
@@ -134,10 +137,13 @@ def test_a_bug_in_a_worker_shows_its_traceback(tmp_path):
     assert marker in source
     buggy = tmp_path / "buggy_mp.py"
     buggy.write_text(source.replace(marker, marker + "    raise RuntimeError('a bug in rank %d' % env.rank)\n"))
-    proc = run_script([buggy, *SMALL, "--nproc-per-node", "1"], check=False, timeout=180)
+    tmp = private_tmpdir()
+    proc = run_script([buggy, *SMALL, "--nproc-per-node", "1"], check=False, timeout=180,
+                      env=subprocess_env(TMPDIR=tmp))
     assert proc.returncode == 1
     assert "Traceback" in proc.stderr and "RuntimeError: a bug in rank 0" in proc.stderr
     assert "(in global rank 0)" in proc.stderr
+    assert left_in(tmp) == []  # nor the file mp.spawn passed the traceback in (pytorch-errorfile-*)
 
 
 def test_the_port_chosen_for_one_node_is_free_and_outside_the_ephemeral_range():

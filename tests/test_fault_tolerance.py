@@ -23,8 +23,8 @@ import uuid
 import pytest
 import torch
 
-from conftest import (ROOT, assert_one_line_error, assert_refused, assert_same_state, expect_ok, free_port,
-                      read_metrics, run_script, subprocess_env)
+from conftest import (ROOT, assert_one_line_error, assert_refused, assert_same_state, expect_ok, free_port, left_in,
+                      private_tmpdir, read_metrics, run_script, subprocess_env)
 from utils import checkpoint
 
 FAULTS = "tests/fault_injection.py"
@@ -528,19 +528,6 @@ def test_a_bus_error_is_told_after_the_loader_reaped_its_worker(tmp_path):
         signal.signal(signal.SIGCHLD, sigchld)
 
 
-def private_tmpdir(tmp_path):
-    """A TMPDIR of the run's own, to see what it leaves there."""
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    return tmp
-
-
-def left_in(tmp):
-    """What a run left in its TMPDIR, apart from PyTorch's compile cache (torchinductor_USER,
-    kept between runs on purpose)."""
-    return sorted(entry.name for entry in tmp.iterdir() if not entry.name.startswith("torchinductor_"))
-
-
 @pytest.mark.parametrize("sig", [
     pytest.param(signal.SIGINT, marks=pytest.mark.not_on_floor(
         "Ctrl-C to a process group with loader workers: test_ctrl_c_to_one_process_with_loader_workers; "
@@ -550,7 +537,7 @@ def left_in(tmp):
 def test_mp_spawn_stops_on_a_signal_to_its_process_group(request, tmp_path, sig):
     # distributed_mp.py in a terminal (Ctrl-C) or killed with `kill -- -PGID`: the parent,
     # the spawned workers and their loader workers share one process group.
-    tmp = private_tmpdir(tmp_path)
+    tmp = private_tmpdir()
     proc = Proc(["distributed_mp.py", *LONG_RUN, "--nproc-per-node", "2", "--checkpoint-dir", tmp_path],
                 TMPDIR=tmp)
     wait_for_file(tmp_path / "checkpoint.pt", proc)  # --checkpoint-every 2: training is under way
@@ -621,7 +608,7 @@ def test_workers_stop_when_torchrun_is_killed(tmp_path):
 
 
 def test_workers_stop_when_the_mp_spawn_parent_is_killed(tmp_path):
-    tmp = private_tmpdir(tmp_path)
+    tmp = private_tmpdir()
     proc = Proc(["distributed_mp.py", *LONG, "--nproc-per-node", "2", "--checkpoint-dir", tmp_path], TMPDIR=tmp)
     wait_for_file(tmp_path / "checkpoint.pt", proc)
     os.kill(proc.popen.pid, signal.SIGKILL)

@@ -566,16 +566,16 @@ class Loader(DataLoader):
     def _batches(self):
         if self.num_workers:
             end_loader_workers_at_exit()  # they ignore SIGTERM, which exit handlers would send
-            if self._start_method() == "fork":
-                # A worker hands its batches over through a socket it opens in multiprocessing's
-                # temporary folder (a "pymp-" folder, resource_sharer's listener). A forked
-                # worker uses the folder of the process it was forked from, if that one has
-                # made it already, and makes its own otherwise, which only its own exit removes.
-                # Workers still alive when a stopped run exits are SIGKILLed (above): each stop
-                # of a process whose folder did not exist yet (any started by mp.spawn) left
-                # one folder per worker in /tmp. Made here, before the fork, there is one,
-                # and this process's exit removes it (multiprocessing's exit handler).
-                multiprocessing.util.get_temp_dir()
+            # A worker hands its batches over through a socket it opens in multiprocessing's
+            # temporary folder (a "pymp-" folder, resource_sharer's listener). A worker uses
+            # the folder of the process that made it, if that one has made the folder
+            # already (it travels in the worker's Process object, forked or spawned), and
+            # makes its own otherwise, which only its own exit removes. Workers still alive
+            # when a stopped run exits are SIGKILLed (above): each stop of a process that had
+            # no folder yet (one that torchrun or mp.spawn starts) left one folder per worker
+            # in /tmp. Made here, before the workers, there is one, and this process's exit
+            # removes it (multiprocessing's exit handler).
+            multiprocessing.util.get_temp_dir()
         try:
             with stop_signals_blocked():
                 iterator = super().__iter__()

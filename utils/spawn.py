@@ -157,6 +157,7 @@ class Supervisor:
     def __init__(self, args):
         self.args = args
         self.errors = None
+        self.workers = None
 
     def __enter__(self):
         args = self.args
@@ -176,6 +177,7 @@ class Supervisor:
     def watch(self, workers):
         """Wait for the workers, passing stop signals on; end this process as the first of
         them that failed ended."""
+        self.workers = workers
         forward_stop_signals(workers)
         try:
             # When one fails, the others get 10 s to finish failing on their own (the same bad
@@ -189,7 +191,10 @@ class Supervisor:
         try:
             remove_rendezvous_file(self.args)
         finally:
-            for path in error_files(self.errors):
+            # mp.spawn's own files, one per worker, which a failed worker writes its traceback
+            # to and which PyTorch reads but never removes (torch/multiprocessing/spawn.py).
+            theirs = getattr(self.workers, "error_files", None) or []
+            for path in [*error_files(self.errors), *theirs]:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(path)
 
