@@ -28,6 +28,7 @@ CHILD_TMPDIR = tempfile.mkdtemp(prefix="tests-")
 atexit.register(shutil.rmtree, CHILD_TMPDIR, ignore_errors=True)
 os.environ["TMPDIR"] = CHILD_TMPDIR
 
+
 def private_tmpdir() -> Path:
     """A TMPDIR for one run of its own, to see what the run leaves there. Short, and inside
     CHILD_TMPDIR: a loader worker binds a socket in it (pymp-*/listener-*), and a socket's

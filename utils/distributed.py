@@ -343,8 +343,8 @@ def watch_launcher(grace_s: float = 30.0, poll_s: float = 1.0):
     """End this process when the process that started it (torchrun's agent, the
     mp.spawn parent) dies, instead of training on with nobody watching: first a SIGTERM
     to itself, which checkpoints at the next agreed step like any stop signal (none when
-    a stop is under way already), then SIGKILL if it is still running `grace_s` later (a peer that died with the launcher
-    never reaches the agreement).
+    a stop is under way already), then SIGKILL if it is still running `grace_s` later
+    (a peer that died with the launcher never reaches the agreement).
 
     A thread that polls the parent's pid works on Linux and macOS alike, and unlike
     prctl(PR_SET_PDEATHSIG) it does not fire when only the thread that forked us ends.

@@ -202,9 +202,9 @@ class Supervisor:
 @contextlib.contextmanager
 def worker_exit(errors, local_rank):
     """Around a worker's whole life: bad input (UsageError) is written to a file of its own
-    next to `errors` (Supervisor) for the parent's one line, exit status 2; a stop on a signal, checkpoint saved, is status 0;
-    then cli.leave. Any other exception goes on to mp.spawn, which shows the parent its
-    traceback."""
+    next to `errors` (Supervisor) for the parent's one line, exit status 2; a stop on a
+    signal, checkpoint saved, is status 0; then cli.leave. Any other exception goes on to
+    mp.spawn, which shows the parent its traceback."""
     code = 0
     try:
         with cli.imports_frozen():  # a spawned worker is a new interpreter, its imports done
