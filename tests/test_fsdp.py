@@ -15,7 +15,10 @@ exactly as much as FSDP against DDP does; so the clipped comparison stops before
 Anything really different (gradients summed rather than averaged, rank 1's batch-norm
 statistics in the checkpoint, a norm of the local shard only) is 1e-4 or more.
 """
+import enum
 import os
+import pathlib
+import pickle
 import shutil
 import signal
 
@@ -24,6 +27,7 @@ import torch
 
 from conftest import ROOT, SMALL, assert_refused, expect_ok, read_metrics, run_script, torchrun
 from utils import checkpoint
+from utils.cli import UsageError
 
 FAULTS = "tests/fault_injection.py"
 # One process: 8 steps of 32 images, no loader workers (bitwise against distributed.py).
@@ -283,6 +287,58 @@ def test_checkpoints_refuse_what_does_not_fit(run_in_process, one_process, tmp_p
     os.unlink(copy / "sharded-step8" / ".metadata")
     with pytest.raises(Exception, match="is missing"):
         checkpoint.load_full(str(copy / "checkpoint.pt"))
+
+
+class _EnumsByName(pickle.Pickler):
+    """Pickles an Enum member as early Python 3.11 releases do (Debian 12's 3.11.2 among them):
+    getattr(its class, its name). Later ones, and 3.10, pickle it by value."""
+
+    def reducer_override(self, obj):
+        return (getattr, (type(obj), obj.name)) if isinstance(obj, enum.Enum) else NotImplemented
+
+
+class _Getattr:
+    """Unpickles as getattr(PosixPath, "write_text"): a method that writes a file."""
+
+    def __reduce__(self):
+        return getattr, (pathlib.PosixPath, "write_text")
+
+    def __call__(self):
+        pass
+
+
+class _Write:
+    """Unpickles as PosixPath.write_text(path, "pwned")."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return _Getattr(), (pathlib.PosixPath(self.path), "pwned")
+
+
+def test_metadata_with_enums_by_name_is_read_and_no_other_getattr_is(one_process, tmp_path):
+    folder = one_process / "distributed_fsdp.py" / "sharded-step8"
+    with open(folder / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    by_name = tmp_path / "by-name"
+    shutil.copytree(folder, by_name)
+    with open(by_name / ".metadata", "wb") as f:
+        _EnumsByName(f).dump(metadata)
+    assert b"getattr" in (by_name / ".metadata").read_bytes()
+    # What such a Python wrote reads as what this one wrote, tensor for tensor.
+    reference, read = checkpoint.read_sharded(str(folder)), checkpoint.read_sharded(str(by_name))
+    assert read.keys() == reference.keys() and len(read) == 112, sorted(read)  # 74 model, 38 momentum
+    assert all(torch.equal(read[name], reference[name]) for name in read)
+    # getattr for anything but an enum member is refused, before it is called.
+    marker = tmp_path / "marker"
+    crafted = tmp_path / "crafted"
+    shutil.copytree(folder, crafted)
+    with open(crafted / ".metadata", "wb") as f:
+        pickle.dump(_Write(marker), f)
+    with pytest.raises(UsageError, match="asks getattr for 'write_text', which is not a member of an enum"):
+        checkpoint.read_sharded(str(crafted))
+    assert not marker.exists()
 
 
 def test_refuses_a_pytorch_without_fully_shard(monkeypatch, capsys):

@@ -6,6 +6,7 @@ number of optimizer steps already taken in it, the partial training sums of that
 epoch, and the RNG states. Only tensors and plain Python values go in, so
 `torch.load(path, weights_only=True)` can read it without running pickled code.
 """
+import enum
 import errno
 import fcntl
 import os
@@ -225,7 +226,19 @@ class _MetadataUnpickler(pickle.Unpickler):
         if (module, name) in self.ALLOWED or (module == "torch" and isinstance(
                 getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format))):
             return super().find_class(module, name)
+        if (module, name) == ("builtins", "getattr"):
+            # Early Python 3.11 releases (Debian 12's 3.11.2 among them) pickle an Enum member,
+            # here DCP's _MEM_FORMAT_ENCODING, as getattr(its class, its name); 3.11.7 pickles
+            # it by value again. The real getattr would hand out any attribute of an allowed
+            # class (a method of PosixPath that writes files): this stand-in gives enum members.
+            return _enum_member
         raise pickle.UnpicklingError(f"it names {module}.{name}, which DCP's metadata never holds")
+
+
+def _enum_member(cls, name):
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+        return cls.__members__[name]
+    raise pickle.UnpicklingError(f"it asks getattr for {name!r}, which is not a member of an enum")
 
 
 def check_sharded_folder(folder: str):
