@@ -30,11 +30,14 @@ $(VENV)/.installed: requirements.txt requirements-test.txt
 venv: $(VENV)/.installed
 
 # The same project on the oldest PyTorch the README lists (requirements-floor.txt pins it;
-# the constraint keeps requirements.txt's other packages as they are).
+# the constraint keeps requirements.txt's other packages as they are), made from FLOOR_PYTHON:
+# PYTHON unless told otherwise. CI gives it the system's own CPython where that is another
+# build than python3 (.ci/run), so that its two runs also cover two Python releases.
+FLOOR_PYTHON ?= $(PYTHON)
 FLOOR_VENV := .venv-floor
 FLOOR_PY := $(FLOOR_VENV)/bin/python
 $(FLOOR_VENV)/.installed: requirements.txt requirements-test.txt requirements-floor.txt
-	test -x $(FLOOR_PY) || $(PYTHON) -m venv $(FLOOR_VENV)
+	test -x $(FLOOR_PY) || $(FLOOR_PYTHON) -m venv $(FLOOR_VENV)
 	$(call pip_install,$(FLOOR_PY),--upgrade pip)
 	$(call pip_install,$(FLOOR_PY),--no-compile -r requirements-floor.txt -r requirements.txt -r requirements-test.txt)
 	$(call precompile,$(FLOOR_PY))
