@@ -32,7 +32,7 @@ venv: $(VENV)/.installed
 # The same project on the oldest PyTorch the README lists (requirements-floor.txt pins it;
 # the constraint keeps requirements.txt's other packages as they are), made from FLOOR_PYTHON:
 # PYTHON unless told otherwise. CI gives it the system's own CPython where that is another
-# build than python3 (.ci/run), so that its two runs also cover two Python releases.
+# build than python3 (.ci/run), so that its two runs also cover two Python builds.
 FLOOR_PYTHON ?= $(PYTHON)
 FLOOR_VENV := .venv-floor
 FLOOR_PY := $(FLOOR_VENV)/bin/python

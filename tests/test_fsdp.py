@@ -341,6 +341,39 @@ def test_metadata_with_enums_by_name_is_read_and_no_other_getattr_is(one_process
     assert not marker.exists()
 
 
+def _str(text: str) -> bytes:
+    return b"X" + len(text.encode()).to_bytes(4, "little") + text.encode()  # BINUNICODE
+
+
+def test_a_metadata_that_reads_one_way_when_checked_and_another_when_used_writes_nothing(one_process, tmp_path):
+    """A pickle that rewrites the enum's member table (BUILD on the class), so that getattr by
+    member (the checking unpickler) and the real getattr (a plain pickle.load) resolve the same
+    names to different things: PosixPath's write_text for the latter. It ends with the real
+    metadata, so that the check would pass it. The load must use what was checked. In a
+    process of its own: the pickle changes the enum class of the process that reads it."""
+    folder = one_process / "distributed_fsdp.py" / "sharded-step8"
+    crafted = tmp_path / "crafted"
+    shutil.copytree(folder, crafted)
+    marker = tmp_path / "marker"
+    enum_class = b"ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\n"
+    path_class = b"cpathlib\nPosixPath\n"
+    get = b"cbuiltins\ngetattr\n"
+    attack = (b"\x80\x02"
+              # _member_map_ = {}, X = PosixPath: then _member_map_ = {X: the class, write_text: PosixPath}
+              + enum_class + b"N}(" + _str("_member_map_") + b"}" + _str("X") + path_class + b"u\x86b0"
+              + enum_class + b"N}(" + _str("_member_map_") + b"}(" + _str("X") + enum_class
+              + _str("write_text") + path_class + b"uu\x86b0"
+              # getattr(getattr(the class, "X"), "write_text")(PosixPath(marker), "pwned")
+              + get + get + enum_class + _str("X") + b"\x86R" + _str("write_text") + b"\x86R"
+              + path_class + _str(str(marker)) + b"\x85R" + _str("pwned") + b"\x86R0")
+    (crafted / ".metadata").write_bytes(attack + (folder / ".metadata").read_bytes())
+    reference = one_process / "distributed.py" / "checkpoint.pt"
+    proc = run_script(["scripts/compare_models.py", reference, crafted], check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    assert "asks getattr for 'X', which is not a member of an enum" in proc.stderr, proc.stderr
+    assert not marker.exists()
+
+
 def test_refuses_a_pytorch_without_fully_shard(monkeypatch, capsys):
     import importlib
     script = importlib.import_module("distributed_fsdp")

@@ -220,7 +220,9 @@ class _MetadataUnpickler(pickle.Unpickler):
         "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
         "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
-        ("torch", "Size"), ("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath")}
+        ("torch", "Size"), ("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+        # Python 3.13 pickles the two as pathlib._local's (seen with 3.13.0)
+        ("pathlib._local", "PosixPath"), ("pathlib._local", "WindowsPath")}
 
     def find_class(self, module, name):
         if (module, name) in self.ALLOWED or (module == "torch" and isinstance(
@@ -236,9 +238,33 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def _enum_member(cls, name):
-    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
-        return cls.__members__[name]
+    # isinstance: what an enum's member table holds is checked too (a pickle can rewrite it).
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str):
+        member = cls.__members__.get(name)
+        if isinstance(member, cls):
+            return member
     raise pickle.UnpicklingError(f"it asks getattr for {name!r}, which is not a member of an enum")
+
+
+def _checked_reader(folder: str, metadata):
+    """DCP's FileSystemReader for `folder`, handed the metadata that check_sharded_folder read.
+    Its own read_metadata would unpickle the file again with pickle.load: a second read (of a
+    file that may have changed) by an unpickler that resolves names its own way (the real
+    getattr, where ours gives enum members only). What is checked must be what is used."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class CheckedReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            if kwargs.get("rank") is not None:  # a rank's own metadata file: these scripts write none
+                raise FileNotFoundError(f"no metadata of rank {kwargs['rank']} in {folder}")
+            # What FileSystemReader.read_metadata does after its pickle.load (PyTorch 2.11 to 2.14).
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return CheckedReader(folder)
 
 
 def check_sharded_folder(folder: str):
@@ -268,12 +294,12 @@ def load_sharded(model, optimizer, folder: str, param_groups: list):
     collective. UsageError if the folder does not fit the model."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    check_sharded_folder(folder)
+    metadata = check_sharded_folder(folder)
     # The current state is the template: DCP loads into its tensors (this rank's shards).
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state["state"]}
     try:
-        dcp.load(state, checkpoint_id=folder)
+        dcp.load(state, storage_reader=_checked_reader(folder, metadata))
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict={"state": state["optimizer"], "param_groups": param_groups})
     except (Exception, dcp.CheckpointException) as exc:  # a missing key or another shape: on every rank
@@ -291,7 +317,7 @@ def read_sharded(folder: str) -> dict:
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         try:
-            dcp.load(state, checkpoint_id=folder, no_dist=True)
+            dcp.load(state, storage_reader=_checked_reader(folder, metadata), no_dist=True)
         except (Exception, dcp.CheckpointException) as exc:  # a shard file cut short or missing (the
             # latter a BaseException: DCP's own failures would otherwise pass `except Exception`)
             first = (str(exc).strip().splitlines() or [""])[0][:200]
