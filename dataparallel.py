@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models import MODEL_NAMES, build_model
-from utils import cli, data, distributed as dist_utils, metrics, precision, schedule
+from utils import cli, data, distributed as dist_utils, lifecycle, metrics, precision, schedule
 from utils.run import TrainingRun
 
 # --- why DistributedDataParallel is faster --------------------------------------------
@@ -103,8 +103,10 @@ def train(args, env, per_process_batch, device_ids, amp_dtype):
         dp_model = forward_model
 
     # --- optimizer --------------------------------------------------------------------
+    # Linear scaling (Goyal et al., 2017): --lr is the rate for 128 samples a step, the recipe's batch.
+    lr = args.lr * args.batch_size / 128
     # fused on GPUs: one kernel updates every parameter instead of a few per tensor.
-    optimizer = torch.optim.SGD(model.parameters(), lr=schedule.scaled_lr(args), momentum=args.momentum,
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum,
                                 nesterov=args.nesterov, weight_decay=args.weight_decay,
                                 fused=True if env.device.type == "cuda" else None)
     scheduler = schedule.warmup_multistep(optimizer, args, steps_per_epoch)
@@ -197,4 +199,4 @@ def pick_gpus(requested, device="auto"):
 
 
 if __name__ == "__main__":
-    cli.run_main(main)
+    lifecycle.run_main(main)

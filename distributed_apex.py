@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from models import MODEL_NAMES, build_model
-from utils import cli, data, distributed as dist_utils, metrics, replicas, schedule
+from utils import cli, compat, data, distributed as dist_utils, lifecycle, metrics, replicas, schedule
 from utils.precision import AMP_DTYPES, autocast_dtype, default_amp
 from utils.device_data import DeviceEvalLoader, DeviceTrainLoader
 from utils.run import TrainingRun
@@ -72,7 +72,7 @@ def main(argv=None):
     # --- distributed setup ------------------------------------------------------------
     # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; init_process_group
     # reads them (env://). Under plain `python` none is set: one process, no process group.
-    env = dist_utils.setup_from_env(timeout_s=args.dist_timeout, device=args.device)
+    env = dist_utils.setup(plan.job, plan.device, timeout_s=args.dist_timeout)
     try:
         train(args, env, plan.per_device_batch, plan.precision)
     finally:
@@ -83,11 +83,11 @@ def check(args) -> cli.Plan:
     """Bad input that needs no process group to be seen, refused in one line (UsageError)
     before anything starts: a bad precision choice ends every rank at once. --check-args
     runs exactly this (scripts/slurm.sbatch, before srun)."""
-    world_size = dist_utils.world_size_from_env()
-    device = cli.device_of_this_rank(args)  # --device on this machine, one device per local rank
+    job = dist_utils.job_from_env(check_only=args.check_args)  # who this process is, as torchrun said
+    device = dist_utils.check_job(job, args.device, args.check_args)  # its device; several nodes: the network
     cli.check_flags(args, device.type)
     replicas.check_flags(args, device.type)  # --sync-bn
-    return cli.Plan(world_size, per_device_batch=cli.split_batch(args.batch_size, world_size),
+    return cli.Plan(job.world_size, read=job.read, job=job, device=device, per_device_batch=cli.split_batch(args.batch_size, job.world_size),
                     precision=choose_precision(args, device.type))
 
 
@@ -123,12 +123,14 @@ def train(args, env, per_device_batch, precision):
         model = replicas.convert_sync_bn(model, env)
 
     # --- optimizer --------------------------------------------------------------------
+    # Linear scaling (Goyal et al., 2017): --lr is the rate for 128 samples a step, the recipe's batch.
+    lr = args.lr * args.batch_size / 128
     # Fused: one kernel updates every parameter (apex's FusedSGD, or torch's on GPUs).
     if precision.fused_sgd is not None:
-        optimizer = precision.fused_sgd(model.parameters(), lr=schedule.scaled_lr(args), momentum=args.momentum,
+        optimizer = precision.fused_sgd(model.parameters(), lr=lr, momentum=args.momentum,
                                         nesterov=args.nesterov, weight_decay=args.weight_decay)
     else:
-        optimizer = torch.optim.SGD(model.parameters(), lr=schedule.scaled_lr(args), momentum=args.momentum,
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum,
                                     nesterov=args.nesterov, weight_decay=args.weight_decay,
                                     # Not on MPS: its fused kernel did not honour the scaler's grad_scale
                                     # and found_inf before a fix that came after PyTorch 2.11 (a step on
@@ -152,18 +154,18 @@ def train(args, env, per_device_batch, precision):
     # through (scale returns the loss, step calls optimizer.step), so one loop serves all.
     scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16 and apex_amp is None)
 
-    if env.world_size > 1:  # wrapped last, after apex.amp may have recast the model
+    if env.distributed:  # under a launcher, a group of one too; wrapped last, after apex.amp may have recast the model
         # DDP broadcasts rank 0's weights to every rank here, then all-reduces (averages)
         # gradients bucket by bucket while backward is still running.
         # gradient_as_bucket_view: .grad tensors are views into DDP's all-reduce buckets,
         # which saves a copy of every gradient and the memory for it.
         # buffers_synced_once: rank 0's batch-norm statistics go to every rank here, and are
         # not broadcast again before every forward (evaluation and checkpoints take rank 0's
-        # anyway); the flag for it was renamed in PyTorch 2.13, see utils/distributed.py.
+        # anyway); the flag for it was renamed in PyTorch 2.13, see utils/compat.py.
         ddp_model = DDP(model, device_ids=env.device_ids, gradient_as_bucket_view=True,
-                        **dist_utils.buffers_synced_once(model))
+                        **compat.buffers_synced_once(model))
     else:
-        ddp_model = model  # one process: no gradients to average, no DDP hooks to run
+        ddp_model = model  # plain python: one process, no group, no DDP hooks to run
     if args.compile:
         # Compiled around DDP: its optimizer splits the graph at bucket boundaries, so the
         # all-reduces still overlap backward. The first steps compile (excluded from timing).
@@ -302,4 +304,4 @@ def find_nvidia_apex():
 
 
 if __name__ == "__main__":
-    cli.run_main(main)
+    lifecycle.run_main(main)

@@ -41,7 +41,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from models import MODEL_NAMES, build_model
-from utils import cli, data, distributed as dist_utils, metrics, schedule
+from utils import cli, data, distributed as dist_utils, lifecycle, metrics, schedule
+from utils.sharded import ShardedState
 from utils.device_data import DeviceEvalLoader, DeviceTrainLoader
 from utils.run import TrainingRun
 
@@ -71,13 +72,13 @@ def main(argv=None):
     # --- distributed setup ------------------------------------------------------------
     # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; init_process_group
     # reads them (env://). Under plain `python` none is set: one process.
-    env = dist_utils.setup_from_env(timeout_s=args.dist_timeout, device=args.device)
+    env = dist_utils.setup(plan.job, plan.device, timeout_s=args.dist_timeout)
     if not env.distributed:
         # fully_shard needs a process group even for one process: a group of one, its store
         # in memory (no port). The model, its checkpoints and the code path stay those of N.
         dist.init_process_group(dist.get_default_backend_for_device(env.device), store=dist.HashStore(),
                                 rank=0, world_size=1, timeout=datetime.timedelta(seconds=args.dist_timeout))
-        cli.joined_a_group()
+        lifecycle.joined_a_group()
     try:
         train(args, env, plan.per_device_batch)
     finally:
@@ -94,10 +95,10 @@ def check(args) -> cli.Plan:
     # (InductorError: "Cannot convert expression to float", PyTorch 2.14).
     if args.compile:
         raise cli.UsageError("--compile is not supported by distributed_fsdp.py: leave it out")
-    world_size = dist_utils.world_size_from_env()
-    device = cli.device_of_this_rank(args)  # --device on this machine, one device per local rank
+    job = dist_utils.job_from_env(check_only=args.check_args)  # who this process is, as torchrun said
+    device = dist_utils.check_job(job, args.device, args.check_args)  # its device; several nodes: the network
     cli.check_flags(args, device.type)
-    return cli.Plan(world_size, per_device_batch=cli.split_batch(args.batch_size, world_size))
+    return cli.Plan(job.world_size, read=job.read, job=job, device=device, per_device_batch=cli.split_batch(args.batch_size, job.world_size))
 
 
 def even_eval_batches(loader, test_set, env):
@@ -115,10 +116,10 @@ class EvenBatches:
     """A class of its own, not one defined inside even_eval_batches. Every class is part
     of a reference cycle (through its __mro__ and its __dict__), so one made inside the
     function lived until the garbage collector ran, and its methods' closure held the
-    evaluation loader with it. Under cli.leave that collector never runs: the loader's
+    evaluation loader with it. Under lifecycle.leave that collector never runs: the loader's
     persistent workers were still alive at the exit (on an H200 with PyTorch 2.11, 15 of
     them kept it waiting past the 30 s the benchmark allows, in PyTorch's 5 s wait for
-    each; see preemption.end_loader_workers_before_pytorch_at_exit)."""
+    each; see utils/compat.py)."""
 
     def __init__(self, loader, test_set, longest: int):
         self.loader, self.test_set, self.longest = loader, test_set, longest
@@ -205,14 +206,17 @@ def train(args, env, per_device_batch):
     shard(model, env, args.reshard_after_forward, args.mp_policy)  # all ranks: fully_shard (shard() above)
 
     # --- optimizer --------------------------------------------------------------------
+    # Linear scaling (Goyal et al., 2017): --lr is the rate for 128 samples a step, the recipe's batch.
+    lr = args.lr * args.batch_size / 128
     # Built on the sharded parameters: each rank keeps momentum for its shard only.
     # Not fused=True as the DDP scripts do on GPUs: DTensor has no sharding rule for the fused
     # SGD kernel (NotImplementedError in step()). The default picks foreach for DTensors on GPUs.
-    optimizer = torch.optim.SGD(model.parameters(), lr=schedule.scaled_lr(args), momentum=args.momentum,
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum,
                                 nesterov=args.nesterov, weight_decay=args.weight_decay)
     scheduler = schedule.warmup_multistep(optimizer, args, steps_per_epoch)
     run = TrainingRun(args, env, model, optimizer, scheduler, steps_per_epoch=steps_per_epoch,
-                      strategy="fsdp2", sharded=True)  # all ranks meet here; resumes with --resume
+                      strategy="fsdp2",  # all ranks meet here; resumes with --resume
+                      state=ShardedState(model, optimizer))  # each rank's shards in a folder beside checkpoint.pt
 
     # --- training loop ----------------------------------------------------------------
     for epoch in run.epochs():
@@ -244,4 +248,4 @@ def train(args, env, per_device_batch):
 
 
 if __name__ == "__main__":
-    cli.run_main(main)
+    lifecycle.run_main(main)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from models import MODEL_NAMES, build_model
-from utils import cli, data, distributed as dist_utils, metrics, replicas, schedule
+from utils import cli, compat, data, distributed as dist_utils, lifecycle, metrics, replicas, schedule
 from utils.run import TrainingRun
 
 
@@ -45,7 +45,7 @@ def main(argv=None):
     # --- distributed setup ------------------------------------------------------------
     # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; init_process_group
     # reads them (env://). Under plain `python` none is set: one process, no process group.
-    env = dist_utils.setup_from_env(timeout_s=args.dist_timeout, device=args.device)
+    env = dist_utils.setup(plan.job, plan.device, timeout_s=args.dist_timeout)
     try:
         train(args, env, plan.micro_batch)
     finally:
@@ -55,12 +55,12 @@ def main(argv=None):
 def check(args) -> cli.Plan:
     """Bad input that needs no process group to be seen, refused in one line (UsageError)
     before anything starts. --check-args runs exactly this (scripts/slurm.sbatch, before srun)."""
-    world_size = dist_utils.world_size_from_env()
-    device = cli.device_of_this_rank(args)  # --device on this machine, one device per local rank
+    job = dist_utils.job_from_env(check_only=args.check_args)  # who this process is, as torchrun said
+    device = dist_utils.check_job(job, args.device, args.check_args)  # its device; several nodes: the network
     cli.check_flags(args, device.type)
     replicas.check_flags(args, device.type)  # --sync-bn
     # The global batch splits over the processes AND the micro-batches of each.
-    return cli.Plan(world_size, micro_batch=cli.split_batch(args.batch_size, world_size, args.accum_steps))
+    return cli.Plan(job.world_size, read=job.read, job=job, device=device, micro_batch=cli.split_batch(args.batch_size, job.world_size, args.accum_steps))
 
 
 def train(args, env, micro_batch):
@@ -81,24 +81,26 @@ def train(args, env, micro_batch):
     model = build_model(args.model, data.num_classes(train_set)).to(env.device)
     if args.sync_bn:  # batch statistics over the global batch instead of each GPU's slice
         model = replicas.convert_sync_bn(model, env)
-    if env.world_size > 1:
+    if env.distributed:  # under a launcher, a group of one too
         # DDP broadcasts rank 0's weights to every rank here, then all-reduces (averages)
         # gradients bucket by bucket while backward is still running.
         # gradient_as_bucket_view: .grad tensors are views into DDP's all-reduce buckets,
         # which saves a copy of every gradient and the memory for it.
         # buffers_synced_once: rank 0's batch-norm statistics go to every rank here, and are
         # not broadcast again before every forward (evaluation and checkpoints take rank 0's
-        # anyway); the flag for it was renamed in PyTorch 2.13, see utils/distributed.py.
+        # anyway); the flag for it was renamed in PyTorch 2.13, see utils/compat.py.
         ddp_model = DDP(model, device_ids=env.device_ids, gradient_as_bucket_view=True,
-                        **dist_utils.buffers_synced_once(model))
+                        **compat.buffers_synced_once(model))
         no_sync = ddp_model.no_sync
     else:
         ddp_model = model
-        no_sync = contextlib.nullcontext  # one process: there is no all-reduce to skip
+        no_sync = contextlib.nullcontext  # plain python, one process: there is no all-reduce to skip
 
     # --- optimizer --------------------------------------------------------------------
+    # Linear scaling (Goyal et al., 2017): --lr is the rate for 128 samples a step, the recipe's batch.
+    lr = args.lr * args.batch_size / 128
     # fused on accelerators: one kernel updates every parameter instead of a few per tensor.
-    optimizer = torch.optim.SGD(model.parameters(), lr=schedule.scaled_lr(args), momentum=args.momentum,
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum,
                                 nesterov=args.nesterov, weight_decay=args.weight_decay,
                                 fused=True if env.device.type != "cpu" else None)
     scheduler = schedule.warmup_multistep(optimizer, args, steps_per_epoch)
@@ -146,4 +148,4 @@ def train(args, env, micro_batch):
 
 
 if __name__ == "__main__":
-    cli.run_main(main)
+    lifecycle.run_main(main)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from models import MODEL_NAMES, build_model
-from utils import cli, data, distributed as dist_utils, metrics, replicas, schedule, spawn
+from utils import cli, compat, data, distributed as dist_utils, lifecycle, metrics, replicas, schedule, spawn
 from utils.device_data import DeviceEvalLoader, DeviceTrainLoader
 from utils.run import TrainingRun
 
@@ -58,7 +58,7 @@ def check(args) -> cli.Plan:
     if args.init_method is not None and (cli.given(args, "ip") or args.port is not None):
         raise cli.UsageError(f"--init-method {args.init_method} names the rendezvous itself: leave out "
                              "--ip and --port (they make tcp://IP:PORT when --init-method is not given)")
-    world_size = spawn.check_launch(args)  # the launch flags (utils/spawn.py); fills in their defaults
+    world_size = spawn.check_launch(args)  # the launch flags (utils/spawn.py); several nodes: the network
     device_type = dist_utils.device_type(args.device, distributed=True)
     cli.check_flags(args, device_type, launcher="itself")
     replicas.check_flags(args, device_type)  # --sync-bn
@@ -66,10 +66,11 @@ def check(args) -> cli.Plan:
 
 
 def worker(local_rank, args, world_size, per_device_batch, errors):
-    rank = args.node_rank * args.nproc_per_node + local_rank
+    job = dist_utils.Job(args.node_rank * args.nproc_per_node + local_rank, world_size, local_rank,
+                         args.nproc_per_node, args.init_method, launched=True)
     with spawn.worker_exit(errors, local_rank):  # exit status 2 for bad input, 0 after a stop signal
-        env = dist_utils.setup(rank, world_size, local_rank, args.nproc_per_node, args.init_method,
-                               timeout_s=args.dist_timeout, device=args.device)
+        device = dist_utils.pick_device(local_rank, args.nproc_per_node, args.device, distributed=True)
+        env = dist_utils.setup(job, device, timeout_s=args.dist_timeout)
         try:
             train(args, env, per_device_batch)
         finally:
@@ -97,28 +98,29 @@ def train(args, env, per_device_batch):
     model = build_model(args.model, data.num_classes(train_set)).to(env.device, memory_format=memory_format)
     if args.sync_bn:  # batch statistics over the global batch instead of each GPU's slice
         model = replicas.convert_sync_bn(model, env)
-    if env.world_size > 1:
+    if env.distributed:  # under a launcher, a group of one too: DDP's own cost is then measured
         # DDP broadcasts rank 0's weights to every rank here, then all-reduces (averages)
         # gradients bucket by bucket while backward is still running.
         # gradient_as_bucket_view: .grad tensors are views into DDP's all-reduce buckets,
         # which saves a copy of every gradient and the memory for it.
         # buffers_synced_once: rank 0's batch-norm statistics go to every rank here, and are
         # not broadcast again before every forward (evaluation and checkpoints take rank 0's
-        # anyway); the flag for it was renamed in PyTorch 2.13, see utils/distributed.py.
+        # anyway); the flag for it was renamed in PyTorch 2.13, see utils/compat.py.
         ddp_model = DDP(model, device_ids=env.device_ids, gradient_as_bucket_view=True,
-                        **dist_utils.buffers_synced_once(model))
+                        **compat.buffers_synced_once(model))
     else:
-        ddp_model = model  # one process: no gradients to average, no DDP hooks to run
+        ddp_model = model  # plain python: one process, no group, no DDP hooks to run
     if args.compile:
         # Compiled around DDP: its optimizer splits the graph at bucket boundaries, so the
         # all-reduces still overlap backward. The first steps compile (excluded from timing).
         ddp_model = torch.compile(ddp_model, mode=args.compile_mode)
 
     # --- optimizer --------------------------------------------------------------------
+    # Linear scaling (Goyal et al., 2017): --lr is the rate for 128 samples a step, the recipe's batch.
+    lr = args.lr * args.batch_size / 128
     # fused on accelerators: one kernel updates every parameter instead of a few per tensor.
-    optimizer = torch.optim.SGD(model.parameters(), lr=schedule.scaled_lr(args), momentum=args.momentum,
-                                nesterov=args.nesterov, weight_decay=args.weight_decay,
-                                fused=True if env.device.type != "cpu" else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum, nesterov=args.nesterov,
+                                weight_decay=args.weight_decay, fused=True if env.device.type != "cpu" else None)
     scheduler = schedule.warmup_multistep(optimizer, args, steps_per_epoch)
     run = TrainingRun(args, env, model, optimizer, scheduler, steps_per_epoch=steps_per_epoch,
                       strategy="ddp-spawn")  # all ranks meet here; resumes with --resume
@@ -154,4 +156,4 @@ def train(args, env, per_device_batch):
 
 
 if __name__ == "__main__":
-    cli.run_main(main)
+    lifecycle.run_main(main)

@@ -65,7 +65,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from models import MODEL_NAMES, build_model  # noqa: E402
-from utils import cli, data, precision  # noqa: E402
+from utils import cli, data, lifecycle, precision  # noqa: E402
 from utils.data import NUM_CLASSES  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))  # also when this file is imported from elsewhere (tests)
@@ -1289,4 +1289,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    cli.run_main(main)
+    lifecycle.run_main(main)

@@ -46,7 +46,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from utils.cli import leave, print_line  # noqa: E402  (the repository root, for `python scripts/collectives.py`)
+from utils.cli import print_line  # noqa: E402  (the repository root, for `python scripts/collectives.py`)
+from utils.lifecycle import leave  # noqa: E402
 from utils.spawn import free_port  # noqa: E402
 import torch.nn as nn
 

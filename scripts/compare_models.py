@@ -24,20 +24,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from utils import checkpoint  # noqa: E402
+from utils import checkpoint, sharded  # noqa: E402
 from utils.cli import Parser, UsageError, non_negative_float  # noqa: E402
 
 
 def read_state(path: str) -> dict:
     """The whole checkpoint, or {"model": state_dict} for a plain state_dict file."""
     if os.path.isdir(path):  # the shard folder alone: its model (the optimizer needs checkpoint.pt)
-        tensors = checkpoint.read_sharded(path)
+        tensors = sharded.read_sharded(path)
         return {"model": {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}}
     state = checkpoint.read_file(path, what="file")
     if not isinstance(state, dict):
         raise UsageError(f"{path} holds a {type(state).__name__}, not a checkpoint or a state_dict")
     if state.get("format") == checkpoint.FORMAT:
-        return checkpoint.load_full(path) if "sharded" in state else state
+        return sharded.load_full(path) if "sharded" in state else state
     if state and all(isinstance(v, torch.Tensor) for v in state.values()):
         return {"model": state}
     raise UsageError(f"{path} is neither a checkpoint of these scripts (format {checkpoint.FORMAT!r}) "

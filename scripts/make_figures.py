@@ -19,7 +19,7 @@ Figures and where their content comes from:
                       on 2 gloo CPU processes, with each bucket's all-reduce
     no_sync           a real trace: 4 micro-batches of gradient accumulation, with and
                       without no_sync(), on 2 gloo CPU processes
-    stop_resume       the stop-on-signal protocol of utils/preemption.py and the resume
+    stop_resume       the stop-on-signal protocol of utils/run.py and the resume
                       after it (a diagram; the check interval is read from the code)
     sharding          what each of 4 ranks holds under DDP and ZeRO-1/2/3, and the order of
                       all-gathers, compute and reduce-scatters in one step of distributed_fsdp.py
@@ -195,7 +195,7 @@ def draw_ring_allreduce(out: Path, n: int = 3):
 # --- stop on a signal, checkpoint, resume ----------------------------------------------------
 
 def draw_stop_resume(out: Path):
-    from utils.preemption import StopSignal
+    from utils.run import StopSignal
     check_every = inspect.signature(StopSignal).parameters["check_every"].default
     signal_step, stop_step, last_step = 3, check_every, 16  # the run of lesson 06
     plt = _pyplot()
@@ -247,7 +247,7 @@ def draw_stop_resume(out: Path):
     ax.set_xlim(-0.5, gap + last_step - stop_step + 0.2)
     ax.set_ylim(-0.3, 3.8)
     ax.axis("off")
-    ax.set_title("Stop on a signal, checkpoint, resume (utils/preemption.py, utils/run.py)", fontsize=10)
+    ax.set_title("Stop on a signal, checkpoint, resume (utils/run.py)", fontsize=10)
     return _save(fig, "stop_resume", out)
 
 

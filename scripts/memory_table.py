@@ -121,9 +121,7 @@ class WholeParamsPeak:
 
 def live_tensor_bytes() -> int:
     """Bytes of the distinct storages of every tensor still alive in this process (after a
-    garbage collection) and made since its work began (gc.get_objects does not list what
-    cli.imports_frozen froze: the imports, which hold no tensor): what one strategy leaves
-    behind shows here at the next one's start."""
+    garbage collection): what one strategy leaves behind shows here at the next one's start."""
     gc.collect()
     tensors = []
     for obj in gc.get_objects():
@@ -141,7 +139,7 @@ def measure_strategy(name: str, reshard, mp_policy, spec: dict, env) -> dict:
 
     import distributed_fsdp
     from models import build_model
-    from utils import distributed as dist_utils
+    from utils import compat, distributed as dist_utils
 
     use_cuda = env.device.type == "cuda"
     before = live_tensor_bytes()
@@ -151,10 +149,10 @@ def measure_strategy(name: str, reshard, mp_policy, spec: dict, env) -> dict:
     model = build_model(spec["model"], spec["num_classes"]).to(env.device)
     shapes = [tuple(p.shape) for p in model.parameters()]
     if reshard is None:
-        if env.world_size > 1:  # distributed.py wraps only when there is someone to all-reduce with
+        if env.distributed:  # as distributed.py wraps it: under a launcher, a group of one too
             model = DDP(model, device_ids=env.device_ids, gradient_as_bucket_view=True,
-                            **dist_utils.buffers_synced_once(model))
-        watched = model.module if env.world_size > 1 else model
+                        **compat.buffers_synced_once(model))
+        watched = model.module if env.distributed else model
     else:
         distributed_fsdp.shard(model, env, reshard_after_forward=reshard, mp_policy=mp_policy)
         watched = model
@@ -225,12 +223,13 @@ def worker(spec: dict):
     """One rank, under torchrun: every strategy in turn, rank 0 writes all ranks' figures."""
     import torch.distributed as dist
 
-    from utils import cli, distributed as dist_utils
-    env = dist_utils.setup_from_env(timeout_s=300, device=spec["device"])
+    from utils import distributed as dist_utils, lifecycle
+    job = dist_utils.job_from_env()
+    env = dist_utils.setup(job, dist_utils.check_job(job, spec["device"]), timeout_s=300)
     if not env.distributed:  # a group of one, as distributed_fsdp.py makes it under plain python
         dist.init_process_group(dist.get_default_backend_for_device(env.device), store=dist.HashStore(),
                                 rank=0, world_size=1)
-        cli.joined_a_group()
+        lifecycle.joined_a_group()
     try:
         if env.device.type == "cuda":
             warm_up_device(spec, env)
@@ -341,7 +340,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from utils import cli
-    # Through cli.leave once the group is gone: gloo's threads can abort an interpreter's
-    # normal teardown (see cli.leave), which would fail a measurement that completed.
-    cli.run_main(main)
+    from utils import lifecycle
+    # Through lifecycle.leave once the group is gone: gloo's threads can abort an interpreter's
+    # normal teardown (see lifecycle.leave), which would fail a measurement that completed.
+    lifecycle.run_main(main)

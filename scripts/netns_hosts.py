@@ -16,6 +16,10 @@ removed by `down` (and by the tests, however they end). Needs root and iproute2 
 
     --own-name loopback   each host's own name resolves to 127.0.1.1, as Debian and Ubuntu
                           installers write /etc/hosts (the other hosts' names resolve to them)
+    --own-name localhost  `127.0.0.1 localhost nodea`: the name after localhost, a common hand
+                          edit (socket.getfqdn() then answers "localhost")
+    --own-name fqdn       `127.0.0.1 nodea.cluster nodea`, as cloud-init's Red Hat template
+                          writes it with manage_etc_hosts (the others know nodea.cluster)
     --two-interfaces      eth0, the interface each host lists first and its own name resolves
                           to, reaches no other host; eth1 is the link between them
 
@@ -41,6 +45,7 @@ STATE_DIR = "/run/netns-hosts"  # slot<k>/owner: which process holds slot k (tes
 NETNS_ETC = "/etc/netns"
 SLOTS = 64                    # slot k: link 10.231.k.0/24, first interfaces 10.231.(64+k).0/24
 LOOPBACK_NAME_ADDRESS = "127.0.1.1"
+OWN_NAMES = ("routable", "loopback", "localhost", "fqdn")  # what each host's own name resolves to
 
 
 class HostsUnavailable(RuntimeError):
@@ -181,8 +186,9 @@ class Hosts:
     """
 
     def __init__(self, names=("nodea", "nodeb"), *, own_name="routable", two_interfaces=False, slot=None):
-        if own_name not in ("routable", "loopback"):
-            raise ValueError(f"own_name: 'routable' or 'loopback', not {own_name!r}")
+        # own_name: one form for every host, or {host: form} (the others' "routable")
+        if not set(own_name.values() if isinstance(own_name, dict) else [own_name]) <= set(OWN_NAMES):
+            raise ValueError(f"own_name: one of {', '.join(OWN_NAMES)} (or a host -> form dict), not {own_name!r}")
         self.names = tuple(names)
         self.own_name = own_name
         self.two_interfaces = two_interfaces
@@ -212,12 +218,25 @@ class Hosts:
         """The interface name, on every host, of the link between the hosts."""
         return "eth1" if self.two_interfaces else "eth0"
 
+    def form(self, name) -> str:
+        """How host `name`'s own name resolves there (OWN_NAMES)."""
+        return self.own_name.get(name, "routable") if isinstance(self.own_name, dict) else self.own_name
+
     def hosts_file(self, name) -> str:
-        lines = ["127.0.0.1\tlocalhost"]
+        form = self.form(name)
+        if form == "localhost":
+            lines = [f"127.0.0.1\tlocalhost {name}"]
+        elif form == "fqdn":  # cloud-init's hosts.redhat.tmpl: the host's line first
+            lines = [f"127.0.0.1\t{name}.cluster {name}", "127.0.0.1\tlocalhost localhost.localdomain"]
+        else:
+            lines = ["127.0.0.1\tlocalhost"]
         for other in self.names:
             if other != name:
-                lines.append(f"{self.address(other)}\t{other}")
-            elif self.own_name == "loopback":
+                fqdn = f"{other}.cluster " if self.form(other) == "fqdn" else ""
+                lines.append(f"{self.address(other)}\t{fqdn}{other}")
+            elif form in ("localhost", "fqdn"):
+                continue
+            elif form == "loopback":
                 lines.append(f"{LOOPBACK_NAME_ADDRESS}\t{name}")
             elif self.two_interfaces:
                 lines.append(f"{self.first_address(name)}\t{name}")
@@ -359,8 +378,10 @@ def main(argv=None):
     sub = parser.add_subparsers(dest="action", required=True)
     up = sub.add_parser("up", help="make the hosts")
     up.add_argument("names", nargs="*", default=["nodea", "nodeb"])
-    up.add_argument("--own-name", choices=["routable", "loopback"], default="routable",
-                    help="what each host's own name resolves to: its address on the link, or 127.0.1.1")
+    up.add_argument("--own-name", choices=OWN_NAMES, default="routable",
+                    help="what each host's own name resolves to: its address on the link, or a loopback "
+                         "address written as Debian (127.0.1.1), a hand edit (after localhost) or cloud-init "
+                         "(fqdn) writes it")
     up.add_argument("--two-interfaces", action="store_true",
                     help="eth0 (listed first, and the host's own name) reaches no other host; eth1 does")
     for action in ("shell", "cut", "restore"):

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 # `python scripts/plot_metrics.py` puts scripts/ on sys.path, not the repository root.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from utils import cli  # noqa: E402
+from utils import cli, lifecycle  # noqa: E402
 from utils.cli import UsageError  # noqa: E402
 
 # What makes two records parts of different runs, even in one file.
@@ -194,4 +194,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    cli.run_main(main)
+    lifecycle.run_main(main)

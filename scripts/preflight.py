@@ -53,7 +53,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from models import MODEL_NAMES, build_model  # noqa: E402
-from utils import cli, data, distributed as dist_utils  # noqa: E402
+from utils import cli, data, distributed as dist_utils, lifecycle  # noqa: E402
 from utils.cli import UsageError  # noqa: E402
 
 DEFAULT_SHM = "/dev/shm"
@@ -317,36 +317,73 @@ def endpoint_answers(host, port, seconds=3.0) -> str:
 
 
 def network_facts(role: Role, args, device) -> dict:
-    """This node as the others see it (utils/network.py): its name, the addresses gloo and
-    NCCL will use, the interface that reaches the rendezvous host, and what keeps it from a
-    multi-node job. The rendezvous host: --rdzv-endpoint under plain python; under torchrun
+    """This node as the others see it: its name, the address gloo will listen on, the
+    interface that reaches the rendezvous host, and utils/network.py's findings, the run's
+    own decision. The rendezvous host: --rdzv-endpoint under plain python; under torchrun
     MASTER_ADDR, when the job has several nodes."""
     from utils import network
     name = socket.gethostname()
     known = network.interfaces()
-    gloo = network.gloo_choice(known)
-    nccl, nccl_why = network.nccl_interface(known)
+    gloo_address, gloo_why = network.gloo_listens_on(known)
+    gloo_interface = next((i for i, a in known.items() if a == gloo_address), None)
     out = {"hostname": name, "resolves": network.resolve(name), "interfaces": known,
-           "gloo": {"address": gloo.address, "interface": gloo.interface, "why": gloo.why},
-           "nccl": {"interface": nccl, "why": nccl_why}, "peer": None, "findings": []}
-    peer, rdzv = None, None
+           "gloo": {"address": gloo_address, "interface": gloo_interface, "why": gloo_why},
+           "nccl": os.environ.get("NCCL_SOCKET_IFNAME"), "peer": None, "findings": []}
+    peer, findings = None, []
     if role.launcher == "python" and args.rdzv_endpoint is not None:
         peer, port = args.rdzv_endpoint
-        rdzv = peer
-        out["endpoint"] = {"host": peer, "port": port, "here": network.is_this_host(peer)}
+        out["endpoint"] = {"host": peer, "port": port, "here": is_this_host(peer)}
         if not out["endpoint"]["here"] and network.resolve(peer):
             out["endpoint"]["answers"] = endpoint_answers(peer, port)
+        findings += endpoint_findings(peer)
     elif role.launcher == "torchrun" and role.world_size > role.local_world_size:
         peer = os.environ.get("MASTER_ADDR")
     if peer is not None:
         out["peer"] = peer
         out["peer_addresses"] = network.resolve(peer)  # how this node resolves it (the others may differ)
-        out["peer_is_here"] = network.is_this_host(peer)
-        out["toward"] = list(network.interface_toward(peer, known))
-        backends = ("gloo",) if device.type == "cpu" else ("gloo", "nccl")
-        out["findings"] = [{"certain": f.certain, "what": f.what, "fix": f.fix}
-                           for f in network.multi_node_findings(peer, backends, endpoint=rdzv)]
+        out["peer_is_here"] = is_this_host(peer)
+        out["toward"] = list(network.route_toward(peer, known))
+        findings += network.findings(peer, uses_gloo=device.type == "cpu")  # accelerators: NCCL, no gloo
+    out["findings"] = [{"certain": f.certain, "what": f.what, "fix": f.fix} for f in findings]
     return out
+
+
+def is_this_host(host: str) -> bool:
+    """Whether `host` (a name or an address) is this host: an address of it is bindable here."""
+    from utils import network
+    return any(network.can_bind(address) for address in network.resolve(host))
+
+
+def endpoint_findings(endpoint: str) -> list:
+    """The trap of torchrun's c10d rendezvous, for a node given the job's --rdzv-endpoint: the
+    agent hosts the store where the endpoint is "localhost", a loopback address, this host's name
+    or an address that name resolves to (torch.distributed.elastic.rendezvous.utils.
+    _matches_machine_hostname, asked here); an address of this host that its name does not
+    resolve to is not recognised, and nobody hosts the store."""
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+    from utils import network
+    name = socket.gethostname()
+    try:
+        hosts = _matches_machine_hostname(endpoint)
+    except OSError:  # this host's own name does not resolve
+        hosts = False
+    here = is_this_host(endpoint)
+    if here and not hosts:
+        return [network.Finding(
+            True, f"this host is the rendezvous endpoint {endpoint}, but torchrun's c10d rendezvous will not host "
+                  f"its store here: it recognises itself by its name, and {name} resolves to "
+                  f"{', '.join(network.resolve(name)) or 'nothing'}; every node then waits for a store that "
+                  "nobody serves, and fails 2 to 3 minutes later with RendezvousConnectionError",
+            f"map {name} to {endpoint} in /etc/hosts; or add --rdzv-conf is_host=1 to torchrun on this node only "
+            "(scripts/torchrun_bounded.py, which the launchers use, does); or use the static rendezvous: "
+            f"--master-addr {endpoint} --master-port PORT --node-rank 0 here (1, 2... elsewhere)")]
+    if hosts and not here:
+        return [network.Finding(
+            True, f"the rendezvous endpoint {endpoint} means this host to torchrun on every node, so each node "
+                  "hosts a store of its own and waits alone",
+            "give every node the same endpoint: node 0's name or address as the other nodes reach it")]
+    return []
 
 
 def rank_facts(role: Role, args, device) -> dict:
@@ -681,12 +718,12 @@ class Report:
         nodes = [(node, f, nf["network"]) for node, f, nf in self.each_node() if nf.get("network")]
         if not nodes:
             return
-        print("\nnetwork (what gloo and NCCL will use; utils/network.py says how they choose)")
+        print("\nnetwork (utils/network.py: how gloo chooses, and what keeps the nodes apart)")
         for node, f, net in nodes:
             gloo, nccl = net["gloo"], net["nccl"]
             print(f"  node {node} ({net['hostname']}): its name resolves to {', '.join(net['resolves']) or 'nothing'}; "
-                  f"gloo listens on {gloo['address']} ({gloo['interface'] or '?'}: {gloo['why']}); "
-                  f"NCCL takes {nccl['interface'] or 'nothing'} ({nccl['why']})")
+                  f"gloo listens on {gloo['address']} ({gloo['interface'] or '?'}: {gloo['why']}); NCCL: "
+                  + (f"NCCL_SOCKET_IFNAME={nccl}" if nccl else "its own choice (NCCL_DEBUG=INFO prints it)"))
             if net.get("peer") and net.get("peer_is_here"):
                 print(f"  node {node}: {net['peer']}, where the nodes meet, is this node")
             elif net.get("peer"):
@@ -983,4 +1020,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    cli.run_main(main)
+    lifecycle.run_main(main)

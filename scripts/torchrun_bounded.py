@@ -1,34 +1,36 @@
-r"""torchrun for several nodes: the same arguments, with the two faults that stop most
-multi-node jobs avoided, and a bound on how long it outlives its training processes.
+r"""torchrun for several nodes: the same arguments, with the faults that stop most multi-node
+jobs avoided, and a bound on how long it outlives its training processes.
 
     python scripts/torchrun_bounded.py [torchrun's arguments]     # in place of `torchrun ...`
 
 It is torchrun itself (torch.distributed.run, in this process), plus, with a c10d rendezvous
-(--rdzv-backend=c10d --rdzv-endpoint=HOST:PORT), what this node decides before it starts
-(utils/network.py):
+(--rdzv-backend=c10d --rdzv-endpoint=HOST:PORT), what this node decides before it starts:
 
 - whether it hosts the rendezvous store: --rdzv-conf is_host=1 on the node that HOST names,
-  0 elsewhere. torchrun recognises itself only by its host name: where that name resolves
-  to 127.0.1.1 (the default of Debian's and Ubuntu's installers), no node would host the
-  store, and every node would fail two minutes later. An is_host given already is kept.
-- GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME, unless set: the interface that reaches HOST.
-  Otherwise gloo listens on the address that the host name resolves to (loopback, or another
-  network) and NCCL on the first interface that the system lists.
+  0 elsewhere. torchrun recognises itself only by its host name: where that name resolves to
+  127.0.1.1 (the default of Debian's and Ubuntu's installers), no node would host the store,
+  and every node would fail two minutes later. An is_host given already is kept.
+- --local_addr: this node's address toward HOST. Node 0's becomes every rank's MASTER_ADDR;
+  without it torchrun hands out node 0's own name as socket.getfqdn() gives it, which is
+  "localhost" where /etc/hosts lists the name after localhost on the 127.0.0.1 line.
+- GLOO_SOCKET_IFNAME, unless set: the interface of that address. Otherwise gloo listens on
+  the address that the host name resolves to (loopback, or another network). NCCL is left to
+  choose its own interfaces.
 
-and one watch: once this node's training processes have run, if none has been alive for
-TORCHRUN_GRACE seconds (default 90) while torchrun is still here, it says why in one line
-and ends torchrun (exit status 1). A finished job (the workers succeeded) is never cut short.
+then asks utils/network.py's decision, the one the training scripts make, and refuses in one
+line (exit status 2) what no setting here avoids. And one watch: once this node's training
+processes have run, if none has been alive for TORCHRUN_GRACE seconds (default 90) while
+torchrun is still here, it says why in one line and ends torchrun (exit status 1). A finished
+job (the workers succeeded) is never cut short.
 
 Why the watch: a torchrun agent whose rendezvous store is unreachable (a network partition,
 the store's node lost) can wait for it far longer than any timeout it is given. Its store
 client, after a wait times out, asks the store to cancel the wait and then reads the answer
 with no timeout (TCPStore::doWait, PyTorch 2.11 to 2.14), so the call returns only when the
-kernel gives up on the connection: about 15 minutes with Linux's default tcp_retries2.
-Measured on two hosts with a cut link: the workers ended --dist-timeout after the cut, the
-agent on the far side of the cut was still waiting minutes later. While it waits, it cannot
-restart its workers anyway. The grace covers a restart (torchrun --max-restarts, or an
-elastic job's new rendezvous after a node left: torchrun's last call, 30 s by default, and a
-lost node's heartbeats, 15 s).
+kernel gives up on the connection: about 15 minutes with Linux's default tcp_retries2. While
+it waits, it cannot restart its workers anyway. The grace covers a restart (torchrun
+--max-restarts, or an elastic job's new rendezvous after a node left: torchrun's last call,
+30 s by default, and a lost node's heartbeats, 15 s).
 
 scripts/launch_multi_node.sh and scripts/slurm.sbatch start torchrun through this file.
 """
@@ -48,29 +50,34 @@ _last_state = None  # what torchrun's agent last found its workers doing
 
 
 def node_settings(argv: list) -> tuple:
-    """(argv with is_host added, {variable: value} to set, what was decided) for this node."""
+    """(argv with is_host and --local_addr added, {variable: value} to set, what was decided)."""
     from torch.distributed.run import get_args_parser
     args = get_args_parser().parse_args(argv)
     if args.rdzv_backend != "c10d" or not args.rdzv_endpoint or args.standalone:
         return argv, {}, ""
     from utils import network
     host = args.rdzv_endpoint.rsplit(":", 1)[0].strip("[]") if ":" in args.rdzv_endpoint else args.rdzv_endpoint
-    if not network.resolve(host):
-        sys.exit(f"torchrun_bounded.py: error: the rendezvous host {host} does not resolve on this node: "
-                 "name it by its address, or add it to /etc/hosts")
-    decided = []
+    decided, env = [], {}
     if "is_host" not in (args.rdzv_conf or ""):
-        is_host = int(network.is_this_host(host))
+        is_host = int(any(network.can_bind(address) for address in network.resolve(host)))
         conf = f"{args.rdzv_conf},is_host={is_host}" if args.rdzv_conf else f"is_host={is_host}"
         argv = [f"--rdzv-conf={conf}", *[a for i, a in enumerate(argv) if not _is_rdzv_conf(argv, i)]]
         decided.append(f"is_host={is_host}")
-    interface, _ = network.interface_toward(host)
-    env = {}
-    # NCCL reads its variable as prefixes (eth1 would also take eth10): "=" asks for the name.
-    for variable, value in (("GLOO_SOCKET_IFNAME", interface), ("NCCL_SOCKET_IFNAME", f"={interface}")):
-        if interface and interface != "lo" and not os.environ.get(variable):
-            env[variable] = value
-            decided.append(f"{variable}={value}")
+    interface, address = network.route_toward(host)
+    if address and not args.local_addr:
+        argv = [f"--local_addr={address}", *argv]  # the spelling torchrun 2.11 knows too
+        decided.append(f"--local_addr={address}")
+    if interface and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        env["GLOO_SOCKET_IFNAME"] = interface
+        decided.append(f"GLOO_SOCKET_IFNAME={interface}")
+    os.environ.update(env)
+    # What is left is the run's own decision: the job meets at node 0's --local_addr, the
+    # endpoint's address as node 0 reaches itself (gloo's half: its backend on CPUs).
+    several = str(args.nnodes).split(":")[-1] != "1"
+    for finding in network.findings(host, uses_gloo=True, flag="the rendezvous endpoint") if several else ():
+        if finding.certain:
+            print_line(f"torchrun_bounded.py: error: {finding.line}")
+            sys.exit(2)
     return argv, env, " ".join(decided)
 
 
@@ -151,7 +158,6 @@ def _watch(pid: int):
 
 def main():
     argv, env, decided = node_settings(sys.argv[1:])
-    os.environ.update(env)
     if decided:
         import socket
         print_line(f"torchrun_bounded.py on {socket.gethostname()}: {decided}")

@@ -232,7 +232,7 @@ PYTHON_DEFAULT_WARNINGS = [("default", DeprecationWarning, "__main__"), ("ignore
 
 def script_runner(monkeypatch, capture):
     """run(script, argv, **env) -> (exit status, stdout, stderr): the script's main behind
-    cli.run_main, in this process, as `python SCRIPT ARGV` runs it with the launcher's
+    lifecycle.run_main, in this process, as `python SCRIPT ARGV` runs it with the launcher's
     variables of `env` only (none: plain python), on the CPU. A tenth of a second where a
     subprocess takes two (it imports torch again). `capture()`: a context manager that
     collects what the run prints and returns a function giving (stdout, stderr)."""
@@ -240,13 +240,14 @@ def script_runner(monkeypatch, capture):
     import signal
 
     import torch
-    from utils import checkpoint, cli
+    from utils import checkpoint, cli, lifecycle
     freeze_the_imports()
     keep_on_cpu(monkeypatch)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_RESTART_COUNT"):
         monkeypatch.delenv(key, raising=False)
-    monkeypatch.setattr(cli, "_joined_a_group", False)
+    monkeypatch.setattr(lifecycle, "_joined_a_group", False)
+    monkeypatch.setattr(lifecycle, "_job", None)
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
 
     def run(script, argv, **env):
@@ -264,11 +265,11 @@ def script_runner(monkeypatch, capture):
                 warnings.filterwarnings(action, category=category, module=module_name)
             warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: \
                 sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
-            # torchelastic's @record (cli.run_main) enables faulthandler on sys.stderr, which has
+            # torchelastic's @record (lifecycle.run_main) enables faulthandler on sys.stderr, which has
             # no file descriptor while the output is captured: it warns and goes on without.
             warnings.filterwarnings("ignore", message="Unable to enable fault handler")
             try:
-                cli.run_main(module.main, [str(a) for a in argv])
+                lifecycle.run_main(module.main, [str(a) for a in argv])
             except SystemExit as stop:
                 code = stop.code
             finally:

@@ -108,7 +108,7 @@ def _fire(kind: str, rank: int, step: int, run=None):
     elif kind == "pause":
         with open(f"{PAUSE['marker']}.{rank}", "w") as f:
             f.write(str(step))
-        # The run's signal handler only records a signal (utils/preemption.py): look for it
+        # The run's signal handler only records a signal (utils/run.py, StopSignal): look for it
         # between short sleeps, so that the pause ends soon after one; the run then stops at
         # its next stop check, as after any step.
         end = time.monotonic() + PAUSE["seconds"]

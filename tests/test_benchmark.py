@@ -386,7 +386,7 @@ import benchmark
 benchmark.ROWS = [dataclasses.replace(row, script="tests/fault_injection.py") if row.name == {row!r} else row
                   for row in benchmark.ROWS]
 sys.argv[0] = benchmark.__file__
-benchmark.cli.run_main(benchmark.main)
+benchmark.lifecycle.run_main(benchmark.main)
 """
 
 

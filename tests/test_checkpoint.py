@@ -128,7 +128,7 @@ def args_for(*argv):
 def make_run(args, model_name="resnet_tiny"):
     torch.manual_seed(0)
     model = build_model(model_name, 100)
-    optimizer = torch.optim.SGD(model.parameters(), lr=schedule.scaled_lr(args), momentum=args.momentum,
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * args.batch_size / 128, momentum=args.momentum,
                                 weight_decay=args.weight_decay)
     scheduler = schedule.warmup_multistep(optimizer, args, 8)
     run = TrainingRun(args, ONE_CPU_PROCESS, model, optimizer, scheduler, steps_per_epoch=8, strategy="test")

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import ROOT, subprocess_env
 from models import MODEL_NAMES
-from utils import cli
+from utils import cli, lifecycle
 
 
 def parse(argv):
@@ -182,7 +182,7 @@ def test_run_main_turns_usage_error_into_one_line_and_status_2(capsys, monkeypat
         cli.split_batch(100, 3)
 
     with pytest.raises(SystemExit) as excinfo:
-        cli.run_main(main, [])
+        lifecycle.run_main(main, [])
     line = assert_one_line_usage_error(excinfo, capsys, "error:", "batch size 100", "3 processes")
     assert line.split(": error: ")[1].startswith("batch size 100")
 
@@ -195,7 +195,7 @@ def test_run_main_prints_only_on_global_rank_0(capsys, monkeypatch):
         raise cli.UsageError("the same bad input on every rank")
 
     with pytest.raises(SystemExit) as excinfo:
-        cli.run_main(main, [])
+        lifecycle.run_main(main, [])
     assert excinfo.value.code == 2
     assert capsys.readouterr().err == ""
 
@@ -205,38 +205,18 @@ def test_run_main_returns_normally_on_success():
     import gc
     frozen = gc.get_freeze_count()
     seen = []
-    cli.run_main(seen.append, ["--x"])
+    lifecycle.run_main(seen.append, ["--x"])
     assert seen == [["--x"]]
     assert gc.get_freeze_count() == frozen  # a caller's process: its collector sees what it saw
 
 
-def test_imports_frozen_leaves_a_freeze_made_before_it_as_it_was():
-    # A test process freezes its own imports once (conftest.freeze_the_imports) and then runs
-    # scripts in-process: an mp.spawn worker's imports_frozen must not unfreeze them.
-    import gc
-    made_here = gc.get_freeze_count() == 0  # this process may have frozen its imports already
-    if made_here:
-        gc.freeze()
-    try:
-        frozen = gc.get_freeze_count()
-        assert frozen > 0
-        with cli.imports_frozen():
-            pass
-        with pytest.raises(RuntimeError), cli.imports_frozen():
-            raise RuntimeError("a failing worker")
-        assert gc.get_freeze_count() == frozen
-    finally:
-        if made_here:
-            gc.unfreeze()
-
-
 # A program that calls run_main as the scripts do. The witness's __del__ runs only in
 # the interpreter's teardown, so its line shows whether the process left through
-# cli.leave (os._exit, no teardown) or exited normally.
+# lifecycle.leave (os._exit, no teardown) or exited normally.
 RUN_MAIN_PROGRAM = """
 import sys
 sys.path.insert(0, {root!r})
-from utils import cli
+from utils import cli, lifecycle
 
 class Witness:
     def __del__(self):
@@ -246,16 +226,15 @@ witness = Witness()
 
 def main(argv):
     if "join" in sys.argv:
-        cli.joined_a_group()  # what utils.distributed.setup calls after init_process_group
-    import gc
-    print("main ran, frozen", gc.get_freeze_count(), flush=True)
+        lifecycle.joined_a_group()  # what utils.distributed.setup calls after init_process_group
+    print("main ran", flush=True)
     if "slow-exit" in sys.argv:  # a rank still on its way out, as under load
         import atexit, time
         atexit.register(time.sleep, 3)
     if "usage-error" in sys.argv:
         raise cli.UsageError("bad input")
 
-cli.run_main(main)
+lifecycle.run_main(main)
 """
 
 
@@ -278,8 +257,6 @@ def test_run_main_as_the_program_leaves_without_teardown_once_a_group_was_joined
                           timeout=120, env=env)
     assert proc.returncode == code, proc.stdout + proc.stderr
     assert "main ran" in proc.stdout, proc.stdout + proc.stderr
-    # What the program had imported is hidden from the collector (cli.imports_frozen).
-    assert int(proc.stdout.split("main ran, frozen ")[1].split()[0]) > 0, proc.stdout
     assert ("teardown ran" in proc.stdout) == teardown, proc.stdout + proc.stderr
     if code == 2:
         assert "error: bad input" in proc.stderr, proc.stderr
@@ -311,13 +288,13 @@ import sys
 sys.path.insert(0, {root!r})
 import torch
 from torch.utils.data import TensorDataset
-from utils import cli, data
+from utils import cli, data, lifecycle
 
 loader = data.Loader(TensorDataset(torch.arange(64.0)), batch_size=4, num_workers=2,
                      persistent_workers=True, worker_init_fn=data._worker_init)
 next(iter(loader))  # the workers run, and ignore SIGTERM like every loader worker of ours
 print("workers:", len(loader._iterator._workers), flush=True)
-cli.leave(0)  # with the loader (and so its workers) still alive
+lifecycle.leave(0)  # with the loader (and so its workers) still alive
 """
 
 
@@ -325,7 +302,7 @@ def test_leave_ends_loader_workers_that_are_still_alive(tmp_path):
     # An exception's traceback (a stop on a signal raised through a worker's `with`) or a
     # caller's reference can keep a loader with persistent workers alive at leave().
     # multiprocessing's exit handler ends such children with SIGTERM and joins them; ours
-    # ignore SIGTERM, so they must be ended otherwise (preemption.end_loader_workers_at_exit),
+    # ignore SIGTERM, so they must be ended otherwise (lifecycle.start_loader_workers),
     # or the process waits forever.
     program = tmp_path / "program.py"
     program.write_text(LEAVE_WITH_LOADER_WORKERS.format(root=os.path.dirname(os.path.dirname(__file__))))
@@ -339,19 +316,17 @@ BUS_ERROR = ("DataLoader worker (pid 4242) is killed by signal: Bus error. It is
 
 
 def test_a_bus_error_in_a_loader_worker_is_explained_in_one_line():
-    message = cli.bus_error_message(RuntimeError(BUS_ERROR))
+    message = lifecycle.bus_error_message(RuntimeError(BUS_ERROR))
     assert "\n" not in message and "bus error" in message and "--shm-size" in message and "/dev/shm" in message
-    assert cli.bus_error_message(RuntimeError("DataLoader worker (pid 1) is killed by signal: Killed.")) is None
-    assert cli.bus_error_message(RuntimeError("CUDA out of memory")) is None
+    assert lifecycle.bus_error_message(RuntimeError("DataLoader worker (pid 1) is killed by signal: Killed.")) is None
+    assert lifecycle.bus_error_message(RuntimeError("CUDA out of memory")) is None
 
 
 SPAWNED_WORKER_WITH_A_BUS_ERROR = """
 import sys
 sys.path.insert(0, {root!r})
 from utils import spawn
-import gc
 with spawn.worker_exit({error_dir!r}, 0):
-    print("frozen", gc.get_freeze_count(), flush=True)  # what it had imported: cli.imports_frozen
     raise RuntimeError({error!r})
 """
 
@@ -364,7 +339,6 @@ def test_a_spawned_worker_reports_a_bus_error_in_one_line_and_exits_1(tmp_path):
     assert proc.returncode == 1, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "error: a DataLoader worker died of a bus error" in lines[0], proc.stderr
-    assert int(proc.stdout.split("frozen ")[1].split()[0]) > 0, proc.stdout
 
 
 def test_resolved_config_is_plain_json(no_local_rank):
@@ -405,7 +379,7 @@ def test_the_error_line_is_what_torchrun_reads_as_the_root_cause(tmp_path, monke
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
     error_file = tmp_path / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
-    cli.record_for_torchrun("distributed.py: error: batch size 33 is not divisible by 2 processes")
+    lifecycle.record_for_torchrun("distributed.py: error: batch size 33 is not divisible by 2 processes")
     failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file))
     assert failure.message["extraInfo"]["py_callstack"] == \
         "distributed.py: error: batch size 33 is not divisible by 2 processes"
@@ -425,7 +399,7 @@ def test_every_rank_that_refuses_leaves_the_line_for_torchrun_and_only_rank_0_pr
         monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
         began = time.monotonic()
         with pytest.raises(SystemExit) as stop:
-            cli.run_main(lambda argv: (_ for _ in ()).throw(cli.UsageError("bad input")), [])
+            lifecycle.run_main(lambda argv: (_ for _ in ()).throw(cli.UsageError("bad input")), [])
         assert stop.value.code == 2
         took = time.monotonic() - began
         assert json.loads(error_file.read_text())["message"]["message"].endswith("error: bad input")

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from conftest import free_port
 from models import build_model
-from utils import data, metrics
+from utils import compat, data, metrics
 from utils import distributed as dist_utils
 from utils.distributed import DistEnv
 
@@ -38,7 +38,8 @@ def join_group(rank, world_size, port):
     # CPU tests: gloo even on a machine with GPUs (one GPU could not host two ranks).
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     torch.set_num_threads(1)
-    env = dist_utils.setup(rank, world_size, rank, world_size, f"tcp://127.0.0.1:{port}", timeout_s=120)
+    job = dist_utils.Job(rank, world_size, rank, world_size, f"tcp://127.0.0.1:{port}", launched=True)
+    env = dist_utils.setup(job, torch.device("cpu"), timeout_s=120)
     assert env.device.type == "cpu" and torch.distributed.get_backend() == "gloo"
     return env
 
@@ -176,7 +177,7 @@ def _buffers_worker(rank, world_size, port, out_dir):
                     buffer.add_(float(rank + 1))
         with warnings.catch_warnings():
             warnings.simplefilter("error", FutureWarning)  # the current flag, on every version
-            ddp_model = nn.parallel.DistributedDataParallel(model, **dist_utils.buffers_synced_once(model))
+            ddp_model = nn.parallel.DistributedDataParallel(model, **compat.buffers_synced_once(model))
         after_wrap = {k: v.clone() for k, v in model.named_buffers()}
         ddp_model.train()
         ddp_model(torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(rank)))

@@ -11,7 +11,7 @@ import distributed
 import distributed_apex
 import distributed_mp
 from conftest import SMALL, assert_refused, fake_accelerator
-from utils import cli, distributed as dist_utils, metrics
+from utils import cli, distributed as dist_utils, lifecycle, metrics
 
 
 @pytest.mark.parametrize("kind, count, local_rank, expected", [
@@ -70,9 +70,12 @@ def test_setup_binds_the_group_to_the_ranks_device(monkeypatch, kind, backend):
     fake_accelerator(monkeypatch, kind, 2)
     calls = []
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: calls.append((backend, kwargs)))
+    monkeypatch.setattr(dist, "rendezvous", lambda *args, **kwargs: iter([(dist.HashStore(), 1, 2)]))
     monkeypatch.setattr(dist_utils, "watch_launcher", lambda: None)
-    monkeypatch.setattr(cli, "_joined_a_group", False)  # put back afterwards: nothing joined here
-    env = dist_utils.setup(1, 2, 1, 2, "env://")
+    monkeypatch.setattr(lifecycle, "_joined_a_group", False)  # put back afterwards: nothing joined here
+    monkeypatch.setattr(lifecycle, "_job", None)
+    job = dist_utils.Job(1, 2, 1, 2, "tcp://127.0.0.1:1", launched=True)
+    env = dist_utils.setup(job, dist_utils.pick_device(1, 2, distributed=True))
     (used, kwargs), = calls
     assert used == backend == dist.get_default_backend_for_device(env.device)
     if kind is None:
@@ -95,7 +98,7 @@ def test_ddp_scripts_on_mps_refuse_several_processes_in_one_line(monkeypatch, ca
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: pytest.fail("joined a group"))
     monkeypatch.setattr(distributed_mp.mp, "spawn", lambda *a, **k: pytest.fail("started workers"))
     with pytest.raises(SystemExit) as exit_info:
-        cli.run_main(module.main, [*map(str, SMALL), "--nproc-per-node", "2"] if module is distributed_mp
+        lifecycle.run_main(module.main, [*map(str, SMALL), "--nproc-per-node", "2"] if module is distributed_mp
                      else list(map(str, SMALL)))
     assert exit_info.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
@@ -182,6 +185,6 @@ def test_without_virtual_local_rank_a_second_process_on_one_gpu_refuses_and_says
     def main(argv):
         dist_utils.pick_device(1, 2, distributed=True)
     with pytest.raises(SystemExit) as exited:
-        cli.run_main(main, argv=[])
+        lifecycle.run_main(main, argv=[])
     assert exited.value.code == 2
     assert "local rank 1 of 2 processes per node has no device" in capsys.readouterr().err

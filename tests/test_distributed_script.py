@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import SMALL, expect_ok, read_metrics, torchrun
-from utils import cli
+from utils import cli, lifecycle
 from utils import distributed as dist_utils
 
 # Every field README promises in each --metrics epoch record.
@@ -181,7 +181,7 @@ def test_bad_input_under_torchrun_is_the_first_line_and_the_root_cause():
 
 @pytest.fixture
 def in_process(monkeypatch, capsys):
-    """distributed.py's main behind cli.run_main, as `python distributed.py` would run it."""
+    """distributed.py's main behind lifecycle.run_main, as `python distributed.py` would run it."""
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setattr(sys, "argv", ["distributed.py"])
@@ -189,7 +189,7 @@ def in_process(monkeypatch, capsys):
 
     def run(argv):
         with pytest.raises(SystemExit) as excinfo:
-            cli.run_main(distributed.main, [str(a) for a in argv])
+            lifecycle.run_main(distributed.main, [str(a) for a in argv])
         captured = capsys.readouterr()
         assert excinfo.value.code == 2, captured.err
         lines = [line for line in captured.err.splitlines() if line.strip()]

@@ -25,7 +25,7 @@ import torch
 
 from conftest import (ROOT, assert_one_line_error, assert_refused, assert_same_state, expect_ok, free_port, left_in,
                       private_tmpdir, read_metrics, run_script, subprocess_env)
-from utils import checkpoint
+from utils import checkpoint, lifecycle
 
 FAULTS = "tests/fault_injection.py"
 STEPS = 16  # 512 images / 32 per step
@@ -251,51 +251,6 @@ def test_a_rank_that_raises_fails_the_job_quickly_and_is_reported_first(tmp_path
             assert first_error < output.index(symptom), output
 
 
-# --- two nodes on one machine ------------------------------------------------------------------
-
-def start_node(port, job, args, extra=()):
-    """One node's torchrun: same command on each, meeting through the c10d rendezvous.
-    On one machine both match 127.0.0.1; the first to bind hosts the store, the other
-    connects to it (torch's c10d backend falls back to client by itself)."""
-    return Proc(["-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
-                 "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job}",
-                 *extra, *args], **FRESH_STORE)
-
-
-def run_two_nodes(args, extra=(), timeout=420):
-    port, job = free_port(), uuid.uuid4().hex[:8]
-    nodes = [start_node(port, job, args, extra) for _ in range(2)]
-    try:
-        deadline = time.time() + timeout
-        for node in nodes:
-            node.wait(max(1, deadline - time.time()))
-        return nodes
-    finally:
-        for node in nodes:
-            node.kill()
-
-
-def test_two_nodes_train_together_and_survive_a_killed_worker(tmp_path):
-    metrics, ckpt_dir = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
-    # Two torchrun agents on one rendezvous, 2 workers each: one job of 4 ranks. Rank 3 dies
-    # once; only its node's torchrun counts a failure (restart 1), the other node restarts
-    # its healthy workers as part of the new rendezvous round. (Checked in one launch: the
-    # run that ends after the restart is the same 4-rank job as one that never failed.)
-    nodes = run_two_nodes([FAULTS, "--fault", "kill", "--rank", "3", "--step", "3",
-                           "--once-file", tmp_path / "fired", "--",
-                           "distributed.py", *TINY, "--max-steps", "8", "--metrics", metrics,
-                           "--checkpoint-dir", ckpt_dir], extra=["--max-restarts=1"])
-    outputs = "\n".join(expect(node) for node in nodes)
-    assert outputs.count("done: 8 steps") == 1, outputs  # global rank 0 alone, on whichever node
-    assert "fault_injection: kill on rank 3 at step 3" in outputs
-    assert "resuming from" in outputs and "2 steps in all" in outputs, outputs
-    # Every rank of the new round resumes: none refuses the checkpoint as if fresh.
-    assert "already holds a checkpoint" not in outputs and "exitcode: 2" not in outputs, outputs
-    final = read_metrics(metrics)[-1]
-    assert (final["event"], final["world_size"], final["step"], final["global_batch"]) == ("end", 4, 8, 32)
-    assert checkpoint.load(ckpt_dir / "checkpoint.pt")["global_step"] == 8
-
-
 # --- stop signals as clusters and terminals deliver them: loader workers on ---------------
 
 # After TINY: what users run, loader workers included. One per process, the default on a
@@ -445,18 +400,18 @@ def test_a_loader_worker_killed_by_a_bus_error_ends_the_run_with_one_line(tmp_pa
 CUT_SHORT = """
 import sys
 from torch.distributed.elastic.multiprocessing.errors import error_handler
-from utils import cli
+from utils import lifecycle
 
 def cut_short(self, e):
     open(self._get_error_file_path(), "w").close()
 
 def main(argv):
-    cli.joined_a_group()
+    lifecycle.joined_a_group()
     raise RuntimeError("DataLoader worker (pid 4242) is killed by signal: Bus error. ")
 
 error_handler.ErrorHandler.record_exception = cut_short
 sys.argv = ["distributed.py"]
-cli.run_main(main)
+lifecycle.run_main(main)
 """
 
 
@@ -507,7 +462,7 @@ def test_a_bus_error_is_told_after_the_loader_reaped_its_worker(tmp_path):
     iterator = iter(Loader(_SlowSamples(started), num_workers=1, timeout=1))
     sigchld = signal.getsignal(signal.SIGCHLD)  # after iter(): the loader's handler, set once per process
     try:
-        cli.loader_sigchld_off()
+        lifecycle.loader_sigchld_off()
         [worker] = iterator._workers
         deadline = time.monotonic() + 60
         while not started.exists():
@@ -521,7 +476,7 @@ def test_a_bus_error_is_told_after_the_loader_reaped_its_worker(tmp_path):
         with pytest.raises(RuntimeError, match="exited unexpectedly") as failed:
             next(iterator)
         assert worker not in multiprocessing.process._children and worker.exitcode == -signal.SIGBUS
-        message = cli.bus_error_message(failed.value)
+        message = lifecycle.bus_error_message(failed.value)
         assert message is not None and message.startswith("a DataLoader worker died of a bus error"), failed.value
     finally:
         del iterator
@@ -646,7 +601,7 @@ def test_a_group_of_one_agrees_on_a_stop_without_a_collective(monkeypatch):
     one process there is nobody to agree with, so should_stop() makes no collective and
     still sees the signal (here a gloo group, with every collective made to fail)."""
     import torch.distributed as dist
-    from utils.preemption import StopSignal
+    from utils.run import StopSignal
 
     def collective(*args, **kwargs):
         raise AssertionError("a collective in a group of one")
@@ -672,22 +627,22 @@ def test_a_rank_that_could_not_join_exits_once_its_store_watcher_is_back(monkeyp
     (seen once, tutorials/09-debugging.md's rank alone on its rendezvous). Here the
     watcher's store call takes a second, and the join fails while it is under way."""
     import threading
-    from utils import distributed
+    from utils import distributed, lifecycle
     in_call = threading.Event()
 
-    def slow_check(store, world_size):
-        in_call.set()
-        time.sleep(1.0)
-        return None
+    class SlowStore:
+        def check(self, keys):
+            in_call.set()
+            time.sleep(1.0)
+            return False
 
-    monkeypatch.setattr(distributed, "_store_client", lambda address, timeout_s: object())
-    monkeypatch.setattr(distributed, "_refusal_of_a_peer", slow_check)
+    monkeypatch.setattr(lifecycle, "store_client", lambda *args, **kwargs: SlowStore())
+    job = distributed.Job(0, 2, 0, 1, "tcp://127.0.0.1:1", launched=True)
     before = set(threading.enumerate())
     with pytest.raises(SystemExit) as exited:
-        with distributed.bounded_join(0, 60.0, "127.0.0.1", multi_node=True, backend="gloo",
-                                      store_address=("127.0.0.1", 1), world_size=2):
+        with distributed.joining(job, 60.0, "gloo"):
             assert in_call.wait(30), "the watcher never asked the store"
             raise RuntimeError("Timed out after 6 seconds waiting for clients. 1/2 clients joined.")
     assert exited.value.code == 1
-    assert not [t for t in set(threading.enumerate()) - before if t.name == "bounded-join"]
+    assert not [t for t in set(threading.enumerate()) - before if t.name == "joining"]
     assert "rank 0 could not join the gloo process group" in capsys.readouterr().err

@@ -38,7 +38,7 @@ import pytest
 import torch
 
 from conftest import ROOT, free_port, freeze_the_imports, keep_on_cpu, read_metrics, torchrun
-from utils import checkpoint, cli, data, preemption
+from utils import checkpoint, cli, data, lifecycle, sharded
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 
@@ -225,11 +225,11 @@ SCRIPT_FLAGS = {
             Refused([FLAG, "3"], "batch size 8 is not divisible by 3 processes"),
             Elsewhere("tests/test_distributed_mp.py::test_two_processes_on_one_node_through_a_shared_file")],
         ("--nodes",): [Works([FLAG, "1"], lambda r: "of 1 (world size 1)" in r.stdout),
-                       Refused([FLAG, "2"], "needs --port"),
-                       Elsewhere("tests/test_distributed_mp.py::test_two_nodes_on_localhost")],
+                       Refused([FLAG, "2"], "needs --ip"),
+                       Elsewhere("tests/test_hosts.py::test_mp_spawn_across_hosts_by_tcp_and_by_a_shared_file")],
         ("--node-rank", "--node_rank"): [Works([FLAG, "0"], lambda r: "on node 0 of 1" in r.stdout),
                                          Refused([FLAG, "1"], "node ranks go from 0 to 0"),
-                                         Elsewhere("tests/test_distributed_mp.py::test_two_nodes_on_localhost")],
+                                         Elsewhere("tests/test_hosts.py::test_mp_spawn_across_hosts_by_tcp_and_by_a_shared_file")],
         ("--ip",): [Works([FLAG, "127.0.0.1"], lambda r: "rendezvous at tcp://127.0.0.1:" in r.stdout),
                     Refused([FLAG, "192.0.2.1"], "is not an address of this machine")],
         ("--port",): [Works([FLAG, "{port}"], lambda r: f"rendezvous at tcp://127.0.0.1:{r.port}" in r.stdout),
@@ -390,7 +390,7 @@ class Result:
         return self._baseline()
 
     def state(self):
-        return checkpoint.load_full(str(self.tmp / "ck" / "checkpoint.pt"))
+        return sharded.load_full(str(self.tmp / "ck" / "checkpoint.pt"))
 
 
 class InlineSpawn:
@@ -403,7 +403,7 @@ class InlineSpawn:
             try:
                 fn(index, *args)
                 self.codes.append(0)
-            except SystemExit as stop:  # worker_exit ends each worker through cli.leave
+            except SystemExit as stop:  # worker_exit ends each worker through lifecycle.leave
                 self.codes.append(stop.code)
 
     def join(self, grace_period=None):
@@ -425,7 +425,7 @@ class TTY(io.StringIO):
 
 @pytest.fixture
 def run_script_here(monkeypatch, capsys, tmp_path, cifar):
-    """run(script, argv) -> (Result, exit status): the script's main behind cli.run_main, as
+    """run(script, argv) -> (Result, exit status): the script's main behind lifecycle.run_main, as
     `python SCRIPT` runs it, in this process, with spies on what the flags should change."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -437,8 +437,9 @@ def run_script_here(monkeypatch, capsys, tmp_path, cifar):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_RESTART_COUNT"):
         monkeypatch.delenv(key, raising=False)
-    monkeypatch.setattr(cli, "_joined_a_group", False)
-    monkeypatch.setattr(cli, "leave", lambda code=0, message=None: sys.exit(code))  # a spawned worker's exit
+    monkeypatch.setattr(lifecycle, "_joined_a_group", False)
+    monkeypatch.setattr(lifecycle, "_job", None)
+    monkeypatch.setattr(lifecycle, "leave", lambda code=0, message=None: sys.exit(code))  # a spawned worker's exit
     monkeypatch.setattr(dist_utils, "watch_launcher", lambda *a, **k: None)  # nobody to watch in here
     monkeypatch.setattr(spawn, "forward_stop_signals", lambda workers: None)
     monkeypatch.setattr(distributed_mp.mp, "spawn", InlineSpawn)
@@ -522,7 +523,7 @@ def run_script_here(monkeypatch, capsys, tmp_path, cifar):
             gc.collect()
         if first:
             reset_spies()
-            cli.run_main(module.main, substitute([*base, *first], tmp))
+            lifecycle.run_main(module.main, substitute([*base, *first], tmp))
             (tmp / "metrics.jsonl").unlink()
         reset_spies()
         capsys.readouterr()
@@ -531,7 +532,7 @@ def run_script_here(monkeypatch, capsys, tmp_path, cifar):
             sys.stderr = terminal
         code = 0
         try:
-            cli.run_main(module.main, substitute([*base, *argv], tmp))
+            lifecycle.run_main(module.main, substitute([*base, *argv], tmp))
         except SystemExit as stop:
             code = stop.code
         finally:
@@ -539,12 +540,12 @@ def run_script_here(monkeypatch, capsys, tmp_path, cifar):
             for sig, handler in saved_handlers.items():
                 signal.signal(sig, handler)
         if "--workers" in argv:
-            # The run's loader workers end as they do when a script's process exits (cli.leave's
+            # The run's loader workers end as they do when a script's process exits (lifecycle.leave's
             # exit handler kills them): left to the loaders' own shutdown here, each forked from
             # a process with a live gloo group waits out its 5 s join (measured).
             import multiprocessing
             sigchld = signal.getsignal(signal.SIGCHLD)
-            preemption._end_loader_workers()  # SIGCHLD at its default: no loader reports the kill
+            lifecycle._kill_loader_workers()  # SIGCHLD at its default: no loader reports the kill
             for child in multiprocessing.active_children():
                 child.join(timeout=10)
             gc.collect()  # the loaders themselves
@@ -623,5 +624,5 @@ def test_fsdp_bf16_channels_last_resumed_at_another_world_size(run_script_here, 
     assert "resumed from" in result.stdout and "3 steps in all" in result.stdout, result.stdout
     assert result.last["step"] == 4 and result.last["world_size"] == 1 and result.last["grad_norm"] > 0
     assert result.dtypes == {torch.bfloat16} and result.layouts == {torch.channels_last}
-    resumed = checkpoint.load_full(str(tmp_path / "ck" / "checkpoint.pt"))
+    resumed = sharded.load_full(str(tmp_path / "ck" / "checkpoint.pt"))
     assert resumed["world_size"] == 1 and resumed["model"]["conv1.weight"].dtype == torch.float32

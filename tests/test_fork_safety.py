@@ -1,4 +1,5 @@
-"""Loader workers are forked before the run's first collective.
+"""Loader workers are forked before the run's first collective, with our CIFAR reader too (its
+agreements on the data go through the job's store, not the process group).
 
 After a collective returns, a thread of the process group may still hold the tensor it
 carried; when it lets go, PyTorch takes the GIL from that thread (c10/util/intrusive_ptr.h:
@@ -7,16 +8,11 @@ and the thread gets a Python thread state for it. A fork at that instant, on Pyt
 3.11.10 (CPython gh-112275), gives a child that waits forever on the interpreter's
 thread-state lock in PyOS_AfterFork_Child: seen here as a loader worker that never started
 and a rank waiting for its batch while its peers timed out in the next collective."""
-import sys
-import threading
-import time
-import weakref
-
+import numpy as np
 import pytest
-import torch
-import torch.distributed as dist
 
 from conftest import ROOT, run_script
+from test_data import write_cifar100
 
 # Counts every collective of this process and, before each fork, how many had run; prints
 # both at exit. A module, so that a rank that mp.spawn starts (a new interpreter) can import it.
@@ -64,8 +60,9 @@ RUN = ["--dataset", "synthetic", "--model", "resnet_tiny", "--train-samples", "2
        "--batch-size", "32", "--epochs", "1", "--workers", "2"]
 
 
-@pytest.mark.parametrize("launch", ["torchrun", "mp.spawn"])
-def test_every_loader_worker_is_forked_before_the_first_collective(tmp_path, launch):
+@pytest.mark.parametrize("launch, dataset", [("torchrun", "synthetic"), ("mp.spawn", "synthetic"),
+                                             ("torchrun", "cifar100")])
+def test_every_loader_worker_is_forked_before_the_first_collective(tmp_path, launch, dataset):
     runner = tmp_path / "counting_runner.py"
     runner.write_text(COUNTING_RUNNER)
     (tmp_path / "counting.py").write_text(COUNTING)
@@ -73,40 +70,18 @@ def test_every_loader_worker_is_forked_before_the_first_collective(tmp_path, lau
         args = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", runner, ROOT / "distributed.py"]
     else:  # the ranks' own start method is "spawn"; their loaders fork all the same (utils/data.py)
         args = [runner, ROOT / "distributed_mp.py", "--nproc-per-node", "2"]
-    proc = run_script([*args, *RUN, "--checkpoint-dir", tmp_path / "ckpt"], timeout=240)
+    run = list(RUN)
+    if dataset == "cifar100":  # the real reader, on files in the real format, written here
+        rng = np.random.default_rng(0)
+        write_cifar100(tmp_path / "data", rng.integers(0, 256, (256, 3, 32, 32)), rng.integers(0, 100, 256),
+                       rng.integers(0, 256, (64, 3, 32, 32)), rng.integers(0, 100, 64))
+        run[run.index("synthetic")] = "cifar100"
+        run += ["--data-dir", tmp_path / "data"]
+    proc = run_script([*args, *run, "--checkpoint-dir", tmp_path / "ckpt"], timeout=240)
     lines = [line for line in proc.stdout.splitlines() if "collectives before each fork" in line]
     assert len(lines) == 2, proc.stdout + proc.stderr
     for line in lines:
         # Two loaders (training, evaluation), two workers each; the run made collectives
-        # (DDP's broadcast, the agreements, the evaluation), none before a fork.
+        # (DDP's broadcast, the evaluation), none before a fork.
         assert "collectives before each fork: [0, 0, 0, 0]" in line, line
         assert int(line.split(": ")[1].split()[0]) > 0, line
-
-
-def test_all_ranks_ok_returns_once_the_backend_let_go_of_its_tensor(monkeypatch):
-    from utils.distributed import all_ranks_ok
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        # The hazard is a race: on the 2-core build machine, quiet, a bare all_reduce returned
-        # with the backend still holding its tensor after 5% of calls with 2.14 and 19% with
-        # 2.11; under a loaded CPU, not once in 20,000 calls (the backend's thread let go before
-        # the caller ran again). So the test does not wait for the backend to show it: a thread
-        # of its own holds the tensor, which all_ranks_ok must wait for just the same.
-        # all_ranks_ok must not return while another thread still holds its tensor: here a
-        # thread that lets go 50 ms after the all_reduce (the backend's thread lets go sooner).
-        flags = []
-        all_reduce = dist.all_reduce
-
-        def held_a_while(tensor, *args, **kwargs):
-            result = all_reduce(tensor, *args, **kwargs)
-            flags.append(weakref.ref(tensor))
-            holder = threading.Thread(target=lambda kept=tensor: time.sleep(0.05), daemon=True)
-            holder.start()
-            return result
-
-        monkeypatch.setattr(dist, "all_reduce", held_a_while)
-        for _ in range(10):
-            assert all_ranks_ok(True, torch.device("cpu"))
-            assert flags.pop()() is None  # nobody holds all_ranks_ok's tensor once it returned
-    finally:
-        dist.destroy_process_group()

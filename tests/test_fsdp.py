@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from conftest import ROOT, SMALL, assert_refused, expect_ok, read_metrics, run_script, torchrun
-from utils import checkpoint
+from utils import checkpoint, sharded
 from utils.cli import UsageError
 
 FAULTS = "tests/fault_injection.py"
@@ -60,7 +60,7 @@ def max_difference(a: dict, b: dict) -> float:
 def training_state(path) -> dict:
     """What a resumed run must have reproduced: whole weights and buffers, optimizer,
     scheduler, the epoch's training sums (plain or sharded checkpoints alike)."""
-    state = checkpoint.load_full(str(path))
+    state = sharded.load_full(str(path))
     return {"model": state["model"], "optimizer": state["optimizer"], "scheduler": state["scheduler"],
             "step": state["global_step"], "sums": torch.tensor(state["train_sums"])}
 
@@ -104,7 +104,7 @@ def test_two_processes_match_ddp(two_processes):
     # DDP's checkpoint (rank 1's differ from them by 1e-3 and more); momentum per parameter.
     assert max_difference(fsdp, ddp) <= TOLERANCE
     # Not vacuous: training moved the weights far more than the tolerance.
-    initial = checkpoint.load_full(str(two_processes / "distributed_fsdp.py" / "checkpoint.pt"))
+    initial = sharded.load_full(str(two_processes / "distributed_fsdp.py" / "checkpoint.pt"))
     assert initial["optimizer"]["state"] and fsdp["model"]["fc.weight"].abs().sum() > 0
 
 
@@ -128,8 +128,8 @@ def test_bf16_and_zero2_train(run_in_process, tmp_path):
         code, out, err = run_in_process("distributed_fsdp.py", [*SMALL, "--max-steps", "2", *flags,
                                                                 "--checkpoint-dir", tmp_path / directory])
         assert code in (0, None), err
-    bf16 = checkpoint.load_full(str(tmp_path / "bf16" / "checkpoint.pt"))["model"]
-    fp32 = checkpoint.load_full(str(tmp_path / "fp32" / "checkpoint.pt"))["model"]
+    bf16 = sharded.load_full(str(tmp_path / "bf16" / "checkpoint.pt"))["model"]
+    fp32 = sharded.load_full(str(tmp_path / "fp32" / "checkpoint.pt"))["model"]
     assert bf16["fc.weight"].dtype == torch.float32
     # The same training, rounded differently: close, but not the same numbers.
     assert 1e-6 < max_difference(bf16, fp32) < 0.1
@@ -286,7 +286,7 @@ def test_checkpoints_refuse_what_does_not_fit(run_in_process, one_process, tmp_p
     shutil.copytree(fsdp_checkpoint.parent, copy)
     os.unlink(copy / "sharded-step8" / ".metadata")
     with pytest.raises(Exception, match="is missing"):
-        checkpoint.load_full(str(copy / "checkpoint.pt"))
+        sharded.load_full(str(copy / "checkpoint.pt"))
 
 
 class _EnumsByName(pickle.Pickler):
@@ -327,7 +327,7 @@ def test_metadata_with_enums_by_name_is_read_and_no_other_getattr_is(one_process
         _EnumsByName(f).dump(metadata)
     assert b"getattr" in (by_name / ".metadata").read_bytes()
     # What such a Python wrote reads as what this one wrote, tensor for tensor.
-    reference, read = checkpoint.read_sharded(str(folder)), checkpoint.read_sharded(str(by_name))
+    reference, read = sharded.read_sharded(str(folder)), sharded.read_sharded(str(by_name))
     assert read.keys() == reference.keys() and len(read) == 112, sorted(read)  # 74 model, 38 momentum
     assert all(torch.equal(read[name], reference[name]) for name in read)
     # getattr for anything but an enum member is refused, before it is called.
@@ -337,7 +337,7 @@ def test_metadata_with_enums_by_name_is_read_and_no_other_getattr_is(one_process
     with open(crafted / ".metadata", "wb") as f:
         pickle.dump(_Write(marker), f)
     with pytest.raises(UsageError, match="asks getattr for 'write_text', which is not a member of an enum"):
-        checkpoint.read_sharded(str(crafted))
+        sharded.read_sharded(str(crafted))
     assert not marker.exists()
 
 

@@ -176,7 +176,7 @@ def test_a_run_with_loader_workers_exits_once_done_on_cuda(tmp_path, script, rec
     # The default kind of run: loader workers (persistent, pinning memory on a GPU) in both
     # loaders. Once its work is done, the process ends without waiting for any of them
     # (distributed_fsdp.py: 20.3 s on the H200 before the fix, with PyTorch 2.11). What this
-    # guards is the exit handler's order (utils/preemption.py); that the script lets its
+    # guards is the exit handler's order (utils/lifecycle.py, utils/compat.py); that the script lets its
     # loaders go before the exit is guarded on the CPU (tests/test_fsdp.py).
     seconds = {}
     for workers in (0, 4):

@@ -14,14 +14,13 @@ PROGRAM = """
 import os, sys, time
 import torch
 sys.path.insert(0, {root!r})
-from utils import cli, distributed as dist_utils, schedule
+from utils import cli, distributed as dist_utils, lifecycle, schedule
 from utils.run import TrainingRun
 
 def main(argv):
     args = cli.parse_args(cli.build_parser("", ["tiny"]), argv)
-    env = dist_utils.setup_from_env(timeout_s=args.dist_timeout)
-    if os.environ.get("STOP_GROUP_AS_ON_GPUS"):  # the default group's backend as NCCL's: the stop
-        torch.distributed.get_backend = lambda group=None: "nccl"  # agreement gets a gloo group of its own
+    job = dist_utils.job_from_env()
+    env = dist_utils.setup(job, dist_utils.check_job(job, "cpu"), timeout_s=args.dist_timeout)
     try:
         model = torch.nn.Linear(4, 2)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -45,18 +44,16 @@ def main(argv):
     finally:
         dist_utils.cleanup()
 
-cli.run_main(main)
+lifecycle.run_main(main)
 """
 
 
-@pytest.mark.parametrize("stop_group", ["default", "own"])
-def test_the_waiting_rank_names_the_call_it_waited_in(tmp_path, stop_group):
-    """stop_group "own": the stop agreement on a gloo group of its own, as on GPUs, whose
-    timeout must be --dist-timeout too (not gloo's default 30 minutes: the test's 120 s
-    would end first)."""
+def test_the_waiting_rank_names_the_call_it_waited_in(tmp_path):
+    """The stop agreement goes through the job's store, on GPUs too: its wait is bounded by
+    --dist-timeout (the test's 120 s would end first otherwise)."""
     program = tmp_path / "loop.py"
     program.write_text(PROGRAM.format(root=str(ROOT)))
-    env = subprocess_env(**({"STOP_GROUP_AS_ON_GPUS": "1"} if stop_group == "own" else {}))
+    env = subprocess_env()
     # --dist-timeout also bounds the group's creation, which waits for the other rank to
     # arrive: 3 s failed there once in a full run on 2 cores (rank 1 still starting, gloo's
     # connectFullMesh timed out), so 20 s, as the other tests that wait for a lost peer use.
@@ -69,7 +66,8 @@ def test_the_waiting_rank_names_the_call_it_waited_in(tmp_path, stop_group):
     assert "rank 0 waited in run.step_done() at step 10 (the stop-signal agreement)" in output, output
     assert "left the training loop on its own" in output, output
     # Its own timeout, not rank 1's exit 30 s later (which closes the connection).
-    assert "Timed out" in output.split("rank 0 waited in run.step_done() at step 10")[1].splitlines()[0], output
+    assert "timeout after 20000ms" in output.split("rank 0 waited in run.step_done() at step 10")[1].splitlines()[0], \
+        output
     assert "MissedCollective" in output, output
 
 

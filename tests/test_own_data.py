@@ -15,7 +15,7 @@ from torch.utils.data import Dataset
 
 from conftest import ROOT, read_metrics, run_script, samples_by_index, subprocess_env
 from models import MODEL_NAMES
-from utils import cli, data, metrics
+from utils import cli, data, lifecycle, metrics
 from utils.distributed import DistEnv
 
 CLASSES = ["cat", "dog", "owl"]
@@ -235,7 +235,7 @@ def test_readme_template_trains_your_data_and_model_under_torchrun_and_resumes_e
     # (Read in this process: the copy's utils/ is this repository's, already imported.)
     import runpy
     capsys.readouterr()
-    cli.run_main(runpy.run_path(str(project / "train.py"), run_name="template")["main"], ["--help"])
+    lifecycle.run_main(runpy.run_path(str(project / "train.py"), run_name="template")["main"], ["--help"])
     help_text = capsys.readouterr().out
     assert "Train a ResNet-18 on my images" in help_text and "--data-dir" in help_text
     assert "CIFAR" not in help_text and "--dataset" not in help_text, help_text
@@ -244,8 +244,8 @@ def test_readme_template_trains_your_data_and_model_under_torchrun_and_resumes_e
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 def test_readme_non_image_template_trains_an_mlp_on_a_table(tmp_path, monkeypatch, capsys):
     """README's second change (a TensorDataset and an MLP), applied to a copy of the script and
-    run here: it learns its table, records what it trained on, and refuses --channels-last
-    (no images) and --data-on-gpu (our CIFAR images) in one line."""
+    run here: it learns its table, records what it trained on, and offers neither --channels-last
+    (images=False) nor --data-on-gpu (our CIFAR images): each is refused in one line."""
     import runpy
     from conftest import keep_on_cpu
     keep_on_cpu(monkeypatch)
@@ -256,20 +256,19 @@ def test_readme_non_image_template_trains_an_mlp_on_a_table(tmp_path, monkeypatc
     project.mkdir()
     copy = runpy.run_path(str(make_template(project, which=1)), run_name="template")
     common = ["--epochs", "2", "--batch-size", "256", "--lr", "0.4", "--workers", "0", "--warmup-epochs", "0"]
-    cli.run_main(copy["main"], [*common, "--checkpoint-dir", str(tmp_path / "ck"), "--metrics", str(tmp_path / "m")])
+    lifecycle.run_main(copy["main"], [*common, "--checkpoint-dir", str(tmp_path / "ck"), "--metrics", str(tmp_path / "m")])
     end = read_metrics(tmp_path / "m")[-1]
     assert end["event"] == "end" and end["step"] == 32  # 4096 rows, 256 a step, 2 epochs
     assert end["test_samples"] == 904 and end["test_acc1"] > 85  # a line through the plane: learnable
     config = json.loads((tmp_path / "ck" / "config.json").read_text())
     assert (config["dataset"], config["model"]) == ("TensorDataset", "mlp")
     capsys.readouterr()
-    for flag, fragment in (("--channels-last", "--channels-last lays out images (N x C x H x W); this data "
-                                               "set's inputs come as 128 x 20"),
-                           ("--data-on-gpu", "--data-on-gpu holds the CIFAR images")):
+    for flag, fragment in (("--channels-last", "unrecognized arguments: --channels-last"),
+                           ("--data-on-gpu", "unrecognized arguments: --data-on-gpu")):
         with pytest.raises(SystemExit) as stop:
-            cli.run_main(copy["main"], [*common, "--batch-size", "128", flag])
+            lifecycle.run_main(copy["main"], [*common, "--batch-size", "128", flag])
         err = capsys.readouterr().err
         assert stop.value.code == 2 and len(err.strip().splitlines()) == 1 and fragment in err, err
-    cli.run_main(copy["main"], ["--help"])  # exit status 0: run_main returns
+    lifecycle.run_main(copy["main"], ["--help"])  # exit status 0: run_main returns
     help_text = capsys.readouterr().out
     assert "Train an MLP on a table of numbers" in help_text and "CIFAR" not in help_text, help_text

@@ -115,7 +115,7 @@ def test_bad_metrics_files_exit_2_with_one_line(content, fragment, tmp_path, cap
     path = tmp_path / "bad.jsonl"
     path.write_text(content)
     with pytest.raises(SystemExit) as exit_:
-        plot_metrics.cli.run_main(plot_metrics.main, [str(path), "-o", str(tmp_path / "x.png")])
+        plot_metrics.lifecycle.run_main(plot_metrics.main, [str(path), "-o", str(tmp_path / "x.png")])
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and fragment in err and str(path) in err, err
@@ -126,6 +126,6 @@ def test_an_unknown_picture_format_exits_2(tmp_path, capsys):
     path = tmp_path / "ok.jsonl"
     path.write_text(json.dumps(record(1)) + "\n")
     with pytest.raises(SystemExit) as exit_:
-        plot_metrics.cli.run_main(plot_metrics.main, [str(path), "-o", str(tmp_path / "curves.xyz")])
+        plot_metrics.lifecycle.run_main(plot_metrics.main, [str(path), "-o", str(tmp_path / "curves.xyz")])
     assert exit_.value.code == 2
     assert "cannot write" in capsys.readouterr().err

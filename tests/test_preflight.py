@@ -56,14 +56,14 @@ def test_problems_are_listed_with_their_fixes_and_a_stuck_rank_times_out(tmp_pat
         import sys, time
         sys.path.insert(0, {str(ROOT)!r})
         from scripts import preflight
-        from utils import cli
+        from utils import cli, lifecycle
         real = preflight.time_all_reduce
         def stuck(numel, device, role, iters):
             if role.rank == 1:
                 time.sleep(3600)  # as a rank whose network never delivers
             return real(numel, device, role, iters)
         preflight.time_all_reduce = stuck
-        cli.run_main(preflight.main, sys.argv[1:])
+        lifecycle.run_main(preflight.main, sys.argv[1:])
     """))
     shm = tmp_path / "shm"
     shm.mkdir()
@@ -105,7 +105,7 @@ def test_a_bad_flag_is_one_line_and_exit_2():
 ])
 def test_bad_arguments_exit_2_before_starting_anything(argv, fragment, capsys):
     with pytest.raises(SystemExit) as exit_:
-        preflight.cli.run_main(preflight.main, argv)
+        preflight.lifecycle.run_main(preflight.main, argv)
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and fragment in err, err
@@ -116,7 +116,7 @@ def test_nproc_under_torchrun_is_refused(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(SystemExit) as exit_:
-        preflight.cli.run_main(preflight.main, ["--nproc", "2"])
+        preflight.lifecycle.run_main(preflight.main, ["--nproc", "2"])
     assert exit_.value.code == 2
     assert "under torchrun use --nproc_per_node" in capsys.readouterr().err
 

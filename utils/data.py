@@ -23,8 +23,8 @@ error. When the first batch of a run arrives, local rank 0 compares what the run
 loaders may hold there (shm_estimate) with the free space, and warns once if it is short.
 """
 
+import fcntl
 import math
-import multiprocessing.util
 import os
 import pickle
 import random
@@ -36,11 +36,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
-from . import cli
-from .cli import UsageError, shm_free_bytes
+from .cli import UsageError, error_line, print_line
 from .distributed import DistEnv, all_ranks_ok
-from .preemption import (end_loader_workers_at_exit, end_loader_workers_before_pytorch_at_exit, ignore_stop_signals,
-                         stop_signals_blocked)
+from .lifecycle import SHM_DIR, ignore_stop_signals, shm_free_bytes, start_loader_workers
 
 NUM_CLASSES = 100
 IMAGE_SHAPE = (3, 32, 32)
@@ -175,32 +173,41 @@ def _cifar100(data_dir: str, train: bool, download: bool):
     return CIFAR100(data_dir, train=train, download=download)
 
 
-def _load_cifar100(args, env: DistEnv):
-    """CIFAR-100 from --data-dir; downloaded once per node, by local rank 0 only."""
-    def attempt(download):
-        try:
-            return (_cifar100(args.data_dir, True, download), _cifar100(args.data_dir, False, download)), None
-        except Exception as exc:  # no network, disk full, corrupt archive, unreadable file, ...
-            return None, exc
+@contextmanager
+def _download_lock(data_dir: str):
+    """One download into `data_dir` at a time, however many processes share it (the ranks of a
+    node, or of several nodes on a shared file system): the first takes the lock and downloads,
+    the others then find the files. A folder where no lock can be taken (read-only, holding the
+    files already) is read without one."""
+    try:
+        os.makedirs(data_dir, exist_ok=True)
+        fd = os.open(os.path.join(data_dir, ".download.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
-    def fail(error):
-        if isinstance(error, UsageError):  # the files are there but cannot be read: say which
-            raise error
-        detail = f" ({type(error).__name__}: {(str(error).splitlines() or [''])[0]})" if error else ""
-        raise UsageError(
-            f"CIFAR-100 is not in --data-dir {args.data_dir} and could not be downloaded{detail}; "
-            "put cifar-100-python/ there or use --dataset synthetic for an offline run")
 
-    # Local rank 0 first, the others after it. Every rank learns whether each stage
-    # worked: a plain barrier would leave the others waiting forever if it failed.
-    splits, error = attempt(download=True) if env.local_rank == 0 else (None, None)
-    if not all_ranks_ok(error is None, env.device):
-        fail(error)
-    if env.local_rank != 0:
-        splits, error = attempt(download=False)
-    if not all_ranks_ok(error is None, env.device):
-        fail(error)
-    return splits
+def _load_cifar100(args):
+    """CIFAR-100 from --data-dir, downloaded there if missing (once: _download_lock). Every rank
+    learns whether every rank has it: one that failed alone would leave the others waiting."""
+    splits = error = None
+    try:
+        with _download_lock(args.data_dir):
+            splits = _cifar100(args.data_dir, True, download=True), _cifar100(args.data_dir, False, download=True)
+    except Exception as exc:  # no network, disk full, corrupt archive, unreadable file, ...
+        error = exc
+    if all_ranks_ok(error is None, "data.build_datasets(), agreeing that every rank has CIFAR-100"):
+        return splits
+    if isinstance(error, UsageError):  # the files are there but cannot be read: say which
+        raise error
+    detail = f" ({type(error).__name__}: {(str(error).splitlines() or [''])[0]})" if error else ""
+    raise UsageError(f"CIFAR-100 is not in --data-dir {args.data_dir} and could not be downloaded{detail}; "
+                     "put cifar-100-python/ there or use --dataset synthetic for an offline run")
 
 
 def _first(dataset, n, flag):
@@ -218,27 +225,22 @@ def build_datasets(args, env: DistEnv):
     if args.dataset == "synthetic":
         train, test = SyntheticCIFAR(True, args.train_samples), SyntheticCIFAR(False, args.test_samples)
     else:
-        train, test = _load_cifar100(args, env)
+        train, test = _load_cifar100(args)
     train = _first(train, args.train_samples, "--train-samples")
     test = _first(test, args.test_samples, "--test-samples")
     return TrainImages(train, args.seed), TestImages(test)
 
 
-def check_flags(args, own_data: bool = False):
-    """The data flags' refusals that need no process group (cli.check_flags and
-    own_datasets make them). own_data: the script trains on a data set of its own, which
-    a parser built with build_parser(own_data=True) also says (args.dataset None)."""
+def _refuse_cifar_flags(args):
+    """A script that trains on its own data refuses the flags that choose or hold our CIFAR data
+    (build_parser(own_data=True) offers none of them)."""
     dataset = getattr(args, "dataset", None)
-    if own_data or dataset is None:
-        if dataset not in (None, "cifar100"):  # the parser's default, when it has the flag
-            raise UsageError(f"--dataset {dataset} chooses one of our CIFAR data sets; "
-                             "this script trains on its own (leave --dataset out)")
-        if getattr(args, "data_on_gpu", False):
-            raise UsageError("--data-on-gpu holds the CIFAR images in device memory and augments "
-                             "them there; it does not apply to another data set (leave it out)")
-    elif dataset == "synthetic" and cli.given(args, "data_dir"):
-        raise UsageError(f"--data-dir {args.data_dir} with --dataset synthetic, which is made in memory and "
-                         "reads nothing: leave --data-dir out, or use --dataset cifar100")
+    if dataset not in (None, "cifar100"):  # the parser's default, when it has the flag
+        raise UsageError(f"--dataset {dataset} chooses one of our CIFAR data sets; "
+                         "this script trains on its own (leave --dataset out)")
+    if getattr(args, "data_on_gpu", False):
+        raise UsageError("--data-on-gpu holds the CIFAR images in device memory and augments "
+                         "them there; it does not apply to another data set (leave it out)")
 
 
 def own_datasets(args, train, test):
@@ -250,7 +252,7 @@ def own_datasets(args, train, test):
 
     What the data is (its class, "ImageFolder", "TensorDataset") goes into args.dataset,
     which config.json and the checkpoints record, and which a resume must match."""
-    check_flags(args, own_data=True)
+    _refuse_cifar_flags(args)
     train = _first(train, args.train_samples, "--train-samples")
     test = _first(test, args.test_samples, "--test-samples")
     args.dataset = describe(train)
@@ -490,7 +492,7 @@ class ShardSampler(Sampler):
 
 def _worker_init(_):
     # Stop signals reach the loader workers too (sent to the whole process group or job
-    # step): their rank decides when to stop, see utils/preemption.py.
+    # step): their rank decides when to stop, see utils/lifecycle.py.
     ignore_stop_signals()
     # Each loader worker is a process; one thread each avoids oversubscribing the CPU.
     torch.set_num_threads(1)
@@ -510,52 +512,41 @@ def loader_workers(args, env: DistEnv) -> int:
 
 
 class Loader(DataLoader):
-    """A DataLoader whose worker processes start with the stop signals blocked, so that a
-    signal to the whole process group cannot kill one before `_worker_init` runs.
+    """A DataLoader whose worker processes start as utils/lifecycle.py's start_loader_workers
+    starts them (the stop signals blocked, killed at exit), forked, and early: `start_workers`.
 
-    Given `env` (train_loader and eval_loader pass it), the first batch of a run's first
-    loader checks the shared memory for all of them: warn_if_shm_short.
+    Given `env` (train_loader and eval_loader pass it), the first batch of a run's first loader
+    checks the shared memory for all of them: warn_if_shm_short."""
 
-    channels_last (--channels-last): the batches' inputs must be images (N x C x H x W);
-    the first batch of any other shape is refused in one line, on every rank alike."""
-
-    def __init__(self, *args, env: DistEnv = None, purpose: str = "loader", channels_last: bool = False,
-                 **kwargs):
+    def __init__(self, *args, env: DistEnv = None, purpose: str = "loader", **kwargs):
         super().__init__(*args, **kwargs)
         if self.num_workers and self.multiprocessing_context is None and sys.platform == "linux":
-            # The workers are forked, whatever started this process. DataLoader's default is
-            # the process's start method, and in a process that mp.spawn started that is
-            # "spawn" (it travels with the process; Python 3.14 makes "forkserver" the default
-            # on Linux everywhere): every worker would be a new interpreter that imports
-            # PyTorch again, for work that never touches the GPU. Measured on the 2-core build
-            # machine, one worker in a process that mp.spawn started: 1.1 s to the first batch
-            # and 283 MB of its own memory spawned; 0.05 s and 15 MB forked (the rest shared).
-            # Workers that need another start method (a data set that uses CUDA in them) are
-            # asked for with multiprocessing_context: set_start_method alone does not reach them.
+            # The workers are forked, whatever started this process. DataLoader's default is the
+            # process's start method, and in a process that mp.spawn started that is "spawn"
+            # (Python 3.14 makes "forkserver" the default on Linux everywhere): every worker would
+            # be a new interpreter that imports PyTorch again, for work that never touches the GPU
+            # (measured, one worker in a process that mp.spawn started: 1.1 s to the first batch
+            # and 283 MB of its own memory spawned; 0.05 s and 15 MB forked). Workers that need
+            # another start method are asked for with multiprocessing_context.
             self.multiprocessing_context = "fork"
-        self.env, self.purpose, self.channels_last = env, purpose, channels_last
+        self.env, self.purpose = env, purpose
         if env is not None and env.local_rank == 0 and self.num_workers:  # once per node
             _shm_unchecked.add(self)
 
     def start_workers(self):
         """Fork the persistent worker processes now, not at the first batch: train_loader and
-        eval_loader call it, so that every worker of a run is forked before the run's first
-        collective. After a collective, a thread of the process group may still drop its
-        reference to the tensor it carried, and PyTorch takes the GIL for that from the
-        backend's thread, making a Python thread state there. Python 3.11.9 and older
-        (fixed in 3.11.10 and 3.12; CPython issue gh-112275) leave a child forked at that
-        instant waiting forever on the interpreter's thread-state lock: a loader worker that
-        never starts, and its rank waiting for a batch while its peers time out in the next
-        collective.
-        The prefetch the early start makes (2 batches a worker) is dropped at the first
-        iteration, which starts from the sampler's epoch as usual. Workers started by exec
-        (a caller's multiprocessing_context "spawn" or "forkserver") are not forked from this
-        process and start at the first batch, as before: each imports PyTorch, which a run
-        that stops before it evaluates would pay for nothing."""
+        eval_loader call it, so that every worker of a run is forked before the model's first
+        collective (DDP's broadcast). After a collective a thread of the process group may still
+        let go of the tensor it carried, taking the GIL from that thread; Python 3.11.9 and older
+        (CPython issue gh-112275, fixed in 3.11.10 and 3.12) can leave a child forked at that
+        instant waiting forever on the interpreter's thread-state lock: a worker that never
+        starts. The batches the early start prefetches are dropped at the first iteration.
+        Workers started by exec (multiprocessing_context "spawn" or "forkserver") are not forked
+        from this process and start at the first batch, as DataLoader starts them."""
         if self.num_workers and self.persistent_workers and self._start_method() == "fork":
-            # A new iterator draws its workers' base seed from PyTorch's global generator: put
-            # it back as it was, so that the model is initialised from the same random numbers
-            # as with --workers 0 (the samples are seeded on their own, see SeededSamples).
+            # A new iterator draws its workers' base seed from PyTorch's global generator: put it
+            # back as it was, so that the model is initialised from the same random numbers as
+            # with --workers 0 (the samples are seeded on their own, see SeededSamples).
             with torch.random.fork_rng(devices=[]):
                 self._batches()  # DataLoader keeps a persistent-worker iterator for the next iter()
 
@@ -564,31 +555,12 @@ class Loader(DataLoader):
         return (self.multiprocessing_context or torch.multiprocessing).get_start_method()
 
     def _batches(self):
-        if self.num_workers:
-            end_loader_workers_at_exit()  # they ignore SIGTERM, which exit handlers would send
-            # A worker hands its batches over through a socket it opens in multiprocessing's
-            # temporary folder (a "pymp-" folder, resource_sharer's listener). A worker uses
-            # the folder of the process that made it, if that one has made the folder
-            # already (it travels in the worker's Process object, forked or spawned), and
-            # makes its own otherwise, which only its own exit removes. Workers still alive
-            # when a stopped run exits are SIGKILLed (above): each stop of a process that had
-            # no folder yet (one that torchrun or mp.spawn starts) left one folder per worker
-            # in /tmp. Made here, before the workers, there is one, and this process's exit
-            # removes it (multiprocessing's exit handler).
-            multiprocessing.util.get_temp_dir()
-        try:
-            with stop_signals_blocked():
-                iterator = super().__iter__()
-        finally:  # also when starting the workers failed part-way
-            if self.num_workers:
-                end_loader_workers_before_pytorch_at_exit()  # PyTorch 2.11's per-worker handlers wait 5 s each
-        cli.note_loader_workers(iterator)
-        return iterator
+        if not self.num_workers:
+            return super().__iter__()
+        return start_loader_workers(super().__iter__)
 
     def __iter__(self):
         batches = self._batches()
-        if self.channels_last:
-            batches = _images_only(batches)
         if self in _shm_unchecked:
             return self._check_shm_at_first_batch(batches)
         return batches
@@ -598,7 +570,6 @@ class Loader(DataLoader):
         # Loading a sample here, in the training process, would open whatever a user's data
         # set opens on first access (an HDF5 file, say) before the workers fork and share it.
         # By then the script has built all its loaders (training and evaluation).
-        # Only the first batch is looked at; the rest pass straight through.
         for batch in batches:
             siblings = sorted((loader for loader in list(_shm_unchecked) if loader.env is self.env),
                               key=lambda loader: loader.purpose != "training")  # training first
@@ -608,20 +579,6 @@ class Loader(DataLoader):
             yield batch
             break
         yield from batches
-
-
-def _images_only(batches):
-    """The batches, once the first one's inputs are seen to be images: channels_last is a
-    layout of 4-dimensional tensors, and .to(memory_format=torch.channels_last) of any other
-    raises in the middle of the training step."""
-    for inputs, *rest in batches:
-        if not (isinstance(inputs, torch.Tensor) and inputs.dim() == 4):
-            shape = " x ".join(map(str, inputs.shape)) if isinstance(inputs, torch.Tensor) else type(inputs).__name__
-            raise UsageError(f"--channels-last lays out images (N x C x H x W); this data set's inputs come "
-                             f"as {shape}: leave --channels-last out")
-        yield (inputs, *rest)
-        break
-    yield from batches
 
 
 def train_loader(train_set, per_device_batch: int, global_batch: int, env: DistEnv, args) -> DataLoader:
@@ -638,7 +595,7 @@ def train_loader(train_set, per_device_batch: int, global_batch: int, env: DistE
                     num_workers=workers, pin_memory=env.device.type not in ("cpu", "mps"),
                     persistent_workers=workers > 0, worker_init_fn=_worker_init,
                     drop_last=False,  # the sampler already yields whole batches
-                    env=env, purpose="training", channels_last=getattr(args, "channels_last", False))
+                    env=env, purpose="training")
     loader.start_workers()  # before the model's first collective: see Loader.start_workers
     return loader
 
@@ -649,7 +606,7 @@ def eval_loader(test_set, batch_size: int, env: DistEnv, args) -> DataLoader:
                     sampler=ShardSampler(len(test_set), env.rank, env.world_size),
                     num_workers=workers, pin_memory=env.device.type not in ("cpu", "mps"),
                     persistent_workers=workers > 0, worker_init_fn=_worker_init,
-                    env=env, purpose="evaluation", channels_last=getattr(args, "channels_last", False))
+                    env=env, purpose="evaluation")
     loader.start_workers()  # with the training loader's, not after the first epoch's collectives
     return loader
 
@@ -714,7 +671,7 @@ def shm_estimate(loaders, local_world_size: int, sample_bytes: int):
 def shm_dir() -> str:
     # TRAIN_SHM_DIR: check another folder instead. The workers themselves always use
     # /dev/shm (shm_open); the tests point it at a small tmpfs of their own.
-    return os.environ.get("TRAIN_SHM_DIR") or cli.SHM_DIR
+    return os.environ.get("TRAIN_SHM_DIR") or SHM_DIR
 
 
 def warn_if_shm_short(loaders, env: DistEnv, sample_bytes: int):
@@ -727,7 +684,7 @@ def warn_if_shm_short(loaders, env: DistEnv, sample_bytes: int):
     need, formula = shm_estimate(loaders, env.local_world_size, sample_bytes)
     if need <= free:
         return
-    cli.print_line(cli.error_line(
+    print_line(error_line(
         f"{path} has {free / 2**20:,.1f} MiB free, less than the {need / 2**20:,.1f} MiB that the "
         f"DataLoader workers of this node may hold there at once: {formula}. A worker that finds it full "
         f"dies of a bus error. In Docker: docker run --ipc=host (or --shm-size={shm_size_gib(need)}g); "

@@ -1,20 +1,22 @@
-"""Process setup and the few helpers every rank needs.
+"""Joining the job, and the few helpers every rank needs.
 
-Devices: this machine's accelerator when it has one (torch.accelerator: NVIDIA or
-AMD GPUs with nccl, Intel GPUs with xccl), otherwise the CPU with gloo, with no code
-change; --device cpu forces the CPU. The launcher tells us who we are through the
-environment (torchrun: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT);
-`python script.py` sets none of them and runs as a single process without a process
-group.
+Devices: this machine's accelerator when it has one (torch.accelerator: NVIDIA or AMD GPUs
+with nccl, Intel GPUs with xccl), otherwise the CPU with gloo, with no code change; --device
+cpu forces the CPU. The launcher says who each process is through the environment (torchrun:
+RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT); `python script.py`
+sets none of them and runs one process without a process group.
+
+Agreements (`all_ranks_ok`, `any_rank`: may the run go on, has any rank a stop signal) go
+through the job's rendezvous store, not through a collective of the process group: they run
+beside NCCL without a second network stack and never wait behind the GPU's queue, and no
+backend thread touches Python objects before the loaders fork their workers.
 """
 import contextlib
 import datetime
-import inspect
 import os
 import random
 import re
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -23,7 +25,33 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .cli import UsageError, error_line, joined_a_group, print_line
+from . import lifecycle, network
+from .cli import UsageError, error_line, print_line
+
+
+@dataclass(frozen=True)
+class Job:
+    """Who this process is in its job, as its launcher said, before joining it."""
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    init_method: str = "env://"  # how the ranks meet: env:// (MASTER_ADDR:MASTER_PORT), tcp://, file://
+    launched: bool = False       # started by a launcher: the process joins a group, a group of one too
+    read: str = ""               # the launcher's variables that were read, for --check-args to show
+
+    @property
+    def meets_at(self):
+        """The host every rank connects to, or None (file://: a shared file, no host)."""
+        if self.init_method.startswith("env://"):
+            return os.environ.get("MASTER_ADDR") or None
+        if self.init_method.startswith("tcp://"):
+            return self.init_method[len("tcp://"):].rsplit(":", 1)[0].strip("[]") or None
+        return None
+
+    @property
+    def several_nodes(self) -> bool:
+        return self.world_size > self.local_world_size
 
 
 @dataclass(frozen=True)
@@ -45,37 +73,91 @@ class DistEnv:
         return None if self.device.type == "cpu" else [self.device.index]
 
 
+LAUNCHER_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def job_from_env(check_only: bool = False) -> Job:
+    """This process's place in a torchrun (or srun, or hand-made env://) job, from the
+    launcher's variables; one process without WORLD_SIZE. check_only (--check-args): a missing
+    RANK stands for rank 0, the check of one rank of the job."""
+    read = " ".join(f"{name}={os.environ[name]}" for name in LAUNCHER_VARIABLES if name in os.environ)
+    if "WORLD_SIZE" not in os.environ:
+        if "RANK" in os.environ:
+            raise UsageError(f"RANK={os.environ['RANK']} without WORLD_SIZE: a launcher (torchrun, srun) sets both; "
+                             "unset RANK to run one process with plain python")
+        return Job(read="no launcher's variables: one process")
+    if "RANK" not in os.environ and not check_only:
+        raise UsageError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} without RANK: a launcher (torchrun, srun) sets both; "
+                         "unset WORLD_SIZE to run one process with plain python")
+    world_size, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+    if not (world_size >= 1 and rank < world_size and local_rank < local_world_size <= world_size):
+        raise UsageError(f"RANK={rank}, WORLD_SIZE={world_size}, LOCAL_RANK={local_rank}, "
+                         f"LOCAL_WORLD_SIZE={local_world_size} do not fit together: start the job with torchrun")
+    return Job(rank, world_size, local_rank, local_world_size, "env://", launched=True, read=read)
+
+
 def _env_int(name, default):
-    """An integer the launcher set; anything else is a launch error, said in one line."""
     value = os.environ.get(name)
     if value in (None, ""):
         return default
-    try:
-        number = int(value)
-    except ValueError:
-        number = -1
-    if number < 0:
+    if not value.strip().isdigit():
         raise UsageError(f"environment variable {name}={value!r} is not a rank or size: the launcher "
                          "(torchrun, srun) sets it; unset it to run one process with plain python")
-    return number
+    return int(value)
 
 
-def launched_by_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+def check_job(job: Job, device_choice: str = "auto", check_only: bool = False) -> torch.device:
+    """This rank's device, and the refusals of this node that need no process group: a device
+    this machine lacks, more processes than devices, and on several nodes a network on which
+    the groups cannot form (utils/network.py). From here on a refusal reaches every rank of the
+    job (utils/lifecycle.py, tell_the_job), not only this one."""
+    if job.launched and not check_only:
+        if job.init_method.startswith("env://") and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
+            raise UsageError("WORLD_SIZE is set but MASTER_ADDR or MASTER_PORT is not: the launcher "
+                             "(torchrun) sets them; where they meet is node 0's address and a free port")
+        _tell_refusals_to(job)
+    device = pick_device(job.local_rank, job.local_world_size, device_choice, distributed=job.world_size > 1)
+    if job.several_nodes:
+        check_network(job.meets_at, device, announce=job.local_rank == 0)
+    return device
+
+
+def _tell_refusals_to(job: Job):
+    """From here on, a refusal of this process also reaches the other ranks of `job`, which wait
+    to form the group with it (lifecycle.tell_the_job)."""
+    rendezvous, host = job.init_method, job.rank == 0
+    if rendezvous.startswith("env://"):
+        rendezvous = f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        # Under torchrun's agent store the agent serves MASTER_ADDR:MASTER_PORT; otherwise rank 0
+        # does (torch/distributed/rendezvous.py, _create_c10d_store).
+        host = host and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    lifecycle.meets_at(rendezvous, job.rank, job.world_size, hosts_store=host)
+
+
+def check_network(meets_at, device: torch.device, flag: str = "MASTER_ADDR", announce: bool = True):
+    """Refuse, for this node, a job of several nodes that cannot form its groups from here;
+    warn (once per node: `announce`) of one that may not."""
+    backend = dist.get_default_backend_for_device(device)
+    for finding in network.findings(meets_at, uses_gloo=backend == "gloo", flag=flag):
+        if finding.certain:
+            raise UsageError(finding.line, met_by="node")
+        if announce:
+            print_line(error_line(finding.line, kind="warning"))
 
 
 def accelerator_type():
-    """This machine's accelerator as torch.device type ('cuda' for NVIDIA and AMD ROCm GPUs,
-    'xpu' for Intel GPUs, 'mps' for Apple silicon, ...), or None: torch.accelerator asks the
-    one PyTorch was built for, so no code here names a vendor."""
+    """This machine's accelerator as a torch.device type ('cuda' for NVIDIA and AMD GPUs, 'xpu'
+    for Intel's, 'mps' for Apple silicon, ...), or None: torch.accelerator names no vendor."""
     if not torch.accelerator.is_available():
         return None
     return torch.accelerator.current_accelerator().type
 
 
 def device_type(choice: str = "auto", distributed: bool = False) -> str:
-    """The device type --device asks for, checked against this machine. `distributed`:
-    the process joins a group (torchrun, mp.spawn)."""
+    """The device type --device asks for, checked against this machine. `distributed`: the
+    process joins a group (torchrun, mp.spawn)."""
     accelerator = accelerator_type()
     if choice == "cpu":
         return "cpu"
@@ -92,8 +174,7 @@ def device_type(choice: str = "auto", distributed: bool = False) -> str:
                          f"use --device {accelerator}, cpu, or auto")
     else:
         kind = choice
-    if kind == "mps" and distributed:
-        # No backend moves MPS tensors between processes; DDP refuses them.
+    if kind == "mps" and distributed:  # no backend moves MPS tensors between processes
         raise UsageError("DDP does not run on Apple's MPS devices: train one process with plain python, "
                          "or several on the CPU with --device cpu")
     return kind
@@ -101,13 +182,11 @@ def device_type(choice: str = "auto", distributed: bool = False) -> str:
 
 def device_count(choice: str = "auto") -> int:
     """How many devices of the --device type this node has (0 for the CPU)."""
-    kind = device_type(choice)
-    return 0 if kind == "cpu" else torch.accelerator.device_count()
+    return 0 if device_type(choice) == "cpu" else torch.accelerator.device_count()
 
 
 def device_name(device: torch.device) -> str:
-    """The device's product name for records and reports ("NVIDIA H100 80GB HBM3"); "cpu",
-    or the device itself where its module cannot name it."""
+    """The device's product name for records ("NVIDIA H100 80GB HBM3"), "cpu", or the device."""
     if device.type == "cpu":
         return "cpu"
     try:
@@ -127,8 +206,7 @@ def pick_device(local_rank: int, local_world_size: int, choice: str = "auto",
     fix = f"use --nproc_per_node={count} or fewer (one process per device), or --device cpu"
     # torchrun --virtual-local-rank shows each worker only its own GPU, as index 0: it sets
     # CUDA_VISIBLE_DEVICES to that one GPU and LOCAL_RANK=0, while LOCAL_WORLD_SIZE stays the
-    # node's count (LocalElasticAgent._set_local_rank_env). The same view without the flag
-    # (CUDA_VISIBLE_DEVICES=0 and 2 processes) is refused by the sibling, local rank 1, below.
+    # node's count (LocalElasticAgent._set_local_rank_env).
     visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     own_device_only = count == 1 and local_rank == 0 and len(visible) == 1
     if local_rank >= count:  # this rank's device does not exist: its error, whoever else fails
@@ -140,215 +218,128 @@ def pick_device(local_rank: int, local_world_size: int, choice: str = "auto",
     return torch.device(kind, local_rank)
 
 
-def setup(rank: int, world_size: int, local_rank: int, local_world_size: int,
-          init_method: str = "env://", timeout_s: float = 1800.0, device: str = "auto") -> DistEnv:
-    """Join the process group (nccl on NVIDIA and AMD GPUs, xccl on Intel's, gloo on the
-    CPU) and pin this rank's device. device: --device (auto, cpu, or the accelerator's type).
+# --- joining ------------------------------------------------------------------------------------
 
-    The timeout bounds how long a rank waits in a collective for a peer that died,
-    so a failed job ends instead of hanging.
-    """
-    peer_host, store_address = _meeting_host(init_method), _store_address(init_method)
-    try:
-        device = pick_device(local_rank, local_world_size, device, distributed=True)  # before the watcher starts
-        backend = dist.get_default_backend_for_device(device)
-        if world_size > local_world_size:  # several nodes: a network setup that cannot work is refused now
-            check_network(peer_host, {backend, "gloo"}, announce=local_rank == 0)  # gloo: the stop agreement's
-    except UsageError as refusal:
-        # The ranks of the other nodes would otherwise wait --dist-timeout to join: they read it (bounded_join).
-        if world_size > local_world_size:
-            _post_refusal(store_address, rank, str(refusal))
-        raise
-    watch_launcher()
+# How much longer than --dist-timeout a rank may take to join before it gives up on its own: the
+# backends' own timeouts come first where they hold. (gloo's connection of the full mesh does not
+# always: a rank whose peer failed to connect to it was still waiting 150 s into a 30 s timeout,
+# measured on two hosts with PyTorch 2.14.)
+JOIN_GRACE_S = 10.0
+_store = None  # the job's store for the agreements (setup)
+
+
+def setup(job: Job, device: torch.device, timeout_s: float = 1800.0) -> DistEnv:
+    """Join the job's process group (nccl on NVIDIA and AMD GPUs, xccl on Intel's, gloo on the
+    CPU) and pin this rank's device; one process (world size 1 without a launcher) joins none.
+
+    The timeout bounds how long a rank waits for a peer, to form the group and in every
+    collective after it, so a failed job ends instead of hanging."""
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
-    # device_id binds the group to this rank's device: NCCL connects here rather than in the
-    # first collective, so a broken setup fails now, with the launch, and not minutes later.
-    global _timeout_s
-    _timeout_s = timeout_s
-    with bounded_join(rank, timeout_s, peer_host, multi_node=world_size > local_world_size, backend=backend,
-                      store_address=store_address, world_size=world_size):
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s),
+    if not job.launched:
+        return DistEnv(0, 0, 1, 1, device, distributed=False)
+    global _store
+    _tell_refusals_to(job)
+    watch_launcher()
+    backend = dist.get_default_backend_for_device(device)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    with joining(job, timeout_s, backend):
+        # What init_process_group(init_method=...) does itself, with the store kept for the
+        # agreements (torch/distributed/distributed_c10d.py, init_process_group).
+        store, _, _ = next(dist.rendezvous(job.init_method, job.rank, job.world_size, timeout=timeout))
+        store.set_timeout(timeout)
+        # device_id binds the group to this rank's device: NCCL connects here rather than in the
+        # first collective, so a broken setup fails now, with the launch, not minutes later.
+        dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=job.rank,
+                                world_size=job.world_size, timeout=timeout,
                                 device_id=device if device.type != "cpu" else None)
-    joined_a_group()  # the process now ends through cli.leave (see there)
-    return DistEnv(rank, local_rank, world_size, local_world_size, device, distributed=True)
-
-
-def _store_address(init_method: str):
-    """(host, port) of the TCP store that init_process_group meets at (env://, tcp://), or None."""
-    try:
-        if init_method.startswith("env://"):
-            return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        if init_method.startswith("tcp://"):
-            host, port = init_method[len("tcp://"):].rsplit(":", 1)
-            return host.strip("[]"), int(port.split("?")[0].split("/")[0])
-    except (KeyError, ValueError):
-        pass
-    return None
-
-
-REFUSED_KEY = "utils.distributed/refused-to-join/"  # + rank: the line of a rank that refused to start
-
-
-def _store_client(store_address, timeout_s: float):
-    host, port = store_address
-    return dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
-
-
-def _post_refusal(store_address, rank: int, line: str):
-    """Leave a rank's refusal where the others, waiting to join, look (best effort: a store
-    that is not up yet, or unreachable, is no reason to wait)."""
-    if store_address is None:
-        return
-    try:
-        _store_client(store_address, 2.0).set(f"{REFUSED_KEY}{rank}", line)
-    except Exception:  # noqa: BLE001 - the refusal itself is reported anyway
-        pass
-
-
-def _meeting_host(init_method: str):
-    """The host every rank meets at: MASTER_ADDR (env://), tcp://HOST:PORT's HOST; None for
-    file:// (a shared file, no host)."""
-    if init_method.startswith("env://"):
-        return os.environ.get("MASTER_ADDR") or None
-    if init_method.startswith("tcp://"):
-        host = init_method[len("tcp://"):].rsplit(":", 1)[0]
-        return host.strip("[]") or None
-    return None
-
-
-def check_network(peer_host, backends, announce: bool = True):
-    """Before joining a group that spans several nodes: refuse, in one line, a setup that
-    cannot work (this host's name resolving to loopback, which gloo would hand the other
-    nodes as its address); warn of one that may not (gloo or NCCL on an interface other
-    than the one that reaches `peer_host`). utils/network.py says how each library chooses."""
-    from . import network
-    findings = network.multi_node_findings(peer_host, tuple(backends))
-    for finding in findings:
-        if finding.certain:
-            raise UsageError(f"{finding.what}. Fix: {finding.fix}", met_by="node")
-    if announce:  # once per node
-        for finding in findings:
-            print_line(error_line(f"{finding.what}. Fix: {finding.fix}", kind="warning"))
-
-
-# How much longer than --dist-timeout a rank may take to join before it gives up on its own:
-# the backends' own timeouts come first where they hold. (gloo's connection of the full mesh
-# does not always: a rank whose peer failed to connect to it was still waiting 150 s into a
-# 30 s timeout, measured on two hosts with PyTorch 2.14.)
-JOIN_GRACE_S = 10.0
-
-
-def _join_failure_cause(peer_host, backend: str, multi_node: bool) -> str:
-    """The likeliest reason a rank could not join, for its one line."""
-    cause = f"a rank did not come: it failed before joining, or cannot reach {peer_host or 'the rendezvous'}"
-    if not multi_node:
-        return cause
-    from . import network
-    findings = network.multi_node_findings(peer_host, (backend, "gloo"))
-    if findings:
-        return f"{findings[0].what}. Fix: {findings[0].fix}"
-    gloo = network.gloo_choice()
-    return (f"{cause}, or cannot be reached by the others: gloo listens here on {gloo.address} ({gloo.why}); "
-            "if they cannot reach it, export GLOO_SOCKET_IFNAME=<the interface they reach this host by> "
-            "(scripts/preflight.py names it)")
-
-
-def _refusal_of_a_peer(store, world_size: int):
-    """(rank, line) of a rank that refused to start and said so in the store, or None."""
-    for peer in range(world_size):
-        key = f"{REFUSED_KEY}{peer}"
-        if store.check([key]):
-            return peer, store.get(key).decode(errors="replace")
-    return None
+    global _agreements
+    _store, _agreements = dist.PrefixStore(f"{lifecycle.attempt_prefix()}/agreements", store), 0
+    lifecycle.joined_a_group()  # the process now ends through lifecycle.leave (see there)
+    return DistEnv(job.rank, job.local_rank, job.world_size, job.local_world_size, device, distributed=True)
 
 
 @contextlib.contextmanager
-def bounded_join(rank: int, timeout_s: float, peer_host, multi_node: bool, backend: str,
-                 store_address=None, world_size: int = 1):
-    """Around init_process_group: a rank that has not joined `timeout_s` + JOIN_GRACE_S later
-    prints one line with the likeliest cause and exits with status 1, instead of waiting on.
-    On several nodes, a rank whose joining fails (a store timeout, a connection refused) ends
-    the same way: one line, status 1, not a traceback from the depths of gloo; and one whose
-    peer refused to start (a node whose host name resolves to loopback, more processes than
-    GPUs) ends at once with that peer's line, rather than after --dist-timeout."""
+def joining(job: Job, timeout_s: float, backend: str):
+    """Around forming the group: a rank that has not joined `timeout_s` + JOIN_GRACE_S later prints
+    one line and exits with status 1, instead of waiting on; one whose peer refused to start
+    (utils/lifecycle.py, tell_the_job) ends with that peer's line and status 2, as the peer does.
+    On several nodes a failure to join is one line too, not a traceback from the depths of gloo."""
     joined = threading.Event()
+    where = job.meets_at or "the rendezvous"
+
+    def refusal_of_a_peer(read):
+        if job.init_method.startswith("file://"):
+            path = lifecycle.refusal_file(job.init_method[len("file://"):])
+            with contextlib.suppress(OSError), open(path) as f:
+                return f.read()
+            return None
+        if read[0] is None:  # the store's host is not up yet: look again later
+            host, port = job.init_method[len("tcp://"):].rsplit(":", 1) if job.init_method.startswith("tcp://") \
+                else (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+            read[0] = lifecycle.store_client(host.strip("[]"), int(port), 5.0)
+        if read[0].check([lifecycle.refusal_key()]):
+            read[0].add(lifecycle.refusal_key() + "/read", 1)
+            return read[0].get(lifecycle.refusal_key()).decode(errors="replace")
+        return None
 
     def watch():
-        deadline = time.monotonic() + timeout_s + JOIN_GRACE_S
-        store = None
-        while not joined.wait(min(2.0, max(0.0, deadline - time.monotonic()))):
+        deadline, client = time.monotonic() + timeout_s + JOIN_GRACE_S, [None]
+        while not joined.wait(min(1.0, max(0.0, deadline - time.monotonic()))):
             if time.monotonic() >= deadline:
-                print_line(error_line(f"rank {rank} did not join the {backend} process group within --dist-timeout "
-                                      f"{timeout_s:g} s: {_join_failure_cause(peer_host, backend, multi_node)}"))
+                print_line(error_line(f"rank {job.rank} did not join the {backend} process group within "
+                                      f"--dist-timeout {timeout_s:g} s: a rank did not come (it failed before "
+                                      f"joining, or cannot reach {where}), or cannot be reached by the others; "
+                                      "scripts/preflight.py checks each node's network"))
                 os._exit(1)
-            if not multi_node or store_address is None:
-                continue
             try:
-                store = store or _store_client(store_address, 5.0)
-                refused = _refusal_of_a_peer(store, world_size)
-            except Exception:  # noqa: BLE001 - the store is not up yet: look again later
-                store, refused = None, None
+                refused = refusal_of_a_peer(client)
+            except Exception:  # noqa: BLE001 - the store is not up yet, or gone: look again later
+                client[0], refused = None, None
             if refused is not None and not joined.is_set():
-                peer, line = refused
-                print_line(error_line(f"rank {rank} could not join: rank {peer} refused to start: {line}"))
-                os._exit(1)
+                # The job's bad input, met on another rank: exit status 2, its line once per node.
+                peer, line = refused.split("\n", 1)
+                line = error_line(f"rank {job.rank} could not join: rank {peer} refused to start: {line}")
+                if job.local_rank == 0:
+                    print_line(line)
+                lifecycle.record_for_torchrun(line)
+                os._exit(2)
 
-    watcher = threading.Thread(target=watch, name="bounded-join", daemon=True)
+    watcher = threading.Thread(target=watch, name="joining", daemon=True)
     watcher.start()
     try:
         yield
     except RuntimeError as err:  # torch's DistError and its kinds are RuntimeErrors
-        joined.set()
-        if not multi_node:
+        if not job.several_nodes:
             raise
-        print_line(error_line(f"rank {rank} could not join the {backend} process group ({type(err).__name__}: "
-                              f"{first_line(err)}): {_join_failure_cause(peer_host, backend, multi_node)}"))
+        print_line(error_line(f"rank {job.rank} could not join the {backend} process group ({type(err).__name__}: "
+                              f"{first_line(err)}); scripts/preflight.py checks each node's network"))
         raise SystemExit(1) from None
     finally:
-        _stop_watching(joined, watcher)
-
-
-# How long the watcher may take to come back from the store: a client's connection (5 s) and
-# a check, with room to spare.
-_WATCHER_RETURNS_S = 10.0
-
-
-def _stop_watching(joined, watcher):
-    """Tell the watcher to stop, and wait until it has. A watcher still inside a store call
-    when this process exits (the SystemExit above, on its way through `finally`) is a thread
-    in C++ while the interpreter finalizes: the store server it asks (rank 0's own) goes
-    away, the call fails, and the thread comes back to a finalizing interpreter, which ends
-    it with pthread_exit; that unwinding through PyTorch's C++ gives "terminate called
-    without an active exception", SIGABRT, exit status 134 after the rank's one line (seen
-    once: rank 0 alone on its rendezvous, --dist-timeout 5; cli.leave tells the same of
-    gloo's threads)."""
-    joined.set()
-    watcher.join(_WATCHER_RETURNS_S)
+        # Stopped before this process goes on or exits: a watcher still inside a store call at
+        # exit comes back to a finalizing interpreter, which ends it with pthread_exit; unwinding
+        # through PyTorch's C++ then aborts (SIGABRT, seen once).
+        joined.set()
+        watcher.join(10.0)
 
 
 _stopping = False
 
 
 def stop_under_way():
-    """Called once this process has a stop signal, its own or another rank's
-    (utils/preemption.py): watch_launcher sends it no other."""
+    """Called once this process has a stop signal, its own or another rank's (utils/run.py):
+    watch_launcher sends it no other."""
     global _stopping
     _stopping = True
 
 
 def watch_launcher(grace_s: float = 30.0, poll_s: float = 1.0):
-    """End this process when the process that started it (torchrun's agent, the
-    mp.spawn parent) dies, instead of training on with nobody watching: first a SIGTERM
-    to itself, which checkpoints at the next agreed step like any stop signal (none when
-    a stop is under way already), then SIGKILL if it is still running `grace_s` later
-    (a peer that died with the launcher never reaches the agreement).
-
+    """End this process when the process that started it (torchrun's agent, the mp.spawn parent)
+    dies, instead of training on with nobody watching: a SIGTERM to itself, which checkpoints at
+    the next agreed step like any stop signal (none when a stop is under way already), then
+    SIGKILL `grace_s` later (a peer that died with the launcher never reaches the agreement).
     A thread that polls the parent's pid works on Linux and macOS alike, and unlike
-    prctl(PR_SET_PDEATHSIG) it does not fire when only the thread that forked us ends.
-    """
+    prctl(PR_SET_PDEATHSIG) it does not fire when only the thread that forked us ends."""
     parent = os.getppid()
     if parent <= 1:
         return None
@@ -356,11 +347,10 @@ def watch_launcher(grace_s: float = 30.0, poll_s: float = 1.0):
     def watch():
         while os.getppid() == parent:
             time.sleep(poll_s)
-        # Not when a stop is under way already: mp.spawn's workers get SIGINT from the kernel
-        # when their parent dies (PR_SET_PDEATHSIG, torch/multiprocessing/spawn.py), and once
-        # a stop has saved its checkpoint it gives the signals back to their default action.
-        # A SIGTERM from here then ended the process in the middle of its exit, before its
-        # exit handlers removed what it had in /tmp.
+        # Not when a stop is under way: mp.spawn's workers get SIGINT from the kernel when their
+        # parent dies (PR_SET_PDEATHSIG, torch/multiprocessing/spawn.py), and once a stop has
+        # saved its checkpoint the signals are back at their default action: a SIGTERM from here
+        # would end the process in the middle of its exit.
         if not _stopping:
             os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace_s)
@@ -371,24 +361,9 @@ def watch_launcher(grace_s: float = 30.0, poll_s: float = 1.0):
     return thread
 
 
-def setup_from_env(timeout_s: float = 1800.0, device: str = "auto") -> DistEnv:
-    """Set up from torchrun's environment, or as one process under plain `python`.
-    device: --device (auto, cpu, or the accelerator's type)."""
-    if not launched_by_torchrun():
-        device = pick_device(0, 1, device)
-        if device.type != "cpu":
-            torch.accelerator.set_device_index(device.index)
-        return DistEnv(0, 0, 1, 1, device, distributed=False)
-    rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
-    local_rank = _env_int("LOCAL_RANK", 0)
-    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
-    if not (world_size >= 1 and rank < world_size and local_rank < local_world_size):
-        raise UsageError(f"RANK={rank}, WORLD_SIZE={world_size}, LOCAL_RANK={local_rank}, "
-                         f"LOCAL_WORLD_SIZE={local_world_size} do not fit together: start the job with torchrun")
-    return setup(rank, world_size, local_rank, local_world_size, "env://", timeout_s, device)
-
-
 def cleanup():
+    global _store
+    _store = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -406,10 +381,12 @@ def print0(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
+# --- meeting points -----------------------------------------------------------------------------
+
 def all_reduce_sum(tensor: torch.Tensor, call: str = None) -> torch.Tensor:
-    """Sum over ranks in place (no-op in a single process); returns the tensor.
-    `call`: where every rank meets, named in the error if one never comes (see
-    meeting); None where the caller names it."""
+    """Sum over ranks in place (no-op in a single process); returns the tensor. `call`: where
+    every rank meets, named in the error if one never comes (see meeting); None where the
+    caller names it."""
     if dist.is_available() and dist.is_initialized():
         with meeting(call) if call else contextlib.nullcontext():
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
@@ -424,105 +401,64 @@ def first_line(err: BaseException, limit: int = 300) -> str:
 
 
 class MissedCollective(RuntimeError):
-    """A collective that every rank must reach failed on this rank: a peer never came."""
+    """A call that every rank must reach failed on this rank: a peer never came."""
 
 
 @contextlib.contextmanager
 def meeting(call: str):
-    """Around a collective that every rank must reach at the same point. If it fails
-    here (--dist-timeout passed with a peer missing, or a peer died), the error names
-    the call this rank was waiting in and what to look for, instead of a bare timeout
-    from the backend."""
+    """Around a call that every rank must reach at the same point. If it fails here
+    (--dist-timeout passed with a peer missing, or a peer died), the error names the call this
+    rank was waiting in and what to look for, instead of a bare timeout from the backend."""
     try:
         yield
     except RuntimeError as err:
         if isinstance(err, MissedCollective) or not (dist.is_available() and dist.is_initialized()):
             raise
-        first = first_line(err)
         raise MissedCollective(
             f"rank {dist.get_rank()} waited in {call}, which every rank must reach at the same point, "
-            f"and it failed: {first}. Another rank never came: it failed, or it skipped this call or "
+            f"and it failed: {first_line(err)}. Another rank never came: it failed, or it skipped this call or "
             "left the training loop on its own (a rank-dependent `continue` or `break`). "
-            "utils/run.py lists every collective of a training run.") from err
+            "utils/run.py lists every call where the ranks meet.") from err
 
 
-_cpu_group = None
-_timeout_s = 1800.0  # --dist-timeout, as setup() gave it to init_process_group
+_agreements = 0  # how many agreements this rank has made: the same count on every rank
 
 
-def cpu_group():
-    """The group for the small agreements (all_ranks_ok, the stop signal): None, the default
-    group, where that is gloo's already; otherwise a gloo group of all ranks, made at the first
-    call (a collective: every rank makes it at the same point) with the default group's
-    timeout. On a CPU group, reading the result never waits behind the GPU's queue of kernels,
-    and a peer that never comes raises here after --dist-timeout, so `meeting` can name the
-    call. An NCCL collective instead returns once queued and, on its timeout, NCCL's
-    watchdog ends the process with its own message (TORCH_NCCL_ASYNC_ERROR_HANDLING)."""
-    global _cpu_group
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() == "gloo":
-        return None
-    if _cpu_group is None:
-        # The job's timeout: a new group otherwise takes its backend's default, 30 minutes
-        # for gloo (torch.distributed.constants), whatever the default group was given.
-        _cpu_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=_timeout_s))
-    return _cpu_group
+def _votes(vote: bool, call: str) -> int:
+    """How many ranks voted yes, once every rank has voted: every rank must call it at the same
+    points (like a collective). Through the store: each rank adds its vote to a counter (+1 for
+    being there, + world_size + 1 for yes); the last to arrive posts the total, which the others
+    wait for (store.get waits up to --dist-timeout), and removes the agreement before it, which
+    every rank has read by then."""
+    global _agreements
+    world = dist.get_world_size()
+    _agreements += 1
+    key = f"{_agreements}"
+    with meeting(call):
+        total = _store.add(key, 1 + (world + 1 if vote else 0))
+        if total % (world + 1) == world:
+            _store.set(f"{key}/total", str(total))
+            if _agreements > 1:
+                _store.delete_key(f"{_agreements - 1}")
+                _store.delete_key(f"{_agreements - 1}/total")
+        total = int(_store.get(f"{key}/total"))
+    return total // (world + 1)
 
 
-def all_ranks_ok(ok: bool, device: torch.device, call: str = "all_ranks_ok()") -> bool:
-    """True only if `ok` holds on every rank. Use it where one rank could fail alone
-    (a download, a file read): every rank learns the outcome, so none is left
-    waiting in a collective for a peer that has given up. `call`: what the agreement
-    is, for the error if a rank never comes. It runs on the CPU group (cpu_group) on
-    GPUs too, so that the error holds there."""
-    group = cpu_group()
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32,
-                        device=device if group is None else "cpu")
-    if dist.is_available() and dist.is_initialized():
-        references = sys.getrefcount(flag)
-        with meeting(call):
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-            agreed = bool(flag.item())  # inside: on a device, this is where the wait is
-        _released_by_backend(flag, references)
-        return agreed
-    return bool(flag.item())
+def all_ranks_ok(ok: bool, call: str = "all_ranks_ok()") -> bool:
+    """True only if `ok` holds on every rank. Use it where one rank could fail alone (a file
+    read): every rank learns the outcome, so none is left waiting for a peer that has given up.
+    `call`: what the agreement is, for the error if a rank never comes."""
+    if _store is None:
+        return ok
+    return _votes(ok, call) == dist.get_world_size()
 
 
-def _released_by_backend(tensor: torch.Tensor, references: int, timeout_s: float = 1.0):
-    """Wait (at most timeout_s) until the process group's threads hold no reference to
-    `tensor`, which had `references` (sys.getrefcount in the caller) before a collective. A
-    collective returns when its result is there; the backend's thread lets go of the tensor
-    a moment later, taking the GIL for it. all_ranks_ok guards the data's download and reading, just before the
-    loaders fork their workers: a fork at that moment can leave the new worker stuck for
-    good (see data.Loader.start_workers). While the backend holds the tensor, PyTorch keeps
-    its Python object alive, so that sys.getrefcount counts one more."""
-    deadline = time.monotonic() + timeout_s
-    while sys.getrefcount(tensor) > references + 1 and time.monotonic() < deadline:  # +1: `tensor` here
-        time.sleep(0.0002)  # releases the GIL, which the backend's thread is waiting for
-
-
-# DDP's switch for broadcasting rank 0's buffers (batch-norm statistics) before every forward
-# is `broadcast_buffers` up to PyTorch 2.12 and `forward_sync_buffers` from 2.13, where the old
-# name warns (FutureWarning) on every wrap. It is not a plain rename: broadcast_buffers=False
-# also leaves the buffers out of the constructor's broadcast of rank 0's state, while
-# forward_sync_buffers=False keeps them in it (torch/nn/parallel/distributed.py, __init__).
-_DDP_HAS_FORWARD_SYNC_BUFFERS = "forward_sync_buffers" in inspect.signature(
-    torch.nn.parallel.DistributedDataParallel.__init__).parameters
-
-
-def buffers_synced_once(model: torch.nn.Module) -> dict:
-    """DDP keyword arguments that broadcast rank 0's buffers to every rank once, when DDP
-    wraps the model, and never again before a forward: what forward_sync_buffers=False
-    does from PyTorch 2.13 on. On older versions (broadcast_buffers=False, which skips
-    the wrap's broadcast of buffers too) the buffers are broadcast here instead, so that
-    every version starts every rank from rank 0's buffers.
-
-    Call it on every rank, just before DDP(...): on PyTorch before 2.13 it broadcasts."""
-    if _DDP_HAS_FORWARD_SYNC_BUFFERS:
-        return {"forward_sync_buffers": False}
-    if dist.is_available() and dist.is_initialized():
-        for buffer in model.buffers():
-            dist.broadcast(buffer.data, src=0)  # all ranks meet here, as in DDP's constructor
-    return {"broadcast_buffers": False}
+def any_rank(flag: bool, call: str = "any_rank()") -> bool:
+    """True on every rank if `flag` holds on any (an agreement, as all_ranks_ok)."""
+    if _store is None:
+        return flag
+    return _votes(flag, call) > 0
 
 
 def seed_everything(seed: int):
@@ -530,8 +466,3 @@ def seed_everything(seed: int):
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def world_size_from_env() -> int:
-    """The job's size before joining it, to validate arguments first."""
-    return _env_int("WORLD_SIZE", 1) if launched_by_torchrun() else 1

@@ -15,30 +15,29 @@ hand this object the rest:
         run.end_epoch(evaluate(model, test_loader, env.device))
     run.finish()
 
-Collectives: every rank must make each of these calls, at the same points and in the
-same order, or the others wait in it until --dist-timeout. So no rank may skip a
+Where the ranks meet: every rank must make each of these calls, at the same points and in
+the same order, or the others wait in it until --dist-timeout. So no rank may skip a
 `step_done()` or leave the loop on its own (a rank-dependent `continue` or `break`).
 
-- `TrainingRun(...)`: small all-reduces (`all_ranks_ok`) that agree on the output
-  files, on whether a checkpoint exists and on whether this is a launcher's restart,
-  and, with --resume, on whether every rank loaded it.
-- `step_done()`, every step: every `check_every` steps (10 with several processes)
-  one all-reduce that agrees on a stop signal; when a checkpoint is due, one
-  all-reduce of the epoch's training sums (`save`).
-- `end_epoch()`: an all-reduce of the training sums for the summary, another in
-  `save`, then one more stop agreement (a signal that came during evaluation).
-  The script's `metrics.evaluate` before it makes its own (one all-reduce, and the
-  broadcasts of batch-norm buffers).
+- `TrainingRun(...)`: agreements (`all_ranks_ok`, through the job's store) on the output
+  files, on whether a checkpoint exists and on whether this is a launcher's restart, and,
+  with --resume, on whether every rank loaded it (a sharded model loads in a collective).
+- `step_done()`, every step: every `check_every` steps (10 with several processes) one
+  agreement on a stop signal; when a checkpoint is due, one all-reduce of the epoch's
+  training sums (`save`), and a sharded model's collective save.
+- `end_epoch()`: an all-reduce of the training sums for the summary, another in `save`,
+  then one more stop agreement (a signal that came during evaluation). The script's
+  `metrics.evaluate` before it makes its own (one all-reduce, and the broadcasts of
+  batch-norm buffers).
 - `finish()` and `epochs()` communicate nothing.
 
-Each of these collectives runs inside `meeting(...)` (utils/distributed.py): if a rank
-never comes, the rank left waiting fails after --dist-timeout with a MissedCollective
-error that names the call it was waiting in.
+Each runs inside `meeting(...)` (utils/distributed.py): if a rank never comes, the rank left
+waiting fails after --dist-timeout with an error that names the call it was waiting in.
 """
 import json
 import math
 import os
-import shutil
+import signal
 import sys
 import time
 
@@ -46,9 +45,9 @@ import torch
 
 from . import checkpoint, observe
 from .cli import UsageError, plain_config, print_line
-from .distributed import DistEnv, all_ranks_ok, device_name, meeting, print0
+from .distributed import DistEnv, all_ranks_ok, any_rank, device_name, meeting, print0, stop_under_way
+from .lifecycle import SIGNALS
 from .metrics import EpochTimer, MetricsLog, TrainMeter, peak_memory_mb, reset_peak_memory
-from .preemption import Preempted, StopSignal
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -70,13 +69,11 @@ def _check_writable(path: str):
 
 class TrainingRun:
     def __init__(self, args, env: DistEnv, model, optimizer, scheduler, *, steps_per_epoch: int,
-                 strategy: str, scaler=None, extra_record=None, sharded=False):
+                 strategy: str, scaler=None, extra_record=None, state=None):
         self.args, self.env = args, env
-        # sharded: the model's parameters and the optimizer's state are split across ranks
-        # (FSDP); every rank writes its part with torch.distributed.checkpoint (see save).
-        self.sharded = sharded
-        self._shards = None  # the shard folder that this directory's checkpoint.pt names
-        self._param_groups = None  # the optimizer's param_groups of those shards
+        # How the model and the optimizer go into a checkpoint: whole by default; sharded across
+        # ranks for FSDP (utils/sharded.py's ShardedState).
+        self.state = state or checkpoint.WholeState(model, optimizer)
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.steps_per_epoch = steps_per_epoch
         self.strategy = strategy
@@ -101,13 +98,14 @@ class TrainingRun:
         resume_from = self._resume_path()
         if resume_from:
             self._resume(resume_from)
+            if not args.checkpoint_dir:
+                print0(f"--resume {args.resume} without --checkpoint-dir: this run saves no checkpoint")
         self.stop_signal = StopSignal(env.distributed)
         # --profile and --tensorboard (utils/observe.py); nothing when neither is given.
         self.observers = observe.Observers(args, env, start_step=self.global_step)
         if args.checkpoint_dir and env.is_main:
             checkpoint.remove_stale_temporaries(self.checkpoint_path)
-            if sharded:  # shards of saves that never became the checkpoint (a crash)
-                checkpoint.remove_unreferenced_shards(args.checkpoint_dir, keep=self._shards)
+            self.state.tidy(self.checkpoint_path)
             # The resolved configuration beside the checkpoint, for whoever finds it later.
             os.makedirs(args.checkpoint_dir, exist_ok=True)
             with open(os.path.join(args.checkpoint_dir, "config.json"), "w") as f:
@@ -126,7 +124,7 @@ class TrainingRun:
                     _check_writable(self.args.metrics)
             except UsageError as exc:
                 error = exc
-        if not all_ranks_ok(error is None, self.env.device, "TrainingRun(...), agreeing on the output paths"):
+        if not all_ranks_ok(error is None, "TrainingRun(...), agreeing on the output paths"):
             raise error or UsageError("rank 0 refused the output paths")
 
     # --- resume -------------------------------------------------------------------
@@ -143,15 +141,15 @@ class TrainingRun:
         args = self.args
         here = bool(self.checkpoint_path) and os.path.isfile(self.checkpoint_path)
         agreeing = "TrainingRun(...), agreeing on the checkpoint to resume from"
-        exists = all_ranks_ok(here, self.env.device, agreeing)
-        if not exists and not all_ranks_ok(not here, self.env.device, agreeing):
+        exists = all_ranks_ok(here, agreeing)
+        if not exists and not all_ranks_ok(not here, agreeing):
             raise UsageError(f"{self.checkpoint_path} exists for some ranks but not others: "
                              "--checkpoint-dir must be on a file system that every node sees")
         # Each torchrun agent counts only its own restarts: when a worker dies on one node,
         # the healthy nodes' workers may restart with a count of 0. Any rank restarted
         # means the whole group was.
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-        restarted = not all_ranks_ok(restarts == 0, self.env.device, agreeing)
+        restarted = not all_ranks_ok(restarts == 0, agreeing)
         if exists and restarted:
             print0(f"torchrun restart: resuming from {self.checkpoint_path}")
             return self.checkpoint_path
@@ -170,25 +168,20 @@ class TrainingRun:
     # silently ignored; changing them is a new run.
     _MUST_MATCH = ("model", "batch_size", "dataset", "train_samples", "seed", "epochs", "warmup_epochs",
                    "lr", "momentum", "nesterov", "weight_decay")
-    _NEEDED = ("model", "optimizer", "scheduler", "epoch", "step_in_epoch", "global_step", "train_sums", "rng")
-    _NEEDED_SHARDED = ("sharded", *_NEEDED[2:])  # model and optimizer: in the shard folder
+    _NEEDED = ("scheduler", "epoch", "step_in_epoch", "global_step", "train_sums", "rng")
 
     def _resume(self, path):
         error = state = None
         try:
             state = checkpoint.load(path)  # every rank reads the file: no broadcast needed
-            if self.sharded != ("sharded" in state):
-                raise UsageError(f"checkpoint {path} is {'' if 'sharded' in state else 'not '}sharded: "
-                                 f"resume it with the script that wrote it ({state.get('strategy', 'unknown')})")
-            if self.sharded:  # every rank must see the shards before DCP's collective load
-                checkpoint.check_sharded_folder(checkpoint.sharded_folder(path, state["sharded"]["folder"]))
+            self.state.check(state, path)
         except UsageError as exc:
             error = exc
         # A file that only some ranks can read must stop all of them, not leave the
         # others waiting in the next collective.
-        if not all_ranks_ok(error is None, self.env.device, "TrainingRun(...), agreeing that every rank resumed"):
+        if not all_ranks_ok(error is None, "TrainingRun(...), agreeing that every rank resumed"):
             raise error or UsageError(f"checkpoint {path} could not be read on another rank")
-        missing = [key for key in (self._NEEDED_SHARDED if self.sharded else self._NEEDED) if key not in state]
+        missing = [key for key in (*self.state.needed, *self._NEEDED) if key not in state]
         if missing:
             raise UsageError(f"checkpoint {path} lacks {', '.join(missing)}: it is not a complete "
                              "checkpoint of these scripts")
@@ -198,16 +191,8 @@ class TrainingRun:
                 flag = "--" + key.replace("_", "-")
                 raise UsageError(f"checkpoint {path} was written with {flag} {saved[key]}, this run has "
                                  f"{flag} {getattr(self.args, key)}: resume with the same value")
-        if self.sharded:  # all ranks: a collective; the whole run fails alike if the shards do not fit
-            shards = state["sharded"]
-            checkpoint.load_sharded(self.model, self.optimizer, checkpoint.sharded_folder(path, shards["folder"]),
-                                    shards["param_groups"])
-            if _same_file(path, self.checkpoint_path or ""):
-                self._shards, self._param_groups = shards["folder"], shards["param_groups"]
         try:
-            if not self.sharded:
-                self.model.load_state_dict(state["model"])
-                self.optimizer.load_state_dict(state["optimizer"])
+            self.state.load(state, path, own=_same_file(path, self.checkpoint_path or ""))
             self.scheduler.load_state_dict(state["scheduler"])
             if self.scaler is not None and state.get("scaler"):
                 self.scaler.load_state_dict(state["scaler"])
@@ -226,25 +211,17 @@ class TrainingRun:
                f"{self.steps_per_epoch} in it, {self.global_step} steps in all")
 
     def save(self):
-        """Checkpoint now (a collective: every rank must call it at the same step)."""
+        """Checkpoint now (every rank must call it at the same step)."""
         if not self.checkpoint_path:
             return
-        previous = self._shards
-        if self.sharded and previous != f"{checkpoint.SHARDED_PREFIX}{self.global_step}":  # not saved at this step yet
-            # Every rank writes its shards; DCP returns once all have. The folder is new: rank 0
-            # removed any leftover of a crashed attempt when the run started.
-            self._shards = f"{checkpoint.SHARDED_PREFIX}{self.global_step}"
-            with meeting(f"the sharded checkpoint of step {self.global_step} (in run.step_done() or run.end_epoch())"):
-                self._param_groups = checkpoint.save_sharded(
-                    self.model, self.optimizer, checkpoint.sharded_folder(self.checkpoint_path, self._shards))
         with meeting(f"the checkpoint of step {self.global_step} (in run.step_done() or run.end_epoch())"):
+            model_and_optimizer = self.state.save(self.global_step, self.checkpoint_path)
             sums = self.meter.global_sums() if self.meter is not None else [0.0, 0.0, 0.0]
         if not self.env.is_main:
             return
         state = {
             "format": checkpoint.FORMAT,
-            **({"sharded": {"folder": self._shards, "param_groups": self._param_groups}} if self.sharded else
-               {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}),
+            **model_and_optimizer,
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "epoch": self.epoch,
@@ -256,9 +233,8 @@ class TrainingRun:
             "world_size": self.env.world_size,
             "strategy": self.strategy,
         }
-        checkpoint.atomic_save(state, self.checkpoint_path)  # the commit: checkpoint.pt names the new shards
-        if previous is not None and previous != self._shards:
-            shutil.rmtree(checkpoint.sharded_folder(self.checkpoint_path, previous), ignore_errors=True)
+        checkpoint.atomic_save(state, self.checkpoint_path)  # the commit
+        self.state.saved(self.checkpoint_path)
 
     # --- the loop -----------------------------------------------------------------
 
@@ -355,9 +331,8 @@ class TrainingRun:
         every = self.args.checkpoint_every
         if every and self.global_step % every == 0 and self.step_in_epoch < self.steps_per_epoch:
             self.save()
-        with meeting(f"run.step_done() at step {self.global_step} (the stop-signal agreement)"):
-            stop = self.stop_signal.should_stop(self.global_step)
-        if stop:
+        if self.stop_signal.should_stop(self.global_step,
+                                        f"run.step_done() at step {self.global_step} (the stop-signal agreement)"):
             if self.step_in_epoch >= self.steps_per_epoch:
                 # The epoch is complete: let end_epoch evaluate, checkpoint and record it,
                 # then stop there (done() is now True), rather than lose its record.
@@ -405,9 +380,9 @@ class TrainingRun:
         # A signal that came during the evaluation is honoured now, with the epoch just
         # checkpointed, not ten steps into the next one (an evaluation longer than the
         # launcher's grace period would otherwise end in SIGKILL). All ranks meet here.
-        with meeting(f"run.end_epoch() after step {self.global_step} (the stop-signal agreement)"):
-            if not self._stop and self.stop_signal.should_stop(self.global_step, now=True):
-                self._stop = True
+        if not self._stop and self.stop_signal.should_stop(
+                self.global_step, f"run.end_epoch() after step {self.global_step} (the stop-signal agreement)", now=True):
+            self._stop = True
         if self._stop:
             self.stop_signal.announce(self.global_step, self.checkpoint_path)
 
@@ -422,3 +397,61 @@ class TrainingRun:
         self.log.write(record)
         print0(f"done: {self.global_step} steps, test acc1 {record['test_acc1']:.2f}%, "
                f"{record['total_seconds']:.1f} s in all")
+
+
+# --- stop signals --------------------------------------------------------------------------------
+
+class Preempted(SystemExit):
+    """Raised after the stop checkpoint is saved; exits the process with status 0."""
+
+    def __init__(self):
+        super().__init__(0)
+
+
+class StopSignal:
+    """Stop cleanly on SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 (which SLURM can send before a time
+    limit or preemption): checkpoint at the next step boundary that every rank agrees on, exit 0,
+    and a later run with --resume continues with the exact next batch.
+
+    torchrun forwards SIGTERM to every worker and kills them 30 s later; SLURM's
+    `--signal=USR1@120` gives two minutes. The handler only sets a flag: the ranks then agree
+    on the step at which all of them stop. A rank that stopped alone would leave the others
+    waiting in the next gradient all-reduce."""
+
+    def __init__(self, distributed: bool, check_every: int = 10):
+        self.received = None
+        # One agreement per `check_every` steps: each waits for the slowest rank.
+        self.check_every = check_every if distributed else 1
+        self._previous = {sig: signal.signal(sig, self._handler) for sig in SIGNALS}
+
+    def close(self):
+        """Give the signals back to whoever handled them before (the default: exit)."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _handler(self, signum, frame):
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+            stop_under_way()
+
+    def should_stop(self, global_step: int, call: str = "the stop-signal agreement", now: bool = False) -> bool:
+        """True on every rank at the same step once any rank has received a signal. Checked every
+        `check_every` steps, or at once with now=True (at a point every rank reaches together,
+        such as after evaluation). Every rank must call it at the same steps; `call` names where."""
+        if global_step % self.check_every and not now:
+            return False
+        stop = any_rank(self.received is not None, call)
+        if stop and self.received is None:
+            self.received = "a signal to another rank"
+            stop_under_way()
+        return stop
+
+    def announce(self, global_step: int, path):
+        if path:
+            print0(f"stopping at step {global_step} on {self.received}: checkpoint saved to {path}; "
+                   "continue with --resume")
+        else:
+            print0(f"stopping at step {global_step} on {self.received}: no --checkpoint-dir, nothing saved; "
+                   "this run cannot be continued")
+

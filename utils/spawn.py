@@ -8,7 +8,7 @@ script shows only what differs from distributed.py: mp.spawn and each process's 
 - Supervisor: in the parent, passes stop signals on to the workers, waits for them, ends
   as the first one that failed, and removes the rendezvous file of a one-node run.
 - worker_exit: in each worker, bad input written for the parent's one line, a stop on a
-  signal as exit status 0, a loader worker's bus error as one line, and cli.leave at the end.
+  signal as exit status 0, a loader worker's bus error as one line, and lifecycle.leave at the end.
 """
 import contextlib
 import errno
@@ -22,9 +22,10 @@ import sys
 import tempfile
 from urllib.parse import urlparse
 
+import torch
 import torch.multiprocessing as mp
 
-from . import cli, distributed as dist_utils, preemption
+from . import cli, distributed as dist_utils, lifecycle
 
 
 def add_flags(parser):
@@ -44,21 +45,21 @@ def add_flags(parser):
 
 
 def check_launch(args) -> int:
-    """Fill in the defaults, validate the launch flags; returns the world size."""
-    dist_utils.device_type(args.device, distributed=True)  # refuses what no process group can use
+    """Fill in the defaults, validate the launch flags; returns the world size. On several
+    nodes a refusal here also reaches the other nodes' processes (lifecycle.tell_the_job)."""
+    device_type = dist_utils.device_type(args.device, distributed=True)  # what no process group can use
     gpus = dist_utils.device_count(args.device)
     if args.nproc_per_node is None:
         args.nproc_per_node = gpus or 2
-    elif gpus and args.nproc_per_node > gpus:
-        raise cli.UsageError(f"--nproc-per-node {args.nproc_per_node} but only {gpus} GPU"
-                             f"{'s' if gpus != 1 else ''} visible: use {gpus} or fewer (one process per GPU), "
-                             "or --device cpu")
     if args.node_rank >= args.nodes:
         raise cli.UsageError(f"--node-rank {args.node_rank} with --nodes {args.nodes}: "
                              f"node ranks go from 0 to {args.nodes - 1}")
     world_size = args.nodes * args.nproc_per_node
 
     if args.init_method is None:
+        if args.nodes > 1 and not cli.given(args, "ip"):
+            raise cli.UsageError(f"--nodes {args.nodes} needs --ip: node 0's address, which every node reaches, "
+                                 "the same on every node")
         if args.port is None:
             if args.nodes > 1:
                 raise cli.UsageError(f"--nodes {args.nodes} needs --port: the same free port of node 0 "
@@ -74,22 +75,34 @@ def check_launch(args) -> int:
             host, port = None, None
         if not host or not port:
             raise cli.UsageError(f"--init-method {args.init_method}: expected tcp://HOST:PORT")
-        if args.node_rank == 0:  # rank 0 listens there: check now that it can
-            bind_port(host, port)
     elif url.scheme == "file":
-        path = url.path
-        if url.netloc or not path.startswith("/"):
+        host = None
+        if url.netloc or not url.path.startswith("/"):
             raise cli.UsageError(f"--init-method {args.init_method}: expected file:///ABSOLUTE/PATH")
+    else:
+        raise cli.UsageError(f"--init-method {args.init_method}: use tcp://HOST:PORT or file:///PATH")
+    if args.nodes > 1:  # from here on the other nodes hear of a refusal (rank 0 is node 0's)
+        lifecycle.meets_at(args.init_method, args.node_rank * args.nproc_per_node, world_size,
+                           hosts_store=args.node_rank == 0)
+    if gpus and args.nproc_per_node > gpus:
+        raise cli.UsageError(f"--nproc-per-node {args.nproc_per_node} but only {gpus} GPU"
+                             f"{'s' if gpus != 1 else ''} visible: use {gpus} or fewer (one process per GPU), "
+                             "or --device cpu", met_by="node")
+    if url.scheme == "tcp" and args.node_rank == 0:  # rank 0 listens there: check now that it can
+        bind_port(host, port)
+    if url.scheme == "file":
+        path = url.path
         if not os.path.isdir(os.path.dirname(path) or "/"):
             raise cli.UsageError(f"--init-method {args.init_method}: directory {os.path.dirname(path)} "
                                  "does not exist")
-        # A file left by an earlier run that crashed would be joined as if it were this
-        # run's. With several nodes a peer may already have created it, so only one node checks.
+        # A file left by an earlier run that crashed would be joined as if it were this run's.
+        # With several nodes a peer may already have created it, so only one node checks.
         if args.nodes == 1 and os.path.exists(path) and os.path.getsize(path) > 0:
             raise cli.UsageError(f"--init-method {args.init_method}: the file exists (left by an earlier "
                                  "run?); delete it or name a new file")
-    else:
-        raise cli.UsageError(f"--init-method {args.init_method}: use tcp://HOST:PORT or file:///PATH")
+    if args.nodes > 1:
+        flag = "--ip" if cli.given(args, "ip") else "--init-method"
+        dist_utils.check_network(host, torch.device(device_type), flag=flag)
     return world_size
 
 
@@ -201,33 +214,34 @@ class Supervisor:
 
 @contextlib.contextmanager
 def worker_exit(errors, local_rank):
-    """Around a worker's whole life: bad input (UsageError) is written to a file of its own
-    next to `errors` (Supervisor) for the parent's one line, exit status 2; a stop on a
-    signal, checkpoint saved, is status 0; then cli.leave. Any other exception goes on to
-    mp.spawn, which shows the parent its traceback."""
+    """Around a worker's whole life: bad input (UsageError) is written to a file of its own next
+    to `errors` (Supervisor) for the parent's one line, and told to the other ranks
+    (lifecycle.tell_the_job), exit status 2; a stop on a signal, checkpoint saved, is status 0;
+    then lifecycle.leave. Any other exception goes on to mp.spawn, which shows the parent its
+    traceback."""
     code = 0
     try:
-        with cli.imports_frozen():  # a spawned worker is a new interpreter, its imports done
-            yield
+        yield
     except cli.UsageError as err:
         # Each rank meets the same bad input; the parent prints one line for all of them.
         with open(f"{errors}.{local_rank:05d}", "x") as f:  # closed before this process exits
             f.write(str(err))
+        lifecycle.tell_the_job(str(err))
         code = 2
-    except preemption.Preempted:
-        code = 0  # stopped on a signal, checkpoint saved
+    except SystemExit as stop:  # a stop on a signal (run.Preempted), or a join that failed
+        code = stop.code if isinstance(stop.code, int) else 1
     except Exception as err:
-        message = cli.bus_error_message(err)  # a loader worker that ran out of shared memory
+        message = lifecycle.bus_error_message(err)  # a loader worker that ran out of shared memory
         if message is None:
             raise
         cli.print_line(cli.error_line(message))
         code = 1
-    cli.leave(code)  # the work is done: skip the interpreter's teardown (see cli.leave)
+    lifecycle.leave(code)  # the work is done: skip the interpreter's teardown (see lifecycle.leave)
 
 
 def forward_stop_signals(workers):
     """Pass SIGTERM/SIGINT/SIGUSR1 on to the workers, as torchrun does: they checkpoint at a
-    step all ranks agree on and exit 0 (utils/preemption.py). Dying here instead would take
+    step all ranks agree on and exit 0 (utils/run.py, StopSignal). Dying here instead would take
     them down mid-step, before they could save."""
     def forward(signum, frame):
         for pid in workers.pids():
@@ -235,7 +249,7 @@ def forward_stop_signals(workers):
                 os.kill(pid, signum)
             except ProcessLookupError:  # already gone
                 pass
-    for sig in preemption.SIGNALS:
+    for sig in lifecycle.SIGNALS:
         signal.signal(sig, forward)
 
 
@@ -247,6 +261,8 @@ def exit_like(err, args, errors):
     if paths:  # bad input that only the workers could see: the lowest local rank's line
         with open(paths[0]) as f:
             raise cli.UsageError(f.read()) from None
+    if isinstance(err, mp.ProcessExitedException) and err.exit_code == 2:
+        sys.exit(2)  # the job's bad input, met by another rank: the worker has said it (distributed.joining)
     if isinstance(err, mp.ProcessRaisedException):
         cli.print_line(f"{err}".strip() + f"\n(in global rank {rank})")  # what sys.exit(text) prints, in one write
         sys.exit(1)
@@ -261,7 +277,10 @@ def error_files(errors):
 
 def remove_rendezvous_file(args):
     # The file store often leaves its file behind, and a stale file would be joined as if it
-    # were the next run's. On one node, every process that used it has exited by now.
-    if args.nodes == 1 and args.init_method.startswith("file://"):
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(urlparse(args.init_method).path)
+    # were the next run's. On one node, every process that used it has exited by now; the file
+    # where a rank left its refusal (lifecycle.tell_the_job) goes with node 0's end.
+    if args.init_method.startswith("file://"):
+        path = urlparse(args.init_method).path
+        for leftover in ([path] if args.nodes == 1 else []) + ([lifecycle.refusal_file(path)] if args.node_rank == 0 else []):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(leftover)

@@ -1,0 +1,382 @@
+"""A training process's life: how it ends, the signals it takes, and its loader workers.
+
+- `run_main(main)`: the scripts' entry point. Bad input (cli.UsageError) becomes one line
+  on stderr and exit status 2; a rank of a job also tells the other ranks, which would
+  otherwise wait for it (`tell_the_job`). A process that joined a process group ends
+  through `leave`.
+- Stop signals (SIGTERM, SIGINT, SIGUSR1) reach a whole process group or job step, the
+  DataLoader workers included (Ctrl-C, SLURM's `scancel --signal`, preemption). The workers
+  ignore them (`ignore_stop_signals`) and leave the decision to their rank, which stops at
+  a step all ranks agree on (utils/run.py); they are started with the signals blocked
+  (`stop_signals_blocked`), so that none can arrive before that call.
+- A loader worker killed by a bus error (its shared memory, /dev/shm, full) ends the run
+  with one line that says so (`bus_error_message`).
+"""
+import atexit
+import contextlib
+import datetime
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+import weakref
+
+from . import compat
+from .cli import UsageError, error_line, print_line, prints_errors
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+# What a rank's error says when a peer died or left (gloo's sockets; utils.distributed.meeting).
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Another rank never came")
+
+_as_program = False  # run_main called as the program (argv None): the process ends with it
+_joined_a_group = False
+
+
+def joined_a_group():
+    """Called when this process joins a process group: from then on, run_main ends it through
+    `leave`."""
+    global _joined_a_group
+    _joined_a_group = True
+
+
+def run_main(main, argv=None):
+    """Call main(argv); a UsageError becomes one line on stderr and exit status 2.
+
+    Every rank of a job meets the same bad input at the same point, so only global rank 0
+    prints the line (cli.UsageError's met_by says otherwise for a node's or a rank's own).
+    Any other exception is a bug: torchelastic's @record writes its traceback to the error
+    file torchrun reads, so the failing rank's error is the one torchrun reports first, not
+    the timeouts of the ranks that were waiting for it. Called as the program (argv None) in a
+    process that joined a process group, the run leaves through `leave`."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    failed_at = []  # when main raised: the time torchrun orders the ranks' failures by
+
+    def guarded():
+        try:
+            main(argv)
+        except UsageError as err:
+            refuse(str(err), prints_errors(err.met_by))
+            sys.exit(2)
+        except KeyboardInterrupt:
+            sys.exit(130)
+        except Exception as err:
+            failed_at.append(time.time())
+            loader_sigchld_off()  # before @record writes the error file
+            if _joined_a_group and isinstance(err, RuntimeError) and any(w in str(err) for w in _PEER_LOST):
+                # Only a consequence of a peer's failure: report it a second later. torchrun
+                # names as the root cause the failure whose error file has the earliest time,
+                # in whole seconds, and this rank fails as fast as the peer that caused it.
+                time.sleep(1.0)
+            raise
+
+    if argv is not None:  # a caller's own process: it keeps its handlers and its exit
+        record(guarded)()
+        return
+    global _as_program
+    _as_program = True
+    try:
+        record(guarded)()
+    except SystemExit as stop:
+        if not _joined_a_group:
+            raise
+        code = stop.code
+        leave(code if isinstance(code, int) else (0 if code is None else 1),
+              message=None if code is None or isinstance(code, int) else str(code))
+    except Exception as err:
+        message = bus_error_message(err)
+        if message is not None:  # this rank's own line (under torchrun also in its error file)
+            record_for_torchrun(error_line(message), failed_at[0] if failed_at else None)
+            if not _joined_a_group:
+                print_line(error_line(message))
+                sys.exit(1)
+            leave(1, message=error_line(message))
+        if not _joined_a_group:
+            raise
+        # A failure after joining (a bug, a peer that died): the traceback, then out through
+        # leave. Through the interpreter's teardown, a rank whose peer had died stayed until
+        # torchrun killed it 30 s later (measured).
+        traceback.print_exc()
+        leave(1)
+    if _joined_a_group:
+        leave(0)
+
+
+def leave(code: int = 0, message: str = None):
+    """End this process now, once its work is done and its process group destroyed.
+
+    The interpreter's own teardown is skipped on purpose. destroy_process_group() does not
+    stop gloo's worker threads; they end when the last reference to the group goes, and once
+    a DDP model has used the group something in PyTorch still holds it (pytorch/pytorch
+    issues 72366, 107298). Such a thread can free a finished work item's tensors while the
+    main thread finalizes the interpreter; Python (up to 3.13) ends it with pthread_exit
+    inside a noexcept destructor: `terminate called without an active exception`, SIGABRT,
+    and the launcher reports a failure for a job that completed (pytorch/pytorch issue
+    190489). tutorials/09-debugging.md has the measurements.
+
+    Before exiting this runs the atexit handlers (which also end the loader workers still
+    alive, and flush logging) and flushes stdout and stderr; nothing else runs."""
+    if message:
+        print_line(message)
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):  # closed, or a broken pipe
+                stream.flush()
+        os._exit(code)
+
+
+# --- bad input ------------------------------------------------------------------------------
+
+def refuse(message: str, prints: bool):
+    """What a process does with its bad input before it exits with status 2: global rank 0
+    (for input every rank meets) puts its line on stderr; every rank leaves the line in
+    torchrun's error file, for torchrun's summary, and tells the ranks that wait for it
+    (`tell_the_job`).
+
+    From here on it ignores SIGTERM: under torchrun the first rank out makes the agent stop
+    the others, and a rank still on its way out died of it, its own status lost (seen under
+    load). A rank that does not print waits 2 s under torchrun, so that rank 0's line
+    normally comes first."""
+    if _as_program and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    line = error_line(message)
+    if prints:
+        print_line(line)
+    record_for_torchrun(line)
+    tell_the_job(message)
+    if not prints and os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        time.sleep(2.0)
+
+
+def record_for_torchrun(line: str, when: float = None):
+    """Under torchrun, leave `line` where torchrun reads a failed rank's error (the file
+    TORCHELASTIC_ERROR_FILE names, in the JSON form of torch.distributed.elastic's
+    ErrorHandler): torchrun's closing summary then shows it as the root cause. `when`: the
+    time of the failure; torchrun names the earliest (in whole seconds) the root cause."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = json.dumps({"message": {"message": line, "extraInfo": {
+        "py_callstack": line, "timestamp": str(int(time.time() if when is None else when))}}})
+    # Whole or not at all: a file cut short (this process killed while writing it) makes
+    # torchrun's agent fail to parse it.
+    temporary = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(temporary, "w") as f:
+            f.write(data)
+        os.replace(temporary, path)
+    except OSError:  # the launcher's folder gone: the line on stderr is still there
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+
+
+# --- telling the other ranks ------------------------------------------------------------------
+#
+# A rank that refuses before the process group forms leaves its line where the others, waiting
+# to form it, look (utils.distributed.setup watches for it): the rendezvous store, or, for a
+# file:// rendezvous, a file beside the rendezvous file. The store may be this rank's to host
+# (rank 0 under env:// without torchrun's agent store, and under tcp://): it then hosts it until
+# every other rank has read the line, or DELIVERY_S have passed.
+
+DELIVERY_S = 10.0  # how long a refusing rank tries to reach the others (bounds its exit)
+_job = None  # where this process's job meets: set by utils.distributed, see meets_at
+
+
+def meets_at(rendezvous: str, rank: int, world_size: int, hosts_store: bool = False):
+    """Record where this process's job meets, for `tell_the_job`: rendezvous "tcp://HOST:PORT"
+    (env:// as MASTER_ADDR:MASTER_PORT) or "file:///PATH"; hosts_store: this process serves
+    that store (rank 0, unless torchrun's agent does)."""
+    global _job
+    _job = (rendezvous, rank, world_size, hosts_store)
+
+
+def attempt_prefix() -> str:
+    """Where this attempt's keys go in the job's store. Numbered by torchrun's restart count: a
+    store that outlives an attempt (torchrun's shared store) still holds the keys of the one
+    before."""
+    return f"utils/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def refusal_key() -> str:
+    return f"{attempt_prefix()}/refused"
+
+
+def refusal_file(path: str) -> str:
+    return f"{path}.refused"
+
+
+def store_client(host: str, port: int, timeout_s: float, host_it: bool = False):
+    from torch.distributed import TCPStore
+    return TCPStore(host, port, None, host_it, timeout=datetime.timedelta(seconds=timeout_s),
+                    wait_for_workers=False)
+
+
+def tell_the_job(refusal: str):
+    """Leave this process's refusal where the other ranks of its job look (see above); best
+    effort, within DELIVERY_S: a rendezvous that cannot be reached is no reason to wait more."""
+    if _job is None or _job[2] <= 1:
+        return
+    rendezvous, rank, world_size, hosts_store = _job
+    message = f"{rank}\n{refusal}"
+    if rendezvous.startswith("file://"):
+        path = refusal_file(rendezvous[len("file://"):])
+        with contextlib.suppress(OSError), open(f"{path}.{os.getpid()}", "w") as f:
+            f.write(message)
+        with contextlib.suppress(OSError):
+            os.replace(f"{path}.{os.getpid()}", path)
+        return
+    host, port = rendezvous[len("tcp://"):].rsplit(":", 1)
+    deadline = time.monotonic() + DELIVERY_S
+    try:
+        store = store_client(host.strip("[]"), int(port), DELIVERY_S, host_it=hosts_store)
+        store.set(refusal_key(), message)
+        store.add(refusal_key() + "/read", 1)
+        while hosts_store and store.add(refusal_key() + "/read", 0) < world_size and time.monotonic() < deadline:
+            time.sleep(0.2)
+    except Exception:  # noqa: BLE001 - not reachable in time: the line is on this node's stderr
+        pass
+
+
+# --- loader workers -------------------------------------------------------------------------
+
+def ignore_stop_signals():
+    """In a DataLoader worker: the stop signals are its rank's to handle. (A forked worker would
+    otherwise run its copy of the rank's handler, or die of the default action, and the rank
+    would fail at its next batch before it could checkpoint.)"""
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
+
+
+@contextlib.contextmanager
+def stop_signals_blocked():
+    """Block the stop signals in this thread while loader workers are started: a child inherits
+    the mask, so a signal sent to the whole group stays pending in the worker until
+    `ignore_stop_signals` has run there, and is delivered here when the block ends."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+_loader_workers = weakref.WeakSet()  # the worker processes our loaders started
+_kill_at_exit_registered = False
+
+
+def start_loader_workers(start):
+    """`start()`: a DataLoader iterator, whose worker processes start now; returned.
+
+    - The workers start with the stop signals blocked (stop_signals_blocked).
+    - At exit, the workers still alive are killed: they ignore the SIGTERM that
+      multiprocessing's exit handler sends, and it would wait for them forever. Registered
+      before the first workers start, so that it runs after the handler that PyTorch 2.13 and
+      2.14 register for a loader's persistent pinned workers (atexit runs the last registered
+      first), which stops those iterators properly, and before multiprocessing's own.
+    - The workers share this process's multiprocessing folder (a "pymp-" folder in /tmp, for
+      the sockets they hand batches over by), made here if it is not yet: a worker makes its
+      own otherwise, which only its own exit removes, and a killed worker leaves it behind.
+    """
+    global _kill_at_exit_registered
+    import multiprocessing.util
+    if not _kill_at_exit_registered:
+        atexit.register(_kill_loader_workers)
+        _kill_at_exit_registered = True
+    multiprocessing.util.get_temp_dir()
+    try:
+        with stop_signals_blocked():
+            iterator = start()
+    finally:  # also when starting them failed part-way
+        compat.kill_loader_workers_first_at_exit(_kill_loader_workers)
+    _loader_workers.update(getattr(iterator, "_workers", ()))  # none for --workers 0
+    return iterator
+
+
+def _kill_loader_workers():
+    alive = [worker for worker in list(_loader_workers) if worker.exitcode is None]
+    if alive:
+        loader_sigchld_off()  # torch's loader would report each kill as a failed worker
+    for worker in alive:
+        with contextlib.suppress(OSError, ValueError, AssertionError):
+            worker.kill()
+
+
+def loader_sigchld_off():
+    """Put SIGCHLD back to its default in a rank that is failing. A DataLoader's SIGCHLD
+    handler raises its error wherever the main thread is each time a child ends, once a worker
+    has died: also in the middle of @record's write of the error file, which torchrun then
+    cannot parse. signal.signal first runs the handlers of signals already pending, so the
+    loader's may raise once more here: try again."""
+    for _ in range(5):
+        try:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            return
+        except RuntimeError:  # the loader's error, raised again: it is being handled already
+            continue
+        except (AttributeError, ValueError):  # no SIGCHLD here; not the main thread
+            return
+
+
+SHM_DIR = "/dev/shm"  # where DataLoader workers put the batches they hand over (Linux)
+
+
+def shm_free_bytes(path: str = None):
+    """Free bytes in the shared-memory folder (other jobs may use it), or None without one."""
+    try:
+        st = os.statvfs(path or SHM_DIR)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def bus_error_message(err: BaseException):
+    """One line for a loader worker killed by SIGBUS, or None for any other error.
+
+    A worker hands each batch over in shared memory (/dev/shm); when that folder is full,
+    writing to it kills the worker with a bus error. Docker gives a container 64 MB of it
+    unless told otherwise. The loader's own error says so; but when the worker dies while
+    handing a batch over, the error seen first is its closed socket, so the exit status of
+    our loaders' workers is looked at too (given a second to show)."""
+    chain = []
+    while err is not None and not ("DataLoader worker" in str(err) and "Bus error" in str(err)):
+        chain.append(err)
+        err = err.__cause__ or err.__context__
+    if err is None:
+        lost_a_socket = any(isinstance(e, (ConnectionError, EOFError)) for e in chain)
+        if not _a_loader_worker_died_of_sigbus(wait_s=1.0 if lost_a_socket else 0.0):
+            return None
+    free = shm_free_bytes()
+    where = f"{SHM_DIR}: {free / 2**20:.0f} MB free now" if free is not None else f"no {SHM_DIR} here"
+    return (f"a DataLoader worker died of a bus error, which in a loader worker almost always means "
+            f"that the shared-memory folder ran out ({where}). "
+            "In Docker run with --ipc=host or --shm-size=2g; elsewhere make the folder larger "
+            "(mount -o remount,size=2G /dev/shm) or lower --workers or --batch-size; "
+            "scripts/preflight.py shows what the workers need")
+
+
+def _a_loader_worker_died_of_sigbus(wait_s: float = 0.0) -> bool:
+    bus = getattr(signal, "SIGBUS", None)
+    deadline = time.monotonic() + wait_s
+    try:
+        while bus is not None:
+            for worker in list(_loader_workers):
+                with contextlib.suppress(AssertionError, OSError, ValueError):  # not ours to poll
+                    if worker.exitcode == -bus:
+                        return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+    except RuntimeError as err:  # the loader's SIGCHLD handler, raising while we wait
+        if "DataLoader worker" in str(err) and "Bus error" in str(err):
+            return True
+        raise
+    return False

@@ -1,0 +1,235 @@
+"""Sharded checkpoints, for distributed_fsdp.py: the model and the optimizer split across ranks.
+
+Every rank writes its own shards of the model and optimizer with torch.distributed.checkpoint
+(DCP) into SHARDED_PREFIX + step, a folder beside checkpoint.pt; rank 0 then writes
+checkpoint.pt as always (scheduler, RNG, epoch, step, ...), naming that folder. The atomic
+os.replace of checkpoint.pt is the commit: a crash in the middle of the shards leaves
+checkpoint.pt naming the previous, complete folder. Only tensors go through DCP, so that
+DCP never unpickles a value (it would, with torch.load(weights_only=False)); the
+optimizer's param_groups (plain values) go into checkpoint.pt.
+"""
+import enum
+import os
+import pickle
+import shutil
+import warnings
+
+import torch
+
+from .checkpoint import load
+from .cli import UsageError
+
+SHARDED_PREFIX = "sharded-step"
+_DCP_METADATA = ".metadata"
+
+
+class ShardedState:
+    """checkpoint.WholeState's kind for a model and optimizer sharded across ranks (FSDP): the
+    shards in a folder of their own beside checkpoint.pt, which names it."""
+
+    needed = ("sharded",)
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+        self.folder = self.param_groups = None  # the folder this run's checkpoint.pt names
+        self.previous = None  # the folder it named before the last save
+
+    def check(self, state: dict, path: str):
+        if "sharded" not in state:
+            raise UsageError(f"checkpoint {path} is not sharded: resume it with the script that wrote it "
+                             f"({state.get('strategy', 'unknown')})")
+        check_sharded_folder(sharded_folder(path, state["sharded"]["folder"]))  # before the collective load
+
+    def load(self, state: dict, path: str, own: bool = False):
+        """A collective: the whole run fails alike if the shards do not fit. own: `path` is this
+        run's own checkpoint.pt, whose folder a later save replaces."""
+        shards = state["sharded"]
+        load_sharded(self.model, self.optimizer, sharded_folder(path, shards["folder"]), shards["param_groups"])
+        if own:
+            self.folder, self.param_groups = shards["folder"], shards["param_groups"]
+
+    def save(self, step: int, path: str) -> dict:
+        """A collective: every rank writes its shards; DCP returns once all have."""
+        name = f"{SHARDED_PREFIX}{step}"
+        if name != self.folder:  # not saved at this step yet (a folder left by a crash is gone: tidy)
+            self.previous, self.folder = self.folder, name
+            self.param_groups = save_sharded(self.model, self.optimizer, sharded_folder(path, name))
+        return {"sharded": {"folder": self.folder, "param_groups": self.param_groups}}
+
+    def saved(self, path: str):
+        """Once checkpoint.pt names the new folder (the commit), the one it named before goes."""
+        if self.previous is not None and self.previous != self.folder:
+            shutil.rmtree(sharded_folder(path, self.previous), ignore_errors=True)
+        self.previous = None
+
+    def tidy(self, path: str):
+        """At the start (rank 0): the folders of saves that never became the checkpoint (a crash)."""
+        remove_unreferenced_shards(os.path.dirname(os.path.abspath(path)), keep=self.folder)
+
+
+def sharded_folder(checkpoint_path: str, name: str) -> str:
+    """The shards' folder that a checkpoint.pt names: beside that file, wherever it is."""
+    return os.path.join(os.path.dirname(os.path.abspath(checkpoint_path)), name)
+
+
+def save_sharded(model, optimizer, folder: str) -> list:
+    """Write this rank's shards into `folder` (a collective: every rank calls it). Returns the
+    optimizer's param_groups, for checkpoint.pt. When it returns on any rank, every rank has
+    written (and fsynced) its files and rank 0 the folder's metadata: DCP gathers every
+    rank's result before it writes the metadata, and only then returns."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model_state, optim_state = get_state_dict(model, optimizer)
+    # Buffers (batch-norm statistics) are whole on every rank but differ between ranks; DCP
+    # writes one copy of such a tensor, by default from whichever rank has the least to write.
+    # dedup_save_to_lowest_rank: rank 0's, the buffers a DDP checkpoint holds.
+    dcp.save({"model": model_state, "optimizer": optim_state["state"]}, checkpoint_id=folder,
+             planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+    return optim_state["param_groups"]
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's metadata file is a pickle: read it allowing only DCP's own metadata classes and
+    the torch types they hold, so that a crafted folder cannot run code."""
+
+    ALLOWED = {("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
+        ("torch", "Size"), ("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+        # Python 3.13 pickles the two as pathlib._local's (seen with 3.13.0)
+        ("pathlib._local", "PosixPath"), ("pathlib._local", "WindowsPath")}
+
+    def find_class(self, module, name):
+        if (module, name) in self.ALLOWED or (module == "torch" and isinstance(
+                getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format))):
+            return super().find_class(module, name)
+        if (module, name) == ("builtins", "getattr"):
+            # Early Python 3.11 releases (Debian 12's 3.11.2 among them) pickle an Enum member,
+            # here DCP's _MEM_FORMAT_ENCODING, as getattr(its class, its name); 3.11.7 pickles
+            # it by value again. The real getattr would hand out any attribute of an allowed
+            # class (a method of PosixPath that writes files): this stand-in gives enum members.
+            return _enum_member
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which DCP's metadata never holds")
+
+
+def _enum_member(cls, name):
+    # isinstance: what an enum's member table holds is checked too (a pickle can rewrite it).
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str):
+        member = cls.__members__.get(name)
+        if isinstance(member, cls):
+            return member
+    raise pickle.UnpicklingError(f"it asks getattr for {name!r}, which is not a member of an enum")
+
+
+def _checked_reader(folder: str, metadata):
+    """DCP's FileSystemReader for `folder`, handed the metadata that check_sharded_folder read.
+    Its own read_metadata would unpickle the file again with pickle.load: a second read (of a
+    file that may have changed) by an unpickler that resolves names its own way (the real
+    getattr, where ours gives enum members only). What is checked must be what is used."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class CheckedReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            if kwargs.get("rank") is not None:  # a rank's own metadata file: these scripts write none
+                raise FileNotFoundError(f"no metadata of rank {kwargs['rank']} in {folder}")
+            # What FileSystemReader.read_metadata does after its pickle.load (PyTorch 2.11 to 2.14).
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return CheckedReader(folder)
+
+
+def check_sharded_folder(folder: str):
+    """DCP's metadata of `folder`, read safely; UsageError in one line if the folder is
+    missing, incomplete (a save that died before its end) or not ours (non-tensor items)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    path = os.path.join(folder, _DCP_METADATA)
+    if not os.path.isfile(path):
+        raise UsageError(f"no sharded checkpoint at {folder} (its {_DCP_METADATA} is missing: never written, "
+                         "or the save did not finish)")
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise UsageError(f"cannot read sharded checkpoint {folder}: {type(exc).__name__}: {first}") from None
+    items = getattr(metadata, "state_dict_metadata", None)
+    if not isinstance(items, dict) or not all(isinstance(v, TensorStorageMetadata) for v in items.values()):
+        raise UsageError(f"sharded checkpoint {folder} holds items other than tensors: "
+                         "it was not written by these scripts")
+    return metadata
+
+
+def load_sharded(model, optimizer, folder: str, param_groups: list):
+    """Load `folder` into the (sharded) model and optimizer, whatever the number of ranks that
+    wrote it: DCP reads the pieces of the saved shards that this rank's shards cover. A
+    collective. UsageError if the folder does not fit the model."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    metadata = check_sharded_folder(folder)
+    # The current state is the template: DCP loads into its tensors (this rank's shards).
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state["state"]}
+    try:
+        dcp.load(state, storage_reader=_checked_reader(folder, metadata))
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict={"state": state["optimizer"], "param_groups": param_groups})
+    except (Exception, dcp.CheckpointException) as exc:  # a missing key or another shape: on every rank
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise UsageError(f"sharded checkpoint {folder} does not fit this model/optimizer: {first}") from None
+
+
+def read_sharded(folder: str) -> dict:
+    """Every tensor of a sharded checkpoint, whole, on the CPU, in one process (no process
+    group): {"model.conv1.weight": tensor, "optimizer.<name>.momentum_buffer": tensor, ...}."""
+    import torch.distributed.checkpoint as dcp
+    metadata = check_sharded_folder(folder)
+    state = {name: torch.empty(item.size, dtype=item.properties.dtype)
+             for name, item in metadata.state_dict_metadata.items()}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        try:
+            dcp.load(state, storage_reader=_checked_reader(folder, metadata), no_dist=True)
+        except (Exception, dcp.CheckpointException) as exc:  # a shard file cut short or missing (the
+            # latter a BaseException: DCP's own failures would otherwise pass `except Exception`)
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            raise UsageError(f"cannot read sharded checkpoint {folder}: {type(exc).__name__}: {first}") from None
+    return state
+
+
+def load_full(path: str) -> dict:
+    """A checkpoint of ours as a plain one, whatever wrote it: a sharded checkpoint's model
+    and optimizer are read whole from its folder, the optimizer in torch's own layout
+    (parameters numbered in param_groups order), as a DDP checkpoint holds them."""
+    state = load(path)
+    if "sharded" not in state:
+        return state
+    tensors = read_sharded(sharded_folder(path, state["sharded"]["folder"]))
+    groups = state["sharded"]["param_groups"]
+    names = [name for group in groups for name in group["params"]]
+    optim_state = {}
+    for index, name in enumerate(names):
+        prefix = f"optimizer.{name}."
+        entries = {key[len(prefix):]: value for key, value in tensors.items() if key.startswith(prefix)}
+        if entries:
+            optim_state[index] = entries
+    numbered, start = [], 0
+    for group in groups:
+        numbered.append(dict(group, params=list(range(start, start + len(group["params"])))))
+        start += len(group["params"])
+    model = {key[len("model."):]: value for key, value in tensors.items() if key.startswith("model.")}
+    return dict(state, model=model, optimizer={"state": optim_state, "param_groups": numbered})
+
+
+def remove_unreferenced_shards(directory: str, keep: str = None):
+    """Delete the shard folders in `directory` but `keep` (the one checkpoint.pt names): what a
+    crash during a sharded save left behind, finished or not."""
+    if os.path.isdir(directory):
+        for entry in os.listdir(directory):
+            if entry.startswith(SHARDED_PREFIX) and entry != keep:
+                shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
