@@ -377,7 +377,7 @@ def resolve_plan(args) -> Plan:
     elif use_cuda:
         # Enough loader processes to feed a GPU; the cores are shared by every training process.
         wanted = max(1, min(16, (os.cpu_count() or 2) // procs - 1))
-        free = cli.shm_free_bytes(data.shm_dir())
+        free = lifecycle.shm_free_bytes(data.shm_dir())
         plan.workers = workers_that_fit(wanted, procs, per_device_batch, free)
         if plan.workers < wanted:
             plan.workers_note = (f"{wanted} by the cores, {plan.workers} by the {free / 2**20:,.0f} MiB free in "

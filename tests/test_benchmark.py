@@ -236,7 +236,7 @@ def test_loader_workers_on_a_gpu_fit_in_shared_memory(tool, monkeypatch):
         return data.shm_estimate(loaders, 1, tool.LOADER_SAMPLE_BYTES)[0]
 
     for free, expected in ((None, 15), (2**40, 15), (64 * 2**20, 1), (20 * 2**20, 0)):
-        monkeypatch.setattr(tool.cli, "shm_free_bytes", lambda path=None: free)
+        monkeypatch.setattr(tool.lifecycle, "shm_free_bytes", lambda path=None: free)
         plan = tool.resolve_plan(args)
         assert plan.workers == expected, (free, plan.workers)
         if free is not None and expected < 15:
@@ -246,7 +246,7 @@ def test_loader_workers_on_a_gpu_fit_in_shared_memory(tool, monkeypatch):
             assert plan.workers_note == ""
     # Two GPUs: 7 workers each by the cores; both processes' workers share the one /dev/shm.
     monkeypatch.setattr(tool.torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(tool.cli, "shm_free_bytes", lambda path=None: 6 * estimate(1))
+    monkeypatch.setattr(tool.lifecycle, "shm_free_bytes", lambda path=None: 6 * estimate(1))
     assert tool.resolve_plan(args).workers == 3  # 2 processes x 3 workers fill it: not 6, as for one
 
 

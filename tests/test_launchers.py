@@ -214,8 +214,8 @@ def test_slurm_batch_script_command(stubs, script_help, tmp_path):
     assert proc.returncode == 0, proc.stderr
     srun = [c for c in calls() if c["cmd"] == "srun"]
     # The arguments are checked once before srun; no scancel, no requeue.
-    assert [c["cmd"] for c in calls()] == ["python", "scontrol", "srun"]
-    assert calls()[0]["argv"][-1] == "--check-args"
+    assert [c["cmd"] for c in calls()] == ["scontrol", "python", "srun"]
+    assert calls()[1]["argv"][-1] == "--check-args"
     assert srun[0]["argv"][1] == "scripts/torchrun_bounded.py"  # torchrun, with each node's own settings
     launcher, script, args = script_and_args(srun[0]["argv"][2:])
     for option in ("--nnodes=2", "--nproc_per_node=8", "--rdzv-backend=c10d",
@@ -239,7 +239,7 @@ def test_slurm_refuses_bad_arguments_once_before_srun(stubs, tmp_path):
                   "--batch-size", "1000", **SLURM_ENV)
     assert proc.returncode == 2
     assert_one_line_error(proc, "batch size 1000 is not divisible by 16 processes")
-    assert [c["cmd"] for c in calls()] == []  # nothing started
+    assert [c["cmd"] for c in calls()] == ["scontrol"]  # the head node's name, and nothing started
 
 
 def test_slurm_without_a_venv_says_how_to_make_one(stubs, tmp_path):
