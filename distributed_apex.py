@@ -56,7 +56,7 @@ def main(argv=None):
     # --- arguments --------------------------------------------------------------------
     parser = cli.build_parser(__doc__, MODEL_NAMES)
     replicas.add_flags(parser)
-    cli.add_fast_path_flags(parser)
+    cli.add_fast_path_flags(parser, data_on_gpu=True)
     g = parser.add_argument_group("mixed precision")
     g.add_argument("--amp", choices=sorted(AMP_DTYPES), default=None,
                    help="autocast dtype; without the flag bf16 on the CPU and on GPUs that have it in "

@@ -56,7 +56,7 @@ except ImportError:
 def main(argv=None):
     # --- arguments --------------------------------------------------------------------
     parser = cli.build_parser(__doc__, MODEL_NAMES)
-    cli.add_fast_path_flags(parser)
+    cli.add_fast_path_flags(parser, data_on_gpu=True)
     g = parser.add_argument_group("sharding")
     g.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                    help="free each residual stage's gathered parameters after its forward and gather them "

@@ -28,7 +28,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from models import MODEL_NAMES, build_model
 from utils import cli, compat, data, distributed as dist_utils, lifecycle, metrics, replicas, schedule, spawn
-from utils.device_data import DeviceEvalLoader, DeviceTrainLoader
 from utils.run import TrainingRun
 
 
@@ -84,12 +83,8 @@ def train(args, env, per_device_batch):
 
     # --- data -------------------------------------------------------------------------
     train_set, test_set = data.build_datasets(args, env)
-    if args.data_on_gpu:  # fast path: the data in device memory, augmented and normalised there
-        train_loader = DeviceTrainLoader(train_set, per_device_batch, args.batch_size, env, args)
-        test_loader = DeviceEvalLoader(test_set, 2 * per_device_batch, env, args)
-    else:
-        train_loader = data.train_loader(train_set, per_device_batch, args.batch_size, env, args)
-        test_loader = data.eval_loader(test_set, 2 * per_device_batch, env, args)
+    train_loader = data.train_loader(train_set, per_device_batch, args.batch_size, env, args)
+    test_loader = data.eval_loader(test_set, 2 * per_device_batch, env, args)
     steps_per_epoch = data.steps_per_epoch(len(train_set), args.batch_size)
 
     # --- model ------------------------------------------------------------------------

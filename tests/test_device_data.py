@@ -35,8 +35,9 @@ def test_augmentation_plan_depends_on_epoch_and_seed_only():
 def test_data_on_device_trains_bitwise_like_the_loader(tmp_path, run_in_process):
     # 160 samples, batch 32: 5 steps per epoch, so 7 steps cross an epoch boundary.
     common = [*SMALL, "--epochs", "2", "--train-samples", "160", "--max-steps", "7"]
-    expect_ok(run_in_process("distributed.py", [*common, "--checkpoint-dir", tmp_path / "loader"]))
-    expect_ok(run_in_process("distributed.py", [*common, "--data-on-gpu", "--checkpoint-dir", tmp_path / "device"]))
+    common += ["--opt-level", "O0"]  # float32: distributed_apex.py is the script that offers --data-on-gpu
+    expect_ok(run_in_process("distributed_apex.py", [*common, "--checkpoint-dir", tmp_path / "loader"]))
+    expect_ok(run_in_process("distributed_apex.py", [*common, "--data-on-gpu", "--checkpoint-dir", tmp_path / "device"]))
     a = torch.load(tmp_path / "loader" / "checkpoint.pt", weights_only=True)
     b = torch.load(tmp_path / "device" / "checkpoint.pt", weights_only=True)
     assert a["global_step"] == b["global_step"] == 7

@@ -56,7 +56,7 @@ def test_only_rank_0_prints(two_process_run):
     proc, _ = two_process_run
     epoch_lines = [line for line in proc.stdout.splitlines() if line.startswith("epoch 1/1")]
     assert len(epoch_lines) == 1, proc.stdout
-    assert "(100 images)" in epoch_lines[0]
+    assert "(100 samples)" in epoch_lines[0]
     assert sum(line.startswith("done:") for line in proc.stdout.splitlines()) == 1
     assert "Traceback" not in proc.stderr
 

@@ -196,12 +196,12 @@ def build_parser(doc: str, model_names, own_data: bool = False, images: bool = T
     return parser
 
 
-def add_fast_path_flags(parser):
-    """Opt-in speed for the DDP scripts; the image-only flags only where the data is images
-    (--data-on-gpu: our CIFAR images alone)."""
+def add_fast_path_flags(parser, data_on_gpu: bool = False):
+    """Opt-in speed for the DDP scripts; --channels-last where the data is images, and
+    --data-on-gpu (our CIFAR images held in device memory) where the script asks for it."""
     g = parser.add_argument_group("fast path")
     parser.set_defaults(data_on_gpu=False, channels_last=False)  # what a script without them reads
-    if not getattr(parser, "own_data", False):
+    if data_on_gpu and not getattr(parser, "own_data", False):
         g.add_argument("--data-on-gpu", action="store_true",
                        help="images: keep the uint8 CIFAR training set in device memory and augment it there "
                             "(no loader workers)")

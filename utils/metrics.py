@@ -140,12 +140,12 @@ def evaluate(model: torch.nn.Module, loader, device, autocast=None, memory_forma
         for buffer, own in zip(model.buffers(), own_buffers):
             buffer.copy_(own)
     count_safe = max(count, 1)
-    # With 5 classes or fewer every target is among the top 5: no figure (NaN) rather than 100%.
-    # (A rank with an empty shard saw no logits; the others' count decides.)
-    top5_means_something = classes is None or classes > 5
-    return {"test_loss": loss_sum / count_safe, "test_acc1": 100.0 * top1 / count_safe,
-            "test_acc5": 100.0 * top5 / count_safe if top5_means_something else float("nan"),
-            "test_samples": int(count)}
+    result = {"test_loss": loss_sum / count_safe, "test_acc1": 100.0 * top1 / count_safe, "test_samples": int(count)}
+    # With 5 classes or fewer every target is among the top 5: no top-5 figure at all. (A rank with
+    # an empty shard saw no logits: it reports one, so that every rank's record has the same keys.)
+    if classes is None or classes > 5:
+        result["test_acc5"] = 100.0 * top5 / count_safe
+    return result
 
 
 def peak_memory_mb(device) -> dict:

@@ -35,7 +35,6 @@ Each runs inside `meeting(...)` (utils/distributed.py): if a rank never comes, t
 waiting fails after --dist-timeout with an error that names the call it was waiting in.
 """
 import json
-import math
 import os
 import signal
 import sys
@@ -44,7 +43,7 @@ import time
 import torch
 
 from . import checkpoint, observe
-from .cli import UsageError, plain_config, print_line
+from .cli import UsageError, given, plain_config, print_line
 from .distributed import DistEnv, all_ranks_ok, any_rank, device_name, meeting, print0, stop_under_way
 from .lifecycle import SIGNALS
 from .metrics import EpochTimer, MetricsLog, TrainMeter, peak_memory_mb, reset_peak_memory
@@ -75,6 +74,13 @@ class TrainingRun:
         # ranks for FSDP (utils/sharded.py's ShardedState).
         self.state = state or checkpoint.WholeState(model, optimizer)
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        # A flag of the recipe's SGD that the script's optimizer does not have (AdamW has no momentum)
+        # would be accepted and ignored: refused, on every rank alike, before anything is written.
+        for name in ("momentum", "nesterov", "weight_decay"):
+            if given(args, name) and name not in optimizer.defaults:
+                flag = "--" + name.replace("_", "-")
+                raise UsageError(f"{flag}: this script's optimizer, {type(optimizer).__name__}, has no {name}; "
+                                 f"leave {flag} out, or give the optimizer {name}")
         self.steps_per_epoch = steps_per_epoch
         self.strategy = strategy
         self.extra_record = dict(extra_record or {})
@@ -367,14 +373,13 @@ class TrainingRun:
         self.save()
         self.log.write(record)
         self.observers.epoch(record)
-        acc5 = eval_metrics["test_acc5"]
-        acc5 = "" if math.isnan(acc5) and eval_metrics["test_samples"] else f"acc5 {acc5:.2f}% "
+        acc5 = f"acc5 {eval_metrics['test_acc5']:.2f}% " if "test_acc5" in eval_metrics else ""
         print0(f"epoch {self.epoch + 1}/{self.args.epochs} step {self.global_step} | "
                f"train loss {train['train_loss']:.4f} acc1 {train['train_acc1']:.2f}% "
                + (f"grad norm {train['grad_norm']:.3g} " if train["grad_norm"] is not None else "") + "| "
                f"test loss {eval_metrics['test_loss']:.4f} acc1 {eval_metrics['test_acc1']:.2f}% "
-               f"{acc5}({eval_metrics['test_samples']} images) | "
-               f"{timing['epoch_seconds']:.1f} s, {timing['images_per_second']:.0f} img/s"
+               f"{acc5}({eval_metrics['test_samples']} samples) | "
+               f"{timing['epoch_seconds']:.1f} s, {timing['images_per_second']:.0f} samples/s"
                + (f" | peak memory {memory['peak_memory_mb']:,.0f} MB allocated, "
                   f"{memory['peak_reserved_mb']:,.0f} MB reserved" if memory["peak_memory_mb"] is not None else ""))
         # A signal that came during the evaluation is honoured now, with the epoch just
