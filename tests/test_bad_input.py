@@ -188,3 +188,23 @@ def test_more_samples_than_the_data_set_has_is_one_line(tmp_path):
     with pytest.raises(cli.UsageError, match="--train-samples 7 is more than the 6 samples"):
         data.build_datasets(args_for("--dataset", "cifar100", "--data-dir", tmp_path, "--train-samples", "7"),
                             ONE_CPU_PROCESS)
+
+
+# --- --check-args reads the launcher's variables as README says -------------------------------
+
+def test_check_args_takes_the_world_size_alone_and_says_what_it_read(run_in_process):
+    """A batch script sets WORLD_SIZE and LOCAL_WORLD_SIZE and asks --check-args: it checks as
+    rank 0 of that job (RANK may be left out), and says which variables it read."""
+    code, out, err = run_in_process("distributed.py", [*SMALL, "--batch-size", "63", "--check-args"],
+                                    WORLD_SIZE=2, LOCAL_WORLD_SIZE=2)
+    assert code == 2 and "batch size 63 is not divisible by 2 processes" in err, err
+    code, out, err = run_in_process("distributed.py", [*SMALL, "--batch-size", "64", "--check-args"],
+                                    WORLD_SIZE=2, LOCAL_WORLD_SIZE=2)
+    assert code == 0, err
+    assert out.strip() == "arguments OK for 2 processes (WORLD_SIZE=2 LOCAL_WORLD_SIZE=2)", out
+
+
+def test_a_run_refuses_what_a_launcher_would_not_set_alone(run_in_process):
+    # WORLD_SIZE without RANK: one of the launcher's variables is missing, not a job of one.
+    code, out, err = run_in_process("distributed.py", SMALL, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2)
+    assert code == 2 and "WORLD_SIZE=2 without RANK: a launcher (torchrun, srun) sets both" in err, err

@@ -214,3 +214,24 @@ def test_script_with_a_corrupt_checkpoint_is_one_line(tmp_path, run_in_process):
     line = assert_refused(run_in_process("distributed.py", [*SMALL, "--resume", bad]))
     assert str(bad) in line and "checkpoint" in line
     assert bad.stat().st_size > 512  # left as it was
+
+
+def test_resume_from_a_file_without_a_checkpoint_dir_says_that_nothing_will_be_saved(tmp_path, run_in_process):
+    from conftest import SMALL
+    assert run_in_process("distributed.py", [*SMALL, "--max-steps", "2", "--checkpoint-dir", tmp_path / "a"])[0] == 0
+    code, out, err = run_in_process("distributed.py", [*SMALL, "--resume", tmp_path / "a" / "checkpoint.pt"])
+    assert code == 0, err
+    assert f"--resume {tmp_path / 'a' / 'checkpoint.pt'} without --checkpoint-dir: this run saves no checkpoint" in out
+
+
+def test_a_stop_without_a_checkpoint_dir_does_not_say_continue_with_resume(capsys):
+    from utils.run import StopSignal
+    stop = StopSignal(distributed=False)
+    try:
+        stop.received = "SIGTERM"
+        stop.announce(7, None)
+    finally:
+        stop.close()
+    out = capsys.readouterr().out
+    assert "stopping at step 7 on SIGTERM: no --checkpoint-dir, nothing saved; this run cannot be continued" in out
+    assert "--resume" not in out

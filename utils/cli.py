@@ -1,14 +1,12 @@
 """The command line the scripts share: the parser, its checks, and the one-line error.
 
-Every script builds its parser with `build_parser`, adds its own flags in a group of its
-own, calls `parse_args`, then `validated(args, check)`: its own `check` makes every refusal
-that needs no process group (a batch that does not split over the processes, a device this
-machine lacks, a network on which the groups cannot form, flags that contradict each other)
-and --check-args stops right after it, so that a batch script's check and the run refuse
-the same things with the same words. Bad input raises `UsageError`, which
-utils/lifecycle.py's `run_main` turns into one line on stderr and exit status 2.
-
-This is the ground floor: it imports nothing of the package.
+A script builds its parser with `build_parser`, adds a group of its own, calls `parse_args`,
+then `validated(args, check)`: its `check` makes every refusal that needs no process group (a
+batch that does not split, a device this machine lacks, a network on which the groups cannot
+form, contradicting flags), and --check-args stops right after it, so that a batch script's
+check and the run refuse the same things with the same words. Bad input raises `UsageError`,
+which utils/lifecycle.py's `run_main` turns into one line on stderr and exit status 2.
+The ground floor: it imports nothing of the package.
 """
 import argparse
 import importlib.util
@@ -31,9 +29,8 @@ class UsageError(Exception):
 
 
 def print_line(line: str):
-    """`line` and its newline on stderr in one write. Where stderr is unbuffered (torchrun
-    runs its workers with `python -u`), print() writes the text and the newline apart, and
-    another thread's output can land between them; a pipe takes a write of up to 4096
+    """`line` and its newline on stderr in one write: unbuffered (torchrun's `python -u`), print()
+    writes them apart and another thread's output can land between; a pipe takes up to 4096
     bytes (PIPE_BUF) whole."""
     sys.stderr.write(f"{line}\n")
     sys.stderr.flush()
@@ -45,8 +42,8 @@ def error_line(message, kind: str = "error") -> str:
 
 
 def prints_errors(met_by: str = "job") -> bool:
-    """Whether this process prints a bad-input line that `met_by` meet (see UsageError). A
-    RANK or WORLD_SIZE that cannot be right is itself the error, and is printed."""
+    """Whether this process prints a bad-input line that `met_by` meet (UsageError); a RANK or
+    WORLD_SIZE that cannot be right is the error itself, and printed."""
     if met_by == "rank":
         return True
     if met_by == "node":
@@ -224,8 +221,7 @@ _NOT_GIVEN = object()
 
 
 def given(args, name: str) -> bool:
-    """Whether the flag whose destination is `name` was on the command line: a flag that a run
-    would not use is refused only when it was asked for."""
+    """Whether the flag of destination `name` was on the command line (refused only if asked for)."""
     return name in getattr(args, "_given", ())
 
 
@@ -263,10 +259,8 @@ class Plan(types.SimpleNamespace):
 
 
 def validated(args, check) -> Plan:
-    """check(args): the script's every refusal that needs no process group, a UsageError for
-    bad input; it returns a Plan. The run calls this before it starts anything, and
-    --check-args (what scripts/slurm.sbatch runs before srun) stops right after it: both
-    refuse the same input with the same line, through the same code."""
+    """check(args) -> Plan, or a UsageError: the run's every refusal before anything starts.
+    --check-args (what scripts/slurm.sbatch runs before srun) stops right after it."""
     plan = check(args)
     if args.check_args:
         n = plan.world_size
@@ -277,10 +271,8 @@ def validated(args, check) -> Plan:
 
 
 def check_flags(args, device_type: str, launcher: str = "torchrun"):
-    """The refusals every script shares that need no process group: flags the run would
-    accept and then not use, and flags that contradict each other. device_type: the device
-    the run trains on; launcher: what starts its processes, "torchrun" (and plain python),
-    "itself" (mp.spawn), or None (one process that joins no group)."""
+    """The shared refusals that need no group: flags the run would not use, flags that contradict.
+    launcher: "torchrun" (and plain python), "itself" (mp.spawn), or None (one process, no group)."""
     if getattr(args, "dataset", None) == "synthetic" and given(args, "data_dir"):
         raise UsageError(f"--data-dir {args.data_dir} with --dataset synthetic, which is made in memory and "
                          "reads nothing: leave --data-dir out, or use --dataset cifar100")

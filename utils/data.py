@@ -1,26 +1,23 @@
-"""Data: CIFAR-100 through torchvision, an offline synthetic stand-in, your own data
-set, the per-rank training sampler and the exact evaluation sampler.
+"""Data: CIFAR-100 through torchvision, an offline synthetic stand-in, your own data set,
+the per-rank training sampler and the exact evaluation sampler.
 
-A sample's augmentation depends on (--seed, epoch, index) alone. The training
-sampler hands the data set (index, epoch) keys, and the training view turns a key
-into an augmented sample: our CIFAR view crops and flips as augmentation_plan drew
-for that epoch; SeededSamples, the view of any other map-style data set, seeds the
-random number generators from (seed, epoch, index) before it loads the sample, so
-that the data set's own random transforms (torchvision's included) draw the same
-numbers wherever the sample is loaded. So a sample is augmented the same way
-whatever the number of processes or loader workers, whether the run was resumed in
-the middle of an epoch, and whether the images are augmented by workers or on the
-GPU (--data-on-gpu): that is what makes runs comparable across strategies and
-resumes exact. Left alone, random transforms draw from the generator of whichever
-worker happens to load the sample, which is none of these.
+A sample's augmentation depends on (--seed, epoch, index) alone. The training sampler yields
+(index, epoch) keys; our CIFAR view crops and flips as augmentation_plan drew for that epoch,
+and SeededSamples, the view of any other map-style data set, seeds the random number
+generators from the key before it loads the sample, so that the data set's own random
+transforms (torchvision's included) draw the same numbers wherever the sample is loaded. Left
+alone, they would draw from the generator of whichever worker loads it. So a sample is
+augmented the same way whatever the number of processes or loader workers, after a resume in
+the middle of an epoch, and on the GPU (--data-on-gpu): runs compare across strategies and
+resumes are exact.
 
-Your own data: `own_datasets(args, train, test)` takes any two map-style data sets
-of (input, label) pairs; `num_classes` reads the number of classes from a data set.
+Your own data: `own_datasets(args, train, test)` takes any two map-style data sets of
+(input, label) pairs; `num_classes` reads the number of classes from a data set.
 
-Loader workers hand their batches over in shared memory (/dev/shm), which Docker
-keeps at 64 MB unless told otherwise; a worker that finds it full dies of a bus
-error. When the first batch of a run arrives, local rank 0 compares what the run's
-loaders may hold there (shm_estimate) with the free space, and warns once if it is short.
+Loader workers hand their batches over in shared memory (/dev/shm), which Docker keeps at
+64 MB unless told otherwise; a worker that finds it full dies of a bus error. At the first
+batch of a run, local rank 0 compares what the run's loaders may hold there (shm_estimate)
+with the free space, and warns once if it is short.
 """
 
 import fcntl
@@ -51,24 +48,18 @@ PAD = 4  # random crop with 4 pixels of zero padding, as in the ResNet paper
 # --- data sets --------------------------------------------------------------------
 
 class SyntheticCIFAR(Dataset):
-    """An offline stand-in for CIFAR-100: 32x32 RGB uint8 images, 100 classes.
-
-    Each class has a smooth random prototype image; a sample is its class
-    prototype plus pixel noise, shifted by a few pixels. A CNN learns it in a few
-    hundred steps but not instantly, so loss curves and accuracies mean something.
-    Samples are generated on demand from their index, so building it costs nothing.
-    Like torchvision's CIFAR100 it has `.targets`; images come from `_image(index)`.
-    """
+    """An offline stand-in for CIFAR-100 (32x32 RGB uint8 images, 100 classes, `.targets` like
+    torchvision's): a sample is its class's smooth random prototype plus pixel noise, shifted by
+    a few pixels, generated on demand from its index (`_image`), so building it costs nothing.
+    A CNN learns it in a few hundred steps but not instantly: loss curves and accuracies mean something."""
 
     def __init__(self, train: bool, size: int = None, seed: int = 1234):
         self.train = train
         self.size = size if size is not None else (50_000 if train else 10_000)
-        rng = np.random.default_rng(seed)
-        # Low-frequency patterns: 4x4 random colours upsampled to 32x32.
-        coarse = rng.uniform(-1, 1, size=(NUM_CLASSES, 3, 4, 4)).astype(np.float32)
-        protos = torch.nn.functional.interpolate(torch.from_numpy(coarse), size=(40, 40),
-                                                 mode="bicubic", align_corners=False)
-        self._prototypes = protos.numpy()  # 40x40 so that a 32x32 window can be shifted
+        # Low-frequency prototypes: 4x4 random colours upsampled to 40x40, so that a 32x32 window can shift.
+        coarse = np.random.default_rng(seed).uniform(-1, 1, size=(NUM_CLASSES, 3, 4, 4)).astype(np.float32)
+        self._prototypes = torch.nn.functional.interpolate(torch.from_numpy(coarse), size=(40, 40),
+                                                           mode="bicubic", align_corners=False).numpy()
         self._noise_seed = seed + (1 if train else 2)
         self.targets = [i % NUM_CLASSES for i in range(self.size)]
         self.classes = [f"class {c}" for c in range(NUM_CLASSES)]
@@ -88,10 +79,9 @@ class SyntheticCIFAR(Dataset):
 
 
 class _CifarUnpickler(pickle.Unpickler):
-    """Unpickles what the CIFAR files hold, and nothing else: dicts, lists, strings,
-    bytes, numbers, and numpy arrays rebuilt from their bytes. Any other global (a
-    `__reduce__` that names os.system, say) is refused, so a crafted file in --data-dir
-    cannot run code. pickle.load would import and call whatever the file names."""
+    """Unpickles what the CIFAR files hold and nothing else (dicts, lists, strings, bytes,
+    numbers, numpy arrays rebuilt from their bytes): pickle.load would import and call whatever
+    a file names (a `__reduce__` that names os.system, say), so a crafted file in --data-dir could run code."""
 
     ALLOWED = {
         ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
@@ -123,16 +113,10 @@ def read_cifar_file(path: str) -> dict:
 
 
 def _cifar100(data_dir: str, train: bool, download: bool):
-    """torchvision's CIFAR-100 (its layout, its download with the archive's md5 check),
-    read with a safe unpickler, and trusting files already on disk.
-
-    torchvision checks the md5 of every file at every load, which rejects any copy
-    that is not byte-identical to the original release (a subset, a re-pickled
-    copy, the small data sets the tests write). Here the files are checked for
-    presence, then read by `read_cifar_file`, which admits only what the real files
-    hold. (torchvision is imported here, not at the top: it costs seconds that
-    synthetic runs skip.)
-    """
+    """torchvision's CIFAR-100 (its layout, its download with the archive's md5 check), read by
+    read_cifar_file and trusting files already on disk: torchvision checks every file's md5 at
+    every load, which rejects any copy not byte-identical to the release (a subset, a re-pickled
+    copy, the tests' small data sets). torchvision is imported here: it costs seconds that synthetic runs skip."""
     import torchvision
 
     base = torchvision.datasets.CIFAR100
@@ -166,9 +150,7 @@ def _cifar100(data_dir: str, train: bool, download: bool):
                                  f"{len(self.targets)} labels")
 
         def __getitem__(self, index):
-            # The HWC uint8 array as stored; torchvision would make a PIL image of it
-            # only for us to turn it back into an array.
-            return self.data[index], self.targets[index]
+            return self.data[index], self.targets[index]  # as stored: no PIL image to turn back into an array
 
     return CIFAR100(data_dir, train=train, download=download)
 
@@ -176,9 +158,8 @@ def _cifar100(data_dir: str, train: bool, download: bool):
 @contextmanager
 def _download_lock(data_dir: str):
     """One download into `data_dir` at a time, however many processes share it (the ranks of a
-    node, or of several nodes on a shared file system): the first takes the lock and downloads,
-    the others then find the files. A folder where no lock can be taken (read-only, holding the
-    files already) is read without one."""
+    node, or of several nodes on a shared file system); the others then find the files. A folder
+    where no lock can be taken (read-only, holding the files already) is read without one."""
     try:
         os.makedirs(data_dir, exist_ok=True)
         fd = os.open(os.path.join(data_dir, ".download.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
@@ -193,8 +174,8 @@ def _download_lock(data_dir: str):
 
 
 def _load_cifar100(args):
-    """CIFAR-100 from --data-dir, downloaded there if missing (once: _download_lock). Every rank
-    learns whether every rank has it: one that failed alone would leave the others waiting."""
+    """CIFAR-100 from --data-dir, downloaded there if missing. Every rank learns whether every
+    rank has it: one that failed alone would leave the others waiting."""
     splits = error = None
     try:
         with _download_lock(args.data_dir):
@@ -214,14 +195,11 @@ def _first(dataset, n, flag):
     if n is not None and n > len(dataset):
         # A silently smaller run would report figures for data it never saw.
         raise UsageError(f"{flag} {n} is more than the {len(dataset)} samples the data set has")
-    if n is None or n == len(dataset):
-        return dataset
-    return Subset(dataset, range(n))
+    return dataset if n is None or n == len(dataset) else Subset(dataset, range(n))
 
 
 def build_datasets(args, env: DistEnv):
-    """(train, test) data sets of (HWC uint8 image, label) pairs, cut to
-    --train-samples/--test-samples."""
+    """(train, test) data sets of (HWC uint8 image, label) pairs, cut to --train-samples/--test-samples."""
     if args.dataset == "synthetic":
         train, test = SyntheticCIFAR(True, args.train_samples), SyntheticCIFAR(False, args.test_samples)
     else:
@@ -231,9 +209,12 @@ def build_datasets(args, env: DistEnv):
     return TrainImages(train, args.seed), TestImages(test)
 
 
-def _refuse_cifar_flags(args):
-    """A script that trains on its own data refuses the flags that choose or hold our CIFAR data
-    (build_parser(own_data=True) offers none of them)."""
+def own_datasets(args, train, test):
+    """Your own (train, test) data sets for train_loader and eval_loader: any map-style data sets
+    of (input, label) pairs with their own transforms, cut to --train-samples/--test-samples; the
+    training set is seen through SeededSamples. What the data is ("ImageFolder") goes into
+    args.dataset, which config.json and the checkpoints record and a resume must match."""
+    # Refuse the flags that choose or hold our CIFAR data (build_parser(own_data=True) offers none).
     dataset = getattr(args, "dataset", None)
     if dataset not in (None, "cifar100"):  # the parser's default, when it has the flag
         raise UsageError(f"--dataset {dataset} chooses one of our CIFAR data sets; "
@@ -241,18 +222,6 @@ def _refuse_cifar_flags(args):
     if getattr(args, "data_on_gpu", False):
         raise UsageError("--data-on-gpu holds the CIFAR images in device memory and augments "
                          "them there; it does not apply to another data set (leave it out)")
-
-
-def own_datasets(args, train, test):
-    """Your own (train, test) data sets, ready for train_loader and eval_loader: any
-    map-style data sets of (input, label) pairs, with their own transforms (random
-    ones included), cut to --train-samples/--test-samples. The training set is seen
-    through SeededSamples, which makes its random transforms depend on (--seed,
-    epoch, index) only. Flags that choose or hold our CIFAR data are refused.
-
-    What the data is (its class, "ImageFolder", "TensorDataset") goes into args.dataset,
-    which config.json and the checkpoints record, and which a resume must match."""
-    _refuse_cifar_flags(args)
     train = _first(train, args.train_samples, "--train-samples")
     test = _first(test, args.test_samples, "--test-samples")
     args.dataset = describe(train)
@@ -271,8 +240,8 @@ def describe(dataset) -> str:
 
 
 def num_classes(dataset) -> int:
-    """The number of classes, from the `classes` list that torchvision's data sets
-    (ImageFolder, CIFAR100) and ours carry, looked for through views and subsets."""
+    """The length of the `classes` list that torchvision's data sets and ours carry, looked for
+    through views and subsets."""
     seen = innermost = dataset
     while seen is not None:
         if hasattr(seen, "classes"):
@@ -298,8 +267,7 @@ def _normalize(pixels: torch.Tensor) -> torch.Tensor:
 
 def crop_flip(pixels: torch.Tensor, dy: int, dx: int, flip: int) -> torch.Tensor:
     """One CHW uint8 image: crop 32x32 at (dy, dx) of the zero-padded image, flip if asked."""
-    padded = torch.nn.functional.pad(pixels, (PAD, PAD, PAD, PAD))
-    crop = padded[:, dy:dy + 32, dx:dx + 32]
+    crop = torch.nn.functional.pad(pixels, (PAD, PAD, PAD, PAD))[:, dy:dy + 32, dx:dx + 32]
     return crop.flip(2) if flip else crop
 
 
@@ -309,9 +277,8 @@ def crop_flip_batch(padded: torch.Tensor, dy, dx, flip) -> torch.Tensor:
     b, c = padded.shape[:2]
     window = torch.arange(32, device=padded.device)
     rows = (dy.view(b, 1) + window).view(b, 1, 32, 1).expand(b, c, 32, padded.shape[3])
-    out = padded.gather(2, rows)
     cols = (dx.view(b, 1) + window).view(b, 1, 1, 32).expand(b, c, 32, 32)
-    out = out.gather(3, cols)
+    out = padded.gather(2, rows).gather(3, cols)
     return torch.where(flip.view(b, 1, 1, 1).bool(), out.flip(3), out)
 
 
@@ -324,18 +291,22 @@ def augmentation_plan(seed: int, epoch: int, num_samples: int) -> torch.Tensor:
     return torch.cat([shifts, flips], dim=1)
 
 
-class TrainImages(Dataset):
+class _View(Dataset):
+    """`base` seen another way, sample by sample (describe and num_classes look through it)."""
+
+    def __init__(self, base, seed: int = None):
+        self.base, self.seed = base, seed
+
+    def __len__(self):
+        return len(self.base)
+
+
+class TrainImages(_View):
     """Training view of our CIFAR data: (index, epoch) keys from TrainSampler, each
     image cropped and flipped as augmentation_plan(seed, epoch) says for its index."""
 
     takes_sample_keys = True  # train_loader hands it (index, epoch), not a bare index
-
-    def __init__(self, base, seed: int):
-        self.base, self.seed = base, seed
-        self._plan_epoch, self._plan = None, None  # one epoch's plan, drawn once per process
-
-    def __len__(self):
-        return len(self.base)
+    _plan_epoch, _plan = None, None  # one epoch's plan, drawn once per process
 
     def plan(self, epoch: int) -> torch.Tensor:
         if self._plan_epoch != epoch:
@@ -353,9 +324,8 @@ _MASK64 = 2**64 - 1
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
-    """A 64-bit seed for one sample in one epoch, from (seed, epoch, index) alone:
-    the three numbers mixed, then splitmix64's finaliser, so that neighbouring
-    indices or epochs get unrelated seeds."""
+    """A 64-bit seed for one sample in one epoch, from (seed, epoch, index) alone: the three
+    mixed, then splitmix64's finaliser, so that neighbouring indices or epochs get unrelated seeds."""
     x = (seed * 0x9E3779B97F4A7C15 + (epoch + 1) * 0xD1B54A32D192ED03 + index * 0xABC98388FB8FAC03) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
@@ -364,10 +334,10 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
 
 @contextmanager
 def seeded_rngs(seed: int):
-    """Inside: torch's CPU generator, Python's `random` and NumPy's global generator
-    seeded from `seed`. Afterwards: all three as they were, so that loading a sample in
-    the training process itself (--workers 0) leaves the training's random numbers
-    alone. The CUDA generators are not touched: data transforms run on the CPU."""
+    """torch's CPU generator, Python's `random` and NumPy's global generator seeded from `seed`
+    inside, and put back afterwards, so that loading a sample in the training process itself
+    (--workers 0) leaves the training's random numbers alone. Data transforms run on the CPU:
+    the CUDA generators are left alone."""
     torch_state, python_state, numpy_state = torch.get_rng_state(), random.getstate(), np.random.get_state()
     try:
         torch.default_generator.manual_seed(seed)
@@ -380,7 +350,7 @@ def seeded_rngs(seed: int):
         np.random.set_state(numpy_state)
 
 
-class SeededSamples(Dataset):
+class SeededSamples(_View):
     """Training view of any map-style data set: key (index, epoch) loads `base[index]`
     with the random number generators seeded by sample_seed(seed, epoch, index), so the
     data set's own random transforms (torchvision's RandomResizedCrop, its flips, ...)
@@ -388,26 +358,14 @@ class SeededSamples(Dataset):
 
     takes_sample_keys = True
 
-    def __init__(self, base, seed: int):
-        self.base, self.seed = base, seed
-
-    def __len__(self):
-        return len(self.base)
-
     def __getitem__(self, key):
         index, epoch = key
         with seeded_rngs(sample_seed(self.seed, epoch, index)):
             return self.base[index]
 
 
-class TestImages(Dataset):
+class TestImages(_View):
     """Evaluation view: no augmentation."""
-
-    def __init__(self, base):
-        self.base = base
-
-    def __len__(self):
-        return len(self.base)
 
     def __getitem__(self, index):
         image, target = self.base[index]
@@ -417,21 +375,17 @@ class TestImages(Dataset):
 # --- samplers ----------------------------------------------------------------------
 
 def steps_per_epoch(num_samples: int, global_batch: int) -> int:
-    """Optimizer steps per epoch: only whole global batches, so every step sees
-    exactly --batch-size images (the remainder of the permutation is dropped, a
-    different remainder each epoch)."""
+    """Optimizer steps per epoch: whole global batches only, so every step sees exactly
+    --batch-size images (the permutation's remainder, a different one each epoch, is dropped)."""
     return num_samples // global_batch
 
 
 class TrainSampler(Sampler):
-    """DistributedSampler's semantics (one permutation per epoch from seed + epoch,
-    rank r takes positions r, r+W, r+2W, ...) plus what exact resume needs.
-
-    Step s of the epoch uses permutation positions [s*B, (s+1)*B) of the global
-    batch B, split over the ranks, so N processes see exactly the samples that one
-    process sees with the same global batch. Yields (index, epoch) keys: the sample,
-    and the epoch its augmentation is drawn for (see TrainImages, SeededSamples).
-    """
+    """DistributedSampler's semantics (one permutation per epoch from seed + epoch, rank r takes
+    positions r, r+W, r+2W, ...) plus what exact resume needs. Step s of the epoch uses positions
+    [s*B, (s+1)*B) of the permutation, the global batch B split over the ranks, so N processes see
+    exactly the samples that one process sees. Yields (index, epoch) keys: the sample, and the epoch
+    its augmentation is drawn for (see TrainImages, SeededSamples)."""
 
     def __init__(self, num_samples: int, global_batch: int, rank: int, world_size: int, seed: int):
         if steps_per_epoch(num_samples, global_batch) == 0:
@@ -439,44 +393,37 @@ class TrainSampler(Sampler):
                              f"batch of {global_batch}: lower --batch-size or raise --train-samples")
         self.num_samples, self.global_batch = num_samples, global_batch
         self.rank, self.world_size, self.seed = rank, world_size, seed
-        self.epoch, self.start_step, self.skip = 0, 0, 0
+        self.set_epoch(0)
 
     def set_epoch(self, epoch: int, start_step: int = 0):
-        """Call before every epoch, as with DistributedSampler: without it every
-        epoch would repeat epoch 0's order. start_step skips steps already taken
-        (resume in the middle of an epoch) without loading their images."""
+        """Call before every epoch, as with DistributedSampler, or every epoch repeats epoch 0's order.
+        start_step skips the steps a resumed epoch has taken, without loading their images."""
         self.epoch, self.start_step = epoch, start_step
         self.skip = 0  # further samples of this rank to skip (a loader restarted mid-epoch)
 
     def _per_rank(self) -> int:
         return steps_per_epoch(self.num_samples, self.global_batch) * self.global_batch // self.world_size
 
-    def __len__(self):
-        return self._per_rank() - self._start()
-
     def _start(self) -> int:
         return self.start_step * self.global_batch // self.world_size + self.skip
+
+    def __len__(self):
+        return self._per_rank() - self._start()
 
     def epoch_indices(self) -> torch.Tensor:
         """This rank's remaining sample indices of the epoch, in order."""
         g = torch.Generator().manual_seed((self.seed + self.epoch) % 2**64)  # seeds are 64-bit
-        order = torch.randperm(self.num_samples, generator=g)
-        mine = order[self.rank::self.world_size][:self._per_rank()]
+        mine = torch.randperm(self.num_samples, generator=g)[self.rank::self.world_size][:self._per_rank()]
         return mine[self._start():]
 
     def __iter__(self):
-        epoch = self.epoch
-        return iter([(index, epoch) for index in self.epoch_indices().tolist()])
+        return iter([(index, self.epoch) for index in self.epoch_indices().tolist()])
 
 
 class ShardSampler(Sampler):
-    """Evaluation: rank r takes samples r, r+W, r+2W, ... and nothing else.
-
-    DistributedSampler pads the last shard with repeated samples so that all
-    shards have the same length; those duplicates would be counted twice in the
-    accuracy. Here shards differ in length by at most one, each sample is counted
-    once, and evaluate() all-reduces sums and counts.
-    """
+    """Evaluation: rank r takes samples r, r+W, r+2W, ... and nothing else. DistributedSampler pads
+    the last shard with repeated samples, which the accuracy would count twice; here shards differ
+    in length by at most one, each sample counts once, and evaluate() all-reduces sums and counts."""
 
     def __init__(self, num_samples: int, rank: int, world_size: int):
         self.indices = range(rank, num_samples, world_size)
@@ -491,17 +438,15 @@ class ShardSampler(Sampler):
 # --- loaders -----------------------------------------------------------------------
 
 def _worker_init(_):
-    # Stop signals reach the loader workers too (sent to the whole process group or job
-    # step): their rank decides when to stop, see utils/lifecycle.py.
+    # Stop signals reach the workers too (sent to the process group or job step): their rank
+    # decides when to stop, see utils/lifecycle.py. One thread per worker process: no oversubscription.
     ignore_stop_signals()
-    # Each loader worker is a process; one thread each avoids oversubscribing the CPU.
     torch.set_num_threads(1)
 
 
 def loader_workers(args, env: DistEnv) -> int:
-    """--workers, or what this node can feed: the smaller of 4 and its CPU cores per
-    process (at least 1). More workers than cores only adds processes that wait for a
-    core (and PyTorch's warning about it)."""
+    """--workers, or what this node can feed: the smaller of 4 and its CPU cores per process (at
+    least 1). More workers than cores only add processes that wait for a core (and PyTorch's warning)."""
     if args.workers is not None:
         return args.workers
     try:
@@ -512,103 +457,83 @@ def loader_workers(args, env: DistEnv) -> int:
 
 
 class Loader(DataLoader):
-    """A DataLoader whose worker processes start as utils/lifecycle.py's start_loader_workers
-    starts them (the stop signals blocked, killed at exit), forked, and early: `start_workers`.
-
-    Given `env` (train_loader and eval_loader pass it), the first batch of a run's first loader
-    checks the shared memory for all of them: warn_if_shm_short."""
+    """A DataLoader whose workers are forked, and started early (`start_workers`) as utils/lifecycle.py's
+    start_loader_workers starts them (stop signals blocked, killed at exit). Given `env`, the first batch
+    of a run's first loader checks the shared memory for all of them: warn_if_shm_short."""
 
     def __init__(self, *args, env: DistEnv = None, purpose: str = "loader", **kwargs):
         super().__init__(*args, **kwargs)
         if self.num_workers and self.multiprocessing_context is None and sys.platform == "linux":
-            # The workers are forked, whatever started this process. DataLoader's default is the
-            # process's start method, and in a process that mp.spawn started that is "spawn"
-            # (Python 3.14 makes "forkserver" the default on Linux everywhere): every worker would
-            # be a new interpreter that imports PyTorch again, for work that never touches the GPU
-            # (measured, one worker in a process that mp.spawn started: 1.1 s to the first batch
-            # and 283 MB of its own memory spawned; 0.05 s and 15 MB forked). Workers that need
-            # another start method are asked for with multiprocessing_context.
+            # Forked, whatever started this process. DataLoader's default is the process's start method:
+            # "spawn" in a process that mp.spawn started ("forkserver" on Linux from Python 3.14), every
+            # worker a new interpreter importing PyTorch again for work that never touches the GPU
+            # (measured, one worker under mp.spawn: 1.1 s to the first batch and 283 MB of its own memory
+            # spawned; 0.05 s and 15 MB forked). Ask for another with multiprocessing_context.
             self.multiprocessing_context = "fork"
         self.env, self.purpose = env, purpose
         if env is not None and env.local_rank == 0 and self.num_workers:  # once per node
             _shm_unchecked.add(self)
 
     def start_workers(self):
-        """Fork the persistent worker processes now, not at the first batch: train_loader and
-        eval_loader call it, so that every worker of a run is forked before the model's first
-        collective (DDP's broadcast). After a collective a thread of the process group may still
-        let go of the tensor it carried, taking the GIL from that thread; Python 3.11.9 and older
-        (CPython issue gh-112275, fixed in 3.11.10 and 3.12) can leave a child forked at that
-        instant waiting forever on the interpreter's thread-state lock: a worker that never
-        starts. The batches the early start prefetches are dropped at the first iteration.
-        Workers started by exec (multiprocessing_context "spawn" or "forkserver") are not forked
-        from this process and start at the first batch, as DataLoader starts them."""
-        if self.num_workers and self.persistent_workers and self._start_method() == "fork":
-            # A new iterator draws its workers' base seed from PyTorch's global generator: put it
-            # back as it was, so that the model is initialised from the same random numbers as
-            # with --workers 0 (the samples are seeded on their own, see SeededSamples).
+        """Fork the persistent workers now, before the model's first collective (DDP's broadcast),
+        not at the first batch. After a collective a thread of the process group may still let go
+        of the tensor it carried, taking the GIL; Python 3.11.9 and older (CPython gh-112275, fixed
+        in 3.11.10 and 3.12) can leave a child forked at that instant waiting forever on the
+        thread-state lock: a worker that never starts. The batches prefetched early are dropped at
+        the first iteration. Workers started by exec ("spawn", "forkserver") start at the first batch."""
+        if not (self.num_workers and self.persistent_workers):
+            return
+        # Without a context (not on Linux), DataLoader uses torch.multiprocessing's start method.
+        if (self.multiprocessing_context or torch.multiprocessing).get_start_method() == "fork":
+            # A new iterator draws its workers' base seed from PyTorch's global generator: put it back,
+            # so that the model is initialised as with --workers 0 (samples are seeded on their own).
             with torch.random.fork_rng(devices=[]):
                 self._batches()  # DataLoader keeps a persistent-worker iterator for the next iter()
 
-    def _start_method(self) -> str:
-        # Without a context (not on Linux), DataLoader uses torch.multiprocessing's.
-        return (self.multiprocessing_context or torch.multiprocessing).get_start_method()
-
     def _batches(self):
-        if not self.num_workers:
-            return super().__iter__()
-        return start_loader_workers(super().__iter__)
+        return start_loader_workers(super().__iter__) if self.num_workers else super().__iter__()
 
     def __iter__(self):
         batches = self._batches()
-        if self in _shm_unchecked:
-            return self._check_shm_at_first_batch(batches)
-        return batches
+        return self._check_shm_at_first_batch(batches) if self in _shm_unchecked else batches
 
     def _check_shm_at_first_batch(self, batches):
-        # At the first batch, not before: its size is measured on what a worker delivered.
-        # Loading a sample here, in the training process, would open whatever a user's data
-        # set opens on first access (an HDF5 file, say) before the workers fork and share it.
-        # By then the script has built all its loaders (training and evaluation).
+        # At the first batch, when the script has built all its loaders, the sample size measured on
+        # what a worker delivered: loading a sample here, in the training process, would open what a
+        # user's data set opens on first access (an HDF5 file, say) before the workers fork and share it.
         for batch in batches:
             siblings = sorted((loader for loader in list(_shm_unchecked) if loader.env is self.env),
                               key=lambda loader: loader.purpose != "training")  # training first
-            for loader in siblings:
-                _shm_unchecked.discard(loader)
+            _shm_unchecked.difference_update(siblings)
             warn_if_shm_short(siblings, self.env, batch_sample_bytes(batch))
             yield batch
             break
         yield from batches
 
 
-def train_loader(train_set, per_device_batch: int, global_batch: int, env: DistEnv, args) -> DataLoader:
-    """The training loader: whole global batches split over the ranks (TrainSampler).
-    `train_set` is a view from build_datasets or own_datasets; any other map-style data
-    set is seen through SeededSamples here."""
-    if not getattr(train_set, "takes_sample_keys", False):
-        train_set = SeededSamples(train_set, args.seed)
-    sampler = TrainSampler(len(train_set), global_batch, env.rank, env.world_size, args.seed)
+def _loader(dataset, sampler, batch_size: int, env: DistEnv, args, purpose: str) -> Loader:
     workers = loader_workers(args, env)
     # Pinned (page-locked) host memory lets the copy to the device run asynchronously
     # (non_blocking=True); Apple's MPS shares memory with the CPU and has nothing to pin.
-    loader = Loader(train_set, batch_size=per_device_batch, sampler=sampler,
-                    num_workers=workers, pin_memory=env.device.type not in ("cpu", "mps"),
-                    persistent_workers=workers > 0, worker_init_fn=_worker_init,
-                    drop_last=False,  # the sampler already yields whole batches
-                    env=env, purpose="training")
-    loader.start_workers()  # before the model's first collective: see Loader.start_workers
+    loader = Loader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
+                    pin_memory=env.device.type not in ("cpu", "mps"), persistent_workers=workers > 0,
+                    worker_init_fn=_worker_init, env=env, purpose=purpose)
+    loader.start_workers()  # both loaders' before the model's first collective: see Loader.start_workers
     return loader
+
+
+def train_loader(train_set, per_device_batch: int, global_batch: int, env: DistEnv, args) -> DataLoader:
+    """The training loader: whole global batches split over the ranks (TrainSampler). `train_set` is a
+    view from build_datasets or own_datasets; any other map-style data set is seen through SeededSamples."""
+    if not getattr(train_set, "takes_sample_keys", False):
+        train_set = SeededSamples(train_set, args.seed)
+    sampler = TrainSampler(len(train_set), global_batch, env.rank, env.world_size, args.seed)
+    return _loader(train_set, sampler, per_device_batch, env, args, "training")
 
 
 def eval_loader(test_set, batch_size: int, env: DistEnv, args) -> DataLoader:
-    workers = loader_workers(args, env)
-    loader = Loader(test_set, batch_size=batch_size,
-                    sampler=ShardSampler(len(test_set), env.rank, env.world_size),
-                    num_workers=workers, pin_memory=env.device.type not in ("cpu", "mps"),
-                    persistent_workers=workers > 0, worker_init_fn=_worker_init,
-                    env=env, purpose="evaluation")
-    loader.start_workers()  # with the training loader's, not after the first epoch's collectives
-    return loader
+    sampler = ShardSampler(len(test_set), env.rank, env.world_size)
+    return _loader(test_set, sampler, batch_size, env, args, "evaluation")
 
 
 # --- shared memory -------------------------------------------------------------------
@@ -617,32 +542,27 @@ _shm_unchecked = weakref.WeakSet()  # loaders with workers whose shared memory i
 
 
 def shm_bytes(workers: int, prefetch_factor: int, batch_size: int, sample_bytes: int) -> int:
-    """Shared memory one process's loader may hold at once: each worker keeps up to
-    prefetch_factor batches (DataLoader's default: 2) ready for its process. Also the
-    formula of scripts/preflight.py."""
+    """Shared memory one process's loader may hold at once: each worker keeps up to prefetch_factor
+    batches (DataLoader's default: 2) ready for its process. Also the formula of scripts/preflight.py."""
     return workers * prefetch_factor * batch_size * sample_bytes
 
 
 def shm_size_gib(need: int) -> int:
-    """The --shm-size (GiB) to suggest for `need` bytes, with room for the training
-    process's own shared tensors."""
+    """The --shm-size (GiB) to suggest for `need` bytes, with room for the training process's own shared tensors."""
     return max(1, math.ceil(need * 1.5 / 2**30))
 
 
 def _tensor_bytes(value) -> int:
     if isinstance(value, torch.Tensor):
         return value.nbytes
-    if isinstance(value, dict):
-        return sum(_tensor_bytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in value)
+    if isinstance(value, (list, tuple, dict)):
+        return sum(_tensor_bytes(v) for v in (value.values() if isinstance(value, dict) else value))
     return 0  # strings and other objects travel pickled, not in shared memory
 
 
 def batch_sample_bytes(batch) -> int:
-    """Bytes of one sample as the workers hand it over: the batch's tensors (labels
-    included) over its length. Measured rather than assumed, so that a data set of
-    other shapes or types is counted right."""
+    """Bytes of one sample as the workers hand it over: the batch's tensors (labels included) over
+    its length, measured rather than assumed, so that data of other shapes or types counts right."""
     first = batch
     while isinstance(first, (list, tuple, dict)) and len(first):
         first = next(iter(first.values())) if isinstance(first, dict) else first[0]
@@ -651,14 +571,12 @@ def batch_sample_bytes(batch) -> int:
 
 
 def shm_estimate(loaders, local_world_size: int, sample_bytes: int):
-    """(bytes, formula): the shared memory that `loaders` (one process's) and their like
-    in the other processes of this node, which share its /dev/shm, may hold at once,
-    for samples of `sample_bytes` (a training sample's: an evaluation sample is taken to
-    be as large, as it is for images cropped and flipped to the same size).
-
-    Their sum, not the largest: both loaders keep their workers between epochs, and a
-    training epoch cut short (--max-steps, a stop signal) leaves its prefetched batches in
-    shared memory until the next epoch starts, while evaluation fills its own."""
+    """(bytes, formula): the shared memory that `loaders` (one process's) and their like in the other
+    processes of this node, which share its /dev/shm, may hold at once, for samples of `sample_bytes`
+    (a training sample's; an evaluation sample, cropped and flipped images of the same size, is taken to
+    be as large). Their sum, not the largest: both loaders keep their workers between epochs, and a
+    training epoch cut short (--max-steps, a stop signal) leaves its prefetched batches in shared memory
+    until the next epoch starts, while evaluation fills its own."""
     terms = [(loader.purpose, loader.num_workers, loader.prefetch_factor, loader.batch_size,
               sample_bytes) for loader in loaders if loader.num_workers]
     need = sum(shm_bytes(*term[1:]) for term in terms) * local_world_size
@@ -675,8 +593,8 @@ def shm_dir() -> str:
 
 
 def warn_if_shm_short(loaders, env: DistEnv, sample_bytes: int):
-    """One warning on stderr when the shared-memory folder has less free space than
-    `loaders` may hold (shm_estimate). Training goes on: the estimate is an upper bound."""
+    """One warning on stderr when the shared-memory folder has less free space than `loaders` may
+    hold (shm_estimate). Training goes on: the estimate is an upper bound."""
     path = shm_dir()
     free = shm_free_bytes(path)
     if free is None or not any(loader.num_workers for loader in loaders):

@@ -1,15 +1,14 @@
 """Joining the job, and the few helpers every rank needs.
 
-Devices: this machine's accelerator when it has one (torch.accelerator: NVIDIA or AMD GPUs
-with nccl, Intel GPUs with xccl), otherwise the CPU with gloo, with no code change; --device
-cpu forces the CPU. The launcher says who each process is through the environment (torchrun:
-RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT); `python script.py`
-sets none of them and runs one process without a process group.
+Devices: this machine's accelerator if it has one (torch.accelerator: NVIDIA or AMD GPUs with
+nccl, Intel's with xccl), else the CPU with gloo; --device cpu forces the CPU. The launcher
+says who each process is (torchrun: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT); `python script.py` sets none and runs one process, no group.
 
 Agreements (`all_ranks_ok`, `any_rank`: may the run go on, has any rank a stop signal) go
-through the job's rendezvous store, not through a collective of the process group: they run
-beside NCCL without a second network stack and never wait behind the GPU's queue, and no
-backend thread touches Python objects before the loaders fork their workers.
+through the job's rendezvous store, not a collective: beside NCCL they need no second network
+stack and never wait behind the GPU's queue, and no backend thread touches a Python object
+before the loaders fork their workers.
 """
 import contextlib
 import datetime
@@ -41,13 +40,18 @@ class Job:
     read: str = ""               # the launcher's variables that were read, for --check-args to show
 
     @property
+    def rendezvous(self) -> str:
+        """Where the ranks meet: tcp://HOST:PORT (env://: MASTER_ADDR:MASTER_PORT) or file:///PATH."""
+        if self.init_method.startswith("env://"):
+            return f"tcp://{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '0')}"
+        return self.init_method
+
+    @property
     def meets_at(self):
         """The host every rank connects to, or None (file://: a shared file, no host)."""
-        if self.init_method.startswith("env://"):
-            return os.environ.get("MASTER_ADDR") or None
-        if self.init_method.startswith("tcp://"):
-            return self.init_method[len("tcp://"):].rsplit(":", 1)[0].strip("[]") or None
-        return None
+        if not self.rendezvous.startswith("tcp://"):
+            return None
+        return self.rendezvous[len("tcp://"):].rsplit(":", 1)[0].strip("[]") or None
 
     @property
     def several_nodes(self) -> bool:
@@ -109,10 +113,10 @@ def _env_int(name, default):
 
 
 def check_job(job: Job, device_choice: str = "auto", check_only: bool = False) -> torch.device:
-    """This rank's device, and the refusals of this node that need no process group: a device
-    this machine lacks, more processes than devices, and on several nodes a network on which
-    the groups cannot form (utils/network.py). From here on a refusal reaches every rank of the
-    job (utils/lifecycle.py, tell_the_job), not only this one."""
+    """This rank's device, and this node's refusals that need no process group: a device this
+    machine lacks, more processes than devices, and on several nodes a network on which the
+    groups cannot form (utils/network.py). From here on a refusal reaches every rank of the job
+    (lifecycle.tell_the_job), not only this one."""
     if job.launched and not check_only:
         if job.init_method.startswith("env://") and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
             raise UsageError("WORLD_SIZE is set but MASTER_ADDR or MASTER_PORT is not: the launcher "
@@ -125,15 +129,10 @@ def check_job(job: Job, device_choice: str = "auto", check_only: bool = False) -
 
 
 def _tell_refusals_to(job: Job):
-    """From here on, a refusal of this process also reaches the other ranks of `job`, which wait
-    to form the group with it (lifecycle.tell_the_job)."""
-    rendezvous, host = job.init_method, job.rank == 0
-    if rendezvous.startswith("env://"):
-        rendezvous = f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-        # Under torchrun's agent store the agent serves MASTER_ADDR:MASTER_PORT; otherwise rank 0
-        # does (torch/distributed/rendezvous.py, _create_c10d_store).
-        host = host and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-    lifecycle.meets_at(rendezvous, job.rank, job.world_size, hosts_store=host)
+    # Rank 0 serves the store, but where torchrun's agent does (its agent store, env:// only:
+    # torch/distributed/rendezvous.py, _create_c10d_store).
+    agent = job.init_method.startswith("env://") and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    lifecycle.meets_at(job.rendezvous, job.rank, job.world_size, hosts_store=job.rank == 0 and not agent)
 
 
 def check_network(meets_at, device: torch.device, flag: str = "MASTER_ADDR", announce: bool = True):
@@ -147,18 +146,11 @@ def check_network(meets_at, device: torch.device, flag: str = "MASTER_ADDR", ann
             print_line(error_line(finding.line, kind="warning"))
 
 
-def accelerator_type():
-    """This machine's accelerator as a torch.device type ('cuda' for NVIDIA and AMD GPUs, 'xpu'
-    for Intel's, 'mps' for Apple silicon, ...), or None: torch.accelerator names no vendor."""
-    if not torch.accelerator.is_available():
-        return None
-    return torch.accelerator.current_accelerator().type
-
-
 def device_type(choice: str = "auto", distributed: bool = False) -> str:
-    """The device type --device asks for, checked against this machine. `distributed`: the
-    process joins a group (torchrun, mp.spawn)."""
-    accelerator = accelerator_type()
+    """The device type --device asks for, checked against this machine ('cuda' for NVIDIA and
+    AMD GPUs, 'xpu' for Intel's, 'mps'...: torch.accelerator names no vendor). `distributed`:
+    the process joins a group."""
+    accelerator = torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else None
     if choice == "cpu":
         return "cpu"
     if ":" in choice:  # each rank's index comes from its local rank
@@ -269,14 +261,12 @@ def joining(job: Job, timeout_s: float, backend: str):
     where = job.meets_at or "the rendezvous"
 
     def refusal_of_a_peer(read):
-        if job.init_method.startswith("file://"):
-            path = lifecycle.refusal_file(job.init_method[len("file://"):])
-            with contextlib.suppress(OSError), open(path) as f:
+        if job.rendezvous.startswith("file://"):
+            with contextlib.suppress(OSError), open(lifecycle.refusal_file(job.rendezvous[len("file://"):])) as f:
                 return f.read()
             return None
-        if read[0] is None:  # the store's host is not up yet: look again later
-            host, port = job.init_method[len("tcp://"):].rsplit(":", 1) if job.init_method.startswith("tcp://") \
-                else (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+        if read[0] is None:  # connected once the store's host is up
+            host, port = job.rendezvous[len("tcp://"):].rsplit(":", 1)
             read[0] = lifecycle.store_client(host.strip("[]"), int(port), 5.0)
         if read[0].check([lifecycle.refusal_key()]):
             read[0].add(lifecycle.refusal_key() + "/read", 1)

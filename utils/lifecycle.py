@@ -44,14 +44,12 @@ def joined_a_group():
 
 
 def run_main(main, argv=None):
-    """Call main(argv); a UsageError becomes one line on stderr and exit status 2.
-
-    Every rank of a job meets the same bad input at the same point, so only global rank 0
-    prints the line (cli.UsageError's met_by says otherwise for a node's or a rank's own).
-    Any other exception is a bug: torchelastic's @record writes its traceback to the error
-    file torchrun reads, so the failing rank's error is the one torchrun reports first, not
-    the timeouts of the ranks that were waiting for it. Called as the program (argv None) in a
-    process that joined a process group, the run leaves through `leave`."""
+    """Call main(argv); a UsageError becomes one line on stderr and exit status 2 (printed by
+    global rank 0 alone: every rank meets the same input; see cli.UsageError's met_by). Any other
+    exception is a bug: torchelastic's @record writes its traceback to the error file torchrun
+    reads, so torchrun reports the failing rank's error first, not the timeouts of the ranks
+    that waited for it. As the program (argv None), a process that joined a group leaves
+    through `leave`."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
     failed_at = []  # when main raised: the time torchrun orders the ranks' failures by
@@ -107,19 +105,13 @@ def run_main(main, argv=None):
 
 
 def leave(code: int = 0, message: str = None):
-    """End this process now, once its work is done and its process group destroyed.
-
-    The interpreter's own teardown is skipped on purpose. destroy_process_group() does not
-    stop gloo's worker threads; they end when the last reference to the group goes, and once
-    a DDP model has used the group something in PyTorch still holds it (pytorch/pytorch
-    issues 72366, 107298). Such a thread can free a finished work item's tensors while the
-    main thread finalizes the interpreter; Python (up to 3.13) ends it with pthread_exit
-    inside a noexcept destructor: `terminate called without an active exception`, SIGABRT,
-    and the launcher reports a failure for a job that completed (pytorch/pytorch issue
-    190489). tutorials/09-debugging.md has the measurements.
-
-    Before exiting this runs the atexit handlers (which also end the loader workers still
-    alive, and flush logging) and flushes stdout and stderr; nothing else runs."""
+    """End this process now, once its work is done and its group destroyed, skipping the
+    interpreter's teardown on purpose: gloo's worker threads outlive destroy_process_group()
+    once DDP has used the group (pytorch/pytorch issues 72366, 107298), and one that frees a
+    work item's tensors while the interpreter finalizes is ended by Python (up to 3.13) with
+    pthread_exit inside a noexcept destructor: SIGABRT, and a failure reported for a job that
+    completed (tutorials/09-debugging.md). The atexit handlers run (they end the loader workers
+    still alive and flush logging), and stdout and stderr are flushed; nothing else."""
     if message:
         print_line(message)
     try:
@@ -134,15 +126,11 @@ def leave(code: int = 0, message: str = None):
 # --- bad input ------------------------------------------------------------------------------
 
 def refuse(message: str, prints: bool):
-    """What a process does with its bad input before it exits with status 2: global rank 0
-    (for input every rank meets) puts its line on stderr; every rank leaves the line in
-    torchrun's error file, for torchrun's summary, and tells the ranks that wait for it
-    (`tell_the_job`).
-
-    From here on it ignores SIGTERM: under torchrun the first rank out makes the agent stop
-    the others, and a rank still on its way out died of it, its own status lost (seen under
-    load). A rank that does not print waits 2 s under torchrun, so that rank 0's line
-    normally comes first."""
+    """Before exit status 2 for bad input: the line on stderr (where `prints`), in torchrun's
+    error file (its summary's root cause), and told to the ranks that wait (`tell_the_job`).
+    SIGTERM is ignored from here on: under torchrun the first rank out makes the agent stop
+    the others, and one still on its way out lost its own status to it (seen under load). A
+    rank that does not print waits 2 s under torchrun, so that rank 0's line comes first."""
     if _as_program and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     line = error_line(message)
@@ -155,17 +143,15 @@ def refuse(message: str, prints: bool):
 
 
 def record_for_torchrun(line: str, when: float = None):
-    """Under torchrun, leave `line` where torchrun reads a failed rank's error (the file
-    TORCHELASTIC_ERROR_FILE names, in the JSON form of torch.distributed.elastic's
-    ErrorHandler): torchrun's closing summary then shows it as the root cause. `when`: the
-    time of the failure; torchrun names the earliest (in whole seconds) the root cause."""
+    """Under torchrun, `line` where torchrun reads a failed rank's error (TORCHELASTIC_ERROR_FILE,
+    in torch.distributed.elastic's ErrorHandler format): its summary then shows it as the root
+    cause, which is the failure with the earliest `when` (whole seconds)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
     data = json.dumps({"message": {"message": line, "extraInfo": {
         "py_callstack": line, "timestamp": str(int(time.time() if when is None else when))}}})
-    # Whole or not at all: a file cut short (this process killed while writing it) makes
-    # torchrun's agent fail to parse it.
+    # Whole or not at all: torchrun's agent fails on a file cut short (this process killed meanwhile).
     temporary = f"{path}.{os.getpid()}.tmp"
     try:
         with open(temporary, "w") as f:
@@ -178,28 +164,24 @@ def record_for_torchrun(line: str, when: float = None):
 
 # --- telling the other ranks ------------------------------------------------------------------
 #
-# A rank that refuses before the process group forms leaves its line where the others, waiting
-# to form it, look (utils.distributed.setup watches for it): the rendezvous store, or, for a
-# file:// rendezvous, a file beside the rendezvous file. The store may be this rank's to host
-# (rank 0 under env:// without torchrun's agent store, and under tcp://): it then hosts it until
-# every other rank has read the line, or DELIVERY_S have passed.
+# A rank that refuses before the group forms leaves its line where the others, waiting to form
+# it, look (utils.distributed.joining): the rendezvous store, or a file beside a file://
+# rendezvous. Where the store is this rank's to serve (rank 0, but under torchrun's agent store),
+# it serves it until every other rank has read the line, or DELIVERY_S have passed.
 
 DELIVERY_S = 10.0  # how long a refusing rank tries to reach the others (bounds its exit)
 _job = None  # where this process's job meets: set by utils.distributed, see meets_at
 
 
 def meets_at(rendezvous: str, rank: int, world_size: int, hosts_store: bool = False):
-    """Record where this process's job meets, for `tell_the_job`: rendezvous "tcp://HOST:PORT"
-    (env:// as MASTER_ADDR:MASTER_PORT) or "file:///PATH"; hosts_store: this process serves
-    that store (rank 0, unless torchrun's agent does)."""
+    """Where this process's job meets ("tcp://HOST:PORT" or "file:///PATH"), for `tell_the_job`."""
     global _job
     _job = (rendezvous, rank, world_size, hosts_store)
 
 
 def attempt_prefix() -> str:
-    """Where this attempt's keys go in the job's store. Numbered by torchrun's restart count: a
-    store that outlives an attempt (torchrun's shared store) still holds the keys of the one
-    before."""
+    """This attempt's keys in the job's store: a store that outlives an attempt (torchrun's
+    shared store) holds the keys of the one before."""
     return f"utils/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
@@ -218,8 +200,7 @@ def store_client(host: str, port: int, timeout_s: float, host_it: bool = False):
 
 
 def tell_the_job(refusal: str):
-    """Leave this process's refusal where the other ranks of its job look (see above); best
-    effort, within DELIVERY_S: a rendezvous that cannot be reached is no reason to wait more."""
+    """This process's refusal where the other ranks look (above); best effort, within DELIVERY_S."""
     if _job is None or _job[2] <= 1:
         return
     rendezvous, rank, world_size, hosts_store = _job
@@ -246,9 +227,8 @@ def tell_the_job(refusal: str):
 # --- loader workers -------------------------------------------------------------------------
 
 def ignore_stop_signals():
-    """In a DataLoader worker: the stop signals are its rank's to handle. (A forked worker would
-    otherwise run its copy of the rank's handler, or die of the default action, and the rank
-    would fail at its next batch before it could checkpoint.)"""
+    """In a DataLoader worker: the stop signals are its rank's. (A forked worker would run its copy
+    of the rank's handler, or die of them, and the rank fail at its next batch, unsaved.)"""
     for sig in SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
@@ -256,9 +236,9 @@ def ignore_stop_signals():
 
 @contextlib.contextmanager
 def stop_signals_blocked():
-    """Block the stop signals in this thread while loader workers are started: a child inherits
-    the mask, so a signal sent to the whole group stays pending in the worker until
-    `ignore_stop_signals` has run there, and is delivered here when the block ends."""
+    """The stop signals blocked while loader workers start: a child inherits the mask, so a
+    signal to the whole group waits in the worker until `ignore_stop_signals` ran there, and
+    comes here when the block ends."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -274,18 +254,14 @@ _kill_at_exit_registered = False
 
 
 def start_loader_workers(start):
-    """`start()`: a DataLoader iterator, whose worker processes start now; returned.
-
-    - The workers start with the stop signals blocked (stop_signals_blocked).
-    - At exit, the workers still alive are killed: they ignore the SIGTERM that
-      multiprocessing's exit handler sends, and it would wait for them forever. Registered
-      before the first workers start, so that it runs after the handler that PyTorch 2.13 and
-      2.14 register for a loader's persistent pinned workers (atexit runs the last registered
-      first), which stops those iterators properly, and before multiprocessing's own.
-    - The workers share this process's multiprocessing folder (a "pymp-" folder in /tmp, for
-      the sockets they hand batches over by), made here if it is not yet: a worker makes its
-      own otherwise, which only its own exit removes, and a killed worker leaves it behind.
-    """
+    """`start()`, a DataLoader iterator whose worker processes start now, with the stop signals
+    blocked; returned. At exit the workers still alive are killed: they ignore the SIGTERM of
+    multiprocessing's exit handler, which would wait for them forever. Registered before the
+    first workers start, it runs after the handler PyTorch 2.13 and 2.14 register for persistent
+    pinned workers (atexit runs the last registered first), which stops those iterators
+    properly. The workers share this process's multiprocessing folder ("pymp-" in /tmp, for the
+    sockets that hand batches over), made here first: each would make its own otherwise, which a
+    killed worker leaves behind."""
     global _kill_at_exit_registered
     import multiprocessing.util
     if not _kill_at_exit_registered:
@@ -311,11 +287,9 @@ def _kill_loader_workers():
 
 
 def loader_sigchld_off():
-    """Put SIGCHLD back to its default in a rank that is failing. A DataLoader's SIGCHLD
-    handler raises its error wherever the main thread is each time a child ends, once a worker
-    has died: also in the middle of @record's write of the error file, which torchrun then
-    cannot parse. signal.signal first runs the handlers of signals already pending, so the
-    loader's may raise once more here: try again."""
+    """SIGCHLD back to its default in a failing rank: once a worker died, the loader's handler
+    raises wherever the main thread is at each child's end, in @record's write of the error file
+    too (which torchrun then cannot parse). signal.signal runs pending handlers first: retried."""
     for _ in range(5):
         try:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -339,13 +313,10 @@ def shm_free_bytes(path: str = None):
 
 
 def bus_error_message(err: BaseException):
-    """One line for a loader worker killed by SIGBUS, or None for any other error.
-
-    A worker hands each batch over in shared memory (/dev/shm); when that folder is full,
-    writing to it kills the worker with a bus error. Docker gives a container 64 MB of it
-    unless told otherwise. The loader's own error says so; but when the worker dies while
-    handing a batch over, the error seen first is its closed socket, so the exit status of
-    our loaders' workers is looked at too (given a second to show)."""
+    """One line for a loader worker killed by SIGBUS (its shared memory, /dev/shm, full: Docker
+    gives 64 MB), or None for any other error. A worker that dies while handing a batch over
+    shows first as a closed socket: our loaders' workers' exit status is then looked at (given
+    a second)."""
     chain = []
     while err is not None and not ("DataLoader worker" in str(err) and "Bus error" in str(err)):
         chain.append(err)

@@ -1,12 +1,8 @@
-"""Accuracy, loss and throughput meters, exact distributed evaluation, and the
-JSON-lines metrics file.
-
-Meters keep running sums as tensors on the device and are read once per epoch
-(or per --log-every steps): calling .item() every step would make the CPU wait
-for the GPU at every step.
-"""
+"""Accuracy, loss and throughput meters, exact distributed evaluation, and the JSON-lines
+metrics file. Meters keep running sums as tensors on the device, read once per epoch (or per
+--log-every steps): an .item() every step would make the CPU wait for the GPU at every step."""
+import contextlib
 import json
-import os
 import time
 
 import torch
@@ -15,19 +11,17 @@ import torch.nn.functional as F
 
 from .distributed import all_reduce_sum, is_main, meeting
 
-# cross_entropy's default ignore_index. A fixed-shape evaluation batch is filled up with
-# samples carrying it (utils/device_data.py): they add nothing to the loss, the hits or the count.
+# cross_entropy's default ignore_index. A fixed-shape evaluation batch is filled up with samples
+# carrying it (utils/device_data.py): they add nothing to the loss, the hits or the count.
 PAD_TARGET = -100
 # What an epoch records when --eval-every skips its evaluation.
-NOT_EVALUATED = {"test_loss": float("nan"), "test_acc1": float("nan"), "test_acc5": float("nan"),
-                 "test_samples": 0}
+NOT_EVALUATED = {"test_loss": float("nan"), "test_acc1": float("nan"), "test_acc5": float("nan"), "test_samples": 0}
 
 
 def correct_topk(logits: torch.Tensor, targets: torch.Tensor, ks=(1, 5)) -> torch.Tensor:
     """Number of samples whose target is among the k highest logits, for each k."""
     # With fewer classes than k, the top k are all of them (topk itself would raise).
-    top = logits.topk(min(max(ks), logits.shape[1]), dim=1).indices
-    hits = top.eq(targets.unsqueeze(1))
+    hits = logits.topk(min(max(ks), logits.shape[1]), dim=1).indices.eq(targets.unsqueeze(1))
     return torch.stack([hits[:, :k].any(dim=1).sum() for k in ks])
 
 
@@ -37,32 +31,26 @@ def sum_dtype(device) -> torch.dtype:
 
 
 class TrainMeter:
-    """Running training loss and top-1 accuracy, summed on the device; with
-    --clip-grad-norm, also the gradient norms of the epoch's optimizer steps."""
+    """Training loss and top-1 accuracy summed on the device, and the gradient norms (--clip-grad-norm)."""
 
     def __init__(self, device, initial=None):
-        # [loss x samples, correct top-1, samples], float64 so that sums stay exact.
-        self.sums = torch.zeros(3, dtype=sum_dtype(device), device=device)
-        # [sum of the finite gradient norms, how many]. Not summed over ranks: the norm of
-        # DDP's averaged gradient is the same on every rank.
+        self.sums = torch.zeros(3, dtype=sum_dtype(device), device=device)  # loss x samples, correct, samples
+        # The finite gradient norms' sum and count; not summed over ranks (DDP's averaged gradient, one norm).
         self.norms = torch.zeros(2, dtype=self.sums.dtype, device=device)
         if initial is not None:  # partial sums of an epoch interrupted by a checkpoint
             initial = torch.tensor(initial, dtype=self.sums.dtype, device=device)
             self.sums += initial[:3]
-            if len(initial) == 5:
-                self.norms += initial[3:]
+            self.norms += initial[3:] if len(initial) == 5 else 0
 
     def update(self, loss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor):
-        # Python numbers enter as kernel arguments: a tensor made from n would be a
-        # host-to-device copy, which waits for the device every step.
+        # n enters as a kernel argument: a tensor made from it would be a copy that waits for the device.
         n = targets.numel()
         self.sums[0] += loss.to(self.sums.dtype) * n
         self.sums[1] += (logits.argmax(dim=1) == targets).sum()
         self.sums[2] += n
 
     def add_grad_norm(self, norm: torch.Tensor):
-        # An fp16 step whose gradients overflowed has an infinite norm (GradScaler skips
-        # that step): left out of the mean, which it would make infinite.
+        # An fp16 step that overflowed (GradScaler skips it) has an infinite norm: left out of the mean.
         finite = torch.isfinite(norm)
         self.norms[0] += torch.where(finite, norm.to(self.norms.dtype), 0.0)
         self.norms[1] += finite
@@ -73,9 +61,9 @@ class TrainMeter:
         return loss_sum / max(n, 1)
 
     def global_sums(self) -> list:
-        """[loss x samples, correct, samples] over all ranks (a collective), then this
-        rank's [gradient norm sum, count]."""
-        return all_reduce_sum(self.sums.clone()).tolist() + self.norms.tolist()  # the caller names the meeting
+        """[loss x samples, correct, samples] over all ranks (an all-reduce: the caller names the
+        meeting), then this rank's [gradient norm sum, count]."""
+        return all_reduce_sum(self.sums.clone()).tolist() + self.norms.tolist()
 
     def summary(self) -> dict:
         loss_sum, correct, n, norm_sum, norms = self.global_sums()
@@ -84,33 +72,22 @@ class TrainMeter:
 
 
 def evaluation_due(epoch: int, args, last: bool) -> bool:
-    """--eval-every N: evaluate after every N-th epoch, and after the run's last one
-    (`last`: the run stops here, at --max-steps or a stop signal). The same answer on
-    every rank: evaluate() is a collective."""
-    every = getattr(args, "eval_every", None) or 1
-    return last or (epoch + 1) % every == 0 or epoch + 1 >= args.epochs
+    """--eval-every N: after every N-th epoch, and after the run's last one (`last`: it stops
+    here, at --max-steps or a stop signal). The same answer on every rank: evaluate() is a collective."""
+    return last or (epoch + 1) % (getattr(args, "eval_every", None) or 1) == 0 or epoch + 1 >= args.epochs
 
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader, device, autocast=None, memory_format=None) -> dict:
-    """Exact evaluation over all ranks: every test sample is counted once.
+    """Exact evaluation over all ranks: each rank sums loss and hits over its shard, and one all-reduce
+    gives the numbers of one process evaluating the whole test set. Pass the UNWRAPPED module: DDP's
+    forward broadcasts buffers from rank 0, a collective that would hang on uneven shards.
 
-    Pass the UNWRAPPED module, not the DDP wrapper: DDP's forward broadcasts
-    buffers from rank 0, a collective that would hang when shards are uneven (one
-    rank has a batch more than another). Each rank sums loss and correct counts
-    over its shard; one all-reduce of the sums and counts gives the same numbers as
-    a single process evaluating the whole test set.
-
-    Every rank evaluates with rank 0's buffers: DDP keeps parameters identical, but
-    each rank's last training forward updated its batch-norm running statistics
-    from its own slice of the batch. Without the copy each shard would be scored by
-    a slightly different model; with it, the result is that of the model rank 0
-    checkpoints. The rank's own buffers are put back afterwards, so evaluation
-    changes nothing (--verify-sync still shows what DDP left).
-
-    memory_format: the layout the model was trained in (channels_last), so that the
-    convolutions see it here too. Samples whose target is PAD_TARGET are not counted.
-    """
+    Every rank evaluates with rank 0's buffers: each rank's last training forward updated its batch-norm
+    running statistics from its own slice of the batch, so each shard would otherwise be scored by a
+    slightly different model; with the copy, by the one rank 0 checkpoints. The rank's own buffers are
+    put back afterwards (--verify-sync still shows what DDP left). memory_format: the layout the model
+    was trained in (channels_last). Samples whose target is PAD_TARGET are not counted."""
     own_buffers = None
     if dist.is_available() and dist.is_initialized():
         own_buffers = [b.detach().clone() for b in model.buffers()]
@@ -124,10 +101,7 @@ def evaluate(model: torch.nn.Module, loader, device, autocast=None, memory_forma
     for images, targets in loader:
         images = images.to(device, non_blocking=True, memory_format=memory_format or torch.preserve_format)
         targets = targets.to(device, non_blocking=True)
-        if autocast is not None:
-            with autocast():
-                logits = model(images)
-        else:
+        with autocast() if autocast is not None else contextlib.nullcontext():
             logits = model(images)
         classes = logits.shape[1]
         loss = F.cross_entropy(logits.float(), targets, reduction="sum", ignore_index=PAD_TARGET)
@@ -136,9 +110,8 @@ def evaluate(model: torch.nn.Module, loader, device, autocast=None, memory_forma
         sums[3] += targets.ne(PAD_TARGET).sum()
     loss_sum, top1, top5, count = all_reduce_sum(sums, "metrics.evaluate() (the sums)").tolist()
     model.train(was_training)
-    if own_buffers is not None:
-        for buffer, own in zip(model.buffers(), own_buffers):
-            buffer.copy_(own)
+    for buffer, own in zip(model.buffers(), own_buffers or ()):
+        buffer.copy_(own)
     count_safe = max(count, 1)
     result = {"test_loss": loss_sum / count_safe, "test_acc1": 100.0 * top1 / count_safe, "test_samples": int(count)}
     # With 5 classes or fewer every target is among the top 5: no top-5 figure at all. (A rank with
@@ -149,31 +122,19 @@ def evaluate(model: torch.nn.Module, loader, device, autocast=None, memory_forma
 
 
 def peak_memory_mb(device) -> dict:
-    """The device memory high-water marks since the last reset_peak_memory: allocated
-    (what tensors held) and reserved (what PyTorch's caching allocator took from the
-    device, which is what the device sees). None on the CPU and on accelerators that
-    keep no such statistics."""
-    try:
+    """Memory high-water marks since reset_peak_memory: allocated (what tensors held) and reserved (what
+    the caching allocator took: what the device sees). None on the CPU and where no statistics are kept."""
+    with contextlib.suppress(RuntimeError, NotImplementedError):
         if device.type != "cpu":
             return {"peak_memory_mb": torch.accelerator.max_memory_allocated(device) / 2**20,
                     "peak_reserved_mb": torch.accelerator.max_memory_reserved(device) / 2**20}
-    except (RuntimeError, NotImplementedError):
-        pass
     return {"peak_memory_mb": None, "peak_reserved_mb": None}
 
 
 def reset_peak_memory(device):
-    try:
+    with contextlib.suppress(RuntimeError, NotImplementedError):
         if device.type != "cpu":
             torch.accelerator.reset_peak_memory_stats(device)
-    except (RuntimeError, NotImplementedError):
-        pass
-
-
-def synchronize(device):
-    """Wait for queued GPU work, so that a clock reading means something."""
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
 
 
 class EpochTimer:
@@ -187,23 +148,24 @@ class EpochTimer:
 
     def __init__(self, device, images_per_step: int, steps: int):
         self.device, self.images_per_step = device, images_per_step
-        self.warmup_steps = min(10, steps // 4)
-        self.steps = 0
-        synchronize(device)
-        self.start = self.after_warmup = time.perf_counter()
+        self.warmup_steps, self.steps = min(10, steps // 4), 0
+        self.start = self.after_warmup = self._now()
+
+    def _now(self) -> float:
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize(self.device)  # wait for queued work: else the clock means nothing
+        return time.perf_counter()
 
     def step(self):
         self.steps += 1
         if self.steps == self.warmup_steps:
-            synchronize(self.device)
-            self.after_warmup = time.perf_counter()
+            self.after_warmup = self._now()
 
     def stop(self) -> dict:
-        synchronize(self.device)
-        end = time.perf_counter()
-        timed_steps = self.steps - self.warmup_steps if self.steps > self.warmup_steps else self.steps
-        timed_from = self.after_warmup if self.steps > self.warmup_steps else self.start
-        seconds = end - timed_from
+        end = self._now()
+        warm = self.steps > self.warmup_steps  # else the whole epoch is timed
+        timed_steps = self.steps - self.warmup_steps if warm else self.steps
+        seconds = end - (self.after_warmup if warm else self.start)
         return {"epoch_seconds": end - self.start,
                 "images_per_second": timed_steps * self.images_per_step / seconds if seconds > 0 else 0.0}
 
@@ -212,9 +174,7 @@ class MetricsLog:
     """JSON lines, appended and flushed record by record; only rank 0 writes."""
 
     def __init__(self, path):
-        self.path = path if path and is_main() else None
-        if self.path:
-            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        self.path = path if is_main() else None
 
     def write(self, record: dict):
         if self.path:
