@@ -371,3 +371,43 @@ def test_loader_workers_are_forked_in_a_process_that_mp_spawn_started(tmp_path):
     out = tmp_path / "workers"
     torch.multiprocessing.spawn(_report_loader_workers, args=(out,), nprocs=1)
     assert out.read_text() == "spawn ForkProcess"
+
+
+# Two processes of one node that both take themselves for its first (torchrun --virtual-local-rank
+# gives every worker LOCAL_RANK=0): each loads CIFAR-100 from an empty folder at once, with the
+# download replaced by one that writes the files slowly and counts itself.
+BOTH_LOCAL_RANK_0 = """
+import sys, time
+sys.path[:0] = [{root!r}, {tests!r}]
+import numpy as np
+import torchvision.datasets.cifar as cifar
+from test_data import write_cifar100
+from test_data import args_for
+from utils import data
+
+def download(url, root, filename=None, md5=None):
+    with open({count!r}, "a") as f:
+        f.write("download\\n")
+    time.sleep(1.0)  # the other process would find no files meanwhile
+    rng = np.random.default_rng(0)
+    write_cifar100(root, rng.integers(0, 256, (8, 3, 32, 32)), rng.integers(0, 100, 8),
+                   rng.integers(0, 256, (4, 3, 32, 32)), rng.integers(0, 100, 4))
+
+cifar.download_and_extract_archive = download
+train, test = data._load_cifar100(args_for("--dataset", "cifar100", "--data-dir", {folder!r}))
+print(len(train), len(test))
+"""
+
+
+def test_cifar100_is_downloaded_once_however_many_processes_take_themselves_for_the_first(tmp_path):
+    import subprocess
+    from conftest import ROOT, subprocess_env
+    program = tmp_path / "load.py"
+    program.write_text(BOTH_LOCAL_RANK_0.format(root=str(ROOT), tests=str(ROOT / "tests"), folder=str(tmp_path / "data"),
+                                                count=str(tmp_path / "downloads")))
+    procs = [subprocess.Popen([sys.executable, str(program)], env=subprocess_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [proc.communicate(timeout=120) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    assert [out.split() for out, _ in outputs] == [["8", "4"], ["8", "4"]], outputs
+    assert (tmp_path / "downloads").read_text().count("download") == 1  # the other found the files

@@ -1,23 +1,19 @@
-"""Data: CIFAR-100 through torchvision, an offline synthetic stand-in, your own data set,
-the per-rank training sampler and the exact evaluation sampler.
+"""Data: CIFAR-100 through torchvision, an offline synthetic stand-in, your own data set
+(`own_datasets`, `num_classes`), the per-rank training sampler and the exact evaluation sampler.
 
 A sample's augmentation depends on (--seed, epoch, index) alone. The training sampler yields
-(index, epoch) keys; our CIFAR view crops and flips as augmentation_plan drew for that epoch,
-and SeededSamples, the view of any other map-style data set, seeds the random number
-generators from the key before it loads the sample, so that the data set's own random
-transforms (torchvision's included) draw the same numbers wherever the sample is loaded. Left
-alone, they would draw from the generator of whichever worker loads it. So a sample is
-augmented the same way whatever the number of processes or loader workers, after a resume in
-the middle of an epoch, and on the GPU (--data-on-gpu): runs compare across strategies and
-resumes are exact.
+(index, epoch) keys: our CIFAR view crops and flips as augmentation_plan drew for that epoch, and
+SeededSamples, the view of any other map-style data set, seeds the random number generators from
+the key before it loads the sample, so that the data set's own random transforms (torchvision's
+included) draw the same numbers wherever it is loaded; left alone, they would draw from whichever
+worker loads it. So a sample is augmented the same way whatever the number of processes or loader
+workers, after a resume in the middle of an epoch, and on the GPU (--data-on-gpu): runs compare
+across strategies, and resumes are exact.
 
-Your own data: `own_datasets(args, train, test)` takes any two map-style data sets of
-(input, label) pairs; `num_classes` reads the number of classes from a data set.
-
-Loader workers hand their batches over in shared memory (/dev/shm), which Docker keeps at
-64 MB unless told otherwise; a worker that finds it full dies of a bus error. At the first
-batch of a run, local rank 0 compares what the run's loaders may hold there (shm_estimate)
-with the free space, and warns once if it is short.
+Loader workers hand their batches over in shared memory (/dev/shm), which Docker keeps at 64 MB
+unless told otherwise; a worker that finds it full dies of a bus error. At the first batch of a
+run, local rank 0 compares what the run's loaders may hold there with the free space, and warns
+once if it is short (warn_if_shm_short).
 """
 
 import fcntl
@@ -200,10 +196,8 @@ def _first(dataset, n, flag):
 
 def build_datasets(args, env: DistEnv):
     """(train, test) data sets of (HWC uint8 image, label) pairs, cut to --train-samples/--test-samples."""
-    if args.dataset == "synthetic":
-        train, test = SyntheticCIFAR(True, args.train_samples), SyntheticCIFAR(False, args.test_samples)
-    else:
-        train, test = _load_cifar100(args)
+    train, test = ((SyntheticCIFAR(True, args.train_samples), SyntheticCIFAR(False, args.test_samples))
+                   if args.dataset == "synthetic" else _load_cifar100(args))
     train = _first(train, args.train_samples, "--train-samples")
     test = _first(test, args.test_samples, "--test-samples")
     return TrainImages(train, args.seed), TestImages(test)
@@ -228,15 +222,17 @@ def own_datasets(args, train, test):
     return SeededSamples(train, args.seed), test
 
 
+def _inner(dataset):
+    """What one of our views (.base) or torch's Subset (.dataset) looks at; None for anything else."""
+    inner = getattr(dataset, "base", None)
+    return inner if inner is not None else getattr(dataset, "dataset", None)
+
+
 def describe(dataset) -> str:
     """The class name of the data set under our views and torch's Subset ("ImageFolder")."""
-    while True:
-        inner = getattr(dataset, "base", None)  # our views
-        if inner is None:
-            inner = getattr(dataset, "dataset", None)  # torch's Subset
-        if not isinstance(inner, Dataset):
-            return type(dataset).__name__
+    while isinstance(inner := _inner(dataset), Dataset):
         dataset = inner
+    return type(dataset).__name__
 
 
 def num_classes(dataset) -> int:
@@ -246,9 +242,7 @@ def num_classes(dataset) -> int:
     while seen is not None:
         if hasattr(seen, "classes"):
             return len(seen.classes)
-        innermost = seen
-        inner = getattr(seen, "base", None)  # our views
-        seen = inner if inner is not None else getattr(seen, "dataset", None)  # torch's Subset
+        innermost, seen = seen, _inner(seen)
     raise UsageError(f"cannot tell how many classes {type(innermost).__name__} has: give it a "
                      "`classes` list (as torchvision's data sets have), or pass the number to the model")
 
@@ -260,8 +254,7 @@ def _to_uint8_chw(image) -> torch.Tensor:
 
 
 def _normalize(pixels: torch.Tensor) -> torch.Tensor:
-    mean = torch.tensor(CIFAR100_MEAN).view(3, 1, 1)
-    std = torch.tensor(CIFAR100_STD).view(3, 1, 1)
+    mean, std = (torch.tensor(stats).view(3, 1, 1) for stats in (CIFAR100_MEAN, CIFAR100_STD))
     return (pixels.float() / 255 - mean) / std
 
 
@@ -320,48 +313,39 @@ class TrainImages(_View):
         return _normalize(crop_flip(_to_uint8_chw(image), dy, dx, flip)), target
 
 
-_MASK64 = 2**64 - 1
-
-
 def sample_seed(seed: int, epoch: int, index: int) -> int:
     """A 64-bit seed for one sample in one epoch, from (seed, epoch, index) alone: the three
     mixed, then splitmix64's finaliser, so that neighbouring indices or epochs get unrelated seeds."""
-    x = (seed * 0x9E3779B97F4A7C15 + (epoch + 1) * 0xD1B54A32D192ED03 + index * 0xABC98388FB8FAC03) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    mask = 2**64 - 1
+    x = (seed * 0x9E3779B97F4A7C15 + (epoch + 1) * 0xD1B54A32D192ED03 + index * 0xABC98388FB8FAC03) & mask
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
     return x ^ (x >> 31)
 
 
-@contextmanager
-def seeded_rngs(seed: int):
-    """torch's CPU generator, Python's `random` and NumPy's global generator seeded from `seed`
-    inside, and put back afterwards, so that loading a sample in the training process itself
-    (--workers 0) leaves the training's random numbers alone. Data transforms run on the CPU:
-    the CUDA generators are left alone."""
-    torch_state, python_state, numpy_state = torch.get_rng_state(), random.getstate(), np.random.get_state()
-    try:
-        torch.default_generator.manual_seed(seed)
-        random.seed(seed)
-        np.random.seed(seed & 0xFFFF_FFFF)  # NumPy's legacy seed is 32-bit
-        yield
-    finally:
-        torch.set_rng_state(torch_state)
-        random.setstate(python_state)
-        np.random.set_state(numpy_state)
-
-
 class SeededSamples(_View):
-    """Training view of any map-style data set: key (index, epoch) loads `base[index]`
-    with the random number generators seeded by sample_seed(seed, epoch, index), so the
-    data set's own random transforms (torchvision's RandomResizedCrop, its flips, ...)
-    draw the same numbers for that sample in that epoch wherever it is loaded."""
+    """Training view of any map-style data set: key (index, epoch) loads `base[index]` with torch's
+    CPU generator, Python's `random` and NumPy's global generator seeded by sample_seed(seed, epoch,
+    index), so that the data set's own random transforms (torchvision's RandomResizedCrop, its flips,
+    ...) draw the same numbers for that sample in that epoch wherever it is loaded. The generators are
+    put back afterwards, so that loading in the training process itself (--workers 0) leaves the
+    training's random numbers alone. Data transforms run on the CPU: the CUDA generators are not touched."""
 
     takes_sample_keys = True
 
     def __getitem__(self, key):
         index, epoch = key
-        with seeded_rngs(sample_seed(self.seed, epoch, index)):
+        seed = sample_seed(self.seed, epoch, index)
+        torch_state, python_state, numpy_state = torch.get_rng_state(), random.getstate(), np.random.get_state()
+        try:
+            torch.default_generator.manual_seed(seed)
+            random.seed(seed)
+            np.random.seed(seed & 0xFFFF_FFFF)  # NumPy's legacy seed is 32-bit
             return self.base[index]
+        finally:
+            torch.set_rng_state(torch_state)
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
 
 
 class TestImages(_View):
@@ -532,8 +516,7 @@ def train_loader(train_set, per_device_batch: int, global_batch: int, env: DistE
 
 
 def eval_loader(test_set, batch_size: int, env: DistEnv, args) -> DataLoader:
-    sampler = ShardSampler(len(test_set), env.rank, env.world_size)
-    return _loader(test_set, sampler, batch_size, env, args, "evaluation")
+    return _loader(test_set, ShardSampler(len(test_set), env.rank, env.world_size), batch_size, env, args, "evaluation")
 
 
 # --- shared memory -------------------------------------------------------------------

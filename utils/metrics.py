@@ -1,6 +1,5 @@
-"""Accuracy, loss and throughput meters, exact distributed evaluation, and the JSON-lines
-metrics file. Meters keep running sums as tensors on the device, read once per epoch (or per
---log-every steps): an .item() every step would make the CPU wait for the GPU at every step."""
+"""Meters, exact distributed evaluation and the JSON-lines metrics file. Meters keep running sums as tensors
+on the device, read once per epoch (or --log-every steps): an .item() every step makes the CPU wait for the GPU."""
 import contextlib
 import json
 import time
@@ -11,8 +10,8 @@ import torch.nn.functional as F
 
 from .distributed import all_reduce_sum, is_main, meeting
 
-# cross_entropy's default ignore_index. A fixed-shape evaluation batch is filled up with samples
-# carrying it (utils/device_data.py): they add nothing to the loss, the hits or the count.
+# cross_entropy's default ignore_index, the target of the filler in fixed-shape evaluation batches
+# (utils/device_data.py): such samples add nothing to the loss, the hits or the count.
 PAD_TARGET = -100
 # What an epoch records when --eval-every skips its evaluation.
 NOT_EVALUATED = {"test_loss": float("nan"), "test_acc1": float("nan"), "test_acc5": float("nan"), "test_samples": 0}
@@ -61,8 +60,8 @@ class TrainMeter:
         return loss_sum / max(n, 1)
 
     def global_sums(self) -> list:
-        """[loss x samples, correct, samples] over all ranks (an all-reduce: the caller names the
-        meeting), then this rank's [gradient norm sum, count]."""
+        """[loss x samples, correct, samples] over all ranks (an all-reduce the caller names), then this rank's
+        [norm sum, count]."""
         return all_reduce_sum(self.sums.clone()).tolist() + self.norms.tolist()
 
     def summary(self) -> dict:
@@ -72,8 +71,7 @@ class TrainMeter:
 
 
 def evaluation_due(epoch: int, args, last: bool) -> bool:
-    """--eval-every N: after every N-th epoch, and after the run's last one (`last`: it stops
-    here, at --max-steps or a stop signal). The same answer on every rank: evaluate() is a collective."""
+    """--eval-every N: every N-th epoch and the last (`last`: the run stops here); alike on all ranks (a collective)."""
     return last or (epoch + 1) % (getattr(args, "eval_every", None) or 1) == 0 or epoch + 1 >= args.epochs
 
 
@@ -84,16 +82,14 @@ def evaluate(model: torch.nn.Module, loader, device, autocast=None, memory_forma
     forward broadcasts buffers from rank 0, a collective that would hang on uneven shards.
 
     Every rank evaluates with rank 0's buffers: each rank's last training forward updated its batch-norm
-    running statistics from its own slice of the batch, so each shard would otherwise be scored by a
-    slightly different model; with the copy, by the one rank 0 checkpoints. The rank's own buffers are
-    put back afterwards (--verify-sync still shows what DDP left). memory_format: the layout the model
-    was trained in (channels_last). Samples whose target is PAD_TARGET are not counted."""
-    own_buffers = None
-    if dist.is_available() and dist.is_initialized():
-        own_buffers = [b.detach().clone() for b in model.buffers()]
-        with meeting("metrics.evaluate() (rank 0's buffers)"):  # all ranks, before any batch
-            for buffer in model.buffers():
-                dist.broadcast(buffer, src=0)
+    statistics from its own slice of the batch; with the copy every shard is scored by the model that
+    rank 0 checkpoints. Each rank gets its own buffers back afterwards (--verify-sync still shows what
+    DDP left). memory_format: the training layout (channels_last). PAD_TARGET samples are not counted."""
+    distributed = dist.is_available() and dist.is_initialized()
+    own_buffers = [b.detach().clone() for b in model.buffers()] if distributed else []
+    with meeting("metrics.evaluate() (rank 0's buffers)"):  # all ranks, before any batch
+        for buffer in model.buffers() if distributed else ():
+            dist.broadcast(buffer, src=0)
     was_training = model.training
     model.eval()
     sums = torch.zeros(4, dtype=sum_dtype(device), device=device)  # loss, top1, top5, count
@@ -110,7 +106,7 @@ def evaluate(model: torch.nn.Module, loader, device, autocast=None, memory_forma
         sums[3] += targets.ne(PAD_TARGET).sum()
     loss_sum, top1, top5, count = all_reduce_sum(sums, "metrics.evaluate() (the sums)").tolist()
     model.train(was_training)
-    for buffer, own in zip(model.buffers(), own_buffers or ()):
+    for buffer, own in zip(model.buffers(), own_buffers):
         buffer.copy_(own)
     count_safe = max(count, 1)
     result = {"test_loss": loss_sum / count_safe, "test_acc1": 100.0 * top1 / count_safe, "test_samples": int(count)}
@@ -163,11 +159,10 @@ class EpochTimer:
 
     def stop(self) -> dict:
         end = self._now()
-        warm = self.steps > self.warmup_steps  # else the whole epoch is timed
-        timed_steps = self.steps - self.warmup_steps if warm else self.steps
-        seconds = end - (self.after_warmup if warm else self.start)
+        skipped = self.warmup_steps if self.steps > self.warmup_steps else 0  # else the whole epoch is timed
+        seconds = end - (self.after_warmup if skipped else self.start)
         return {"epoch_seconds": end - self.start,
-                "images_per_second": timed_steps * self.images_per_step / seconds if seconds > 0 else 0.0}
+                "images_per_second": (self.steps - skipped) * self.images_per_step / seconds if seconds > 0 else 0.0}
 
 
 class MetricsLog:
