@@ -121,7 +121,7 @@ def train(args, env, per_device_batch, precision):
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     model = build_model(args.model, data.num_classes(train_set)).to(env.device, memory_format=memory_format)
     if args.sync_bn:  # batch statistics over the global batch instead of each GPU's slice
-        model = replicas.convert_sync_bn(model, env)
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
     # --- optimizer --------------------------------------------------------------------
     # Linear scaling (Goyal et al., 2017): --lr is the rate for 128 samples a step, the recipe's batch.

@@ -81,7 +81,7 @@ def train(args, env, micro_batch):
     # --- model ------------------------------------------------------------------------
     model = build_model(args.model, data.num_classes(train_set)).to(env.device)
     if args.sync_bn:  # batch statistics over the global batch instead of each GPU's slice
-        model = replicas.convert_sync_bn(model, env)
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if env.distributed:  # under a launcher, a group of one too
         # DDP broadcasts rank 0's weights to every rank here, then all-reduces (averages)
         # gradients bucket by bucket while backward is still running.

@@ -92,7 +92,7 @@ def train(args, env, per_device_batch):
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     model = build_model(args.model, data.num_classes(train_set)).to(env.device, memory_format=memory_format)
     if args.sync_bn:  # batch statistics over the global batch instead of each GPU's slice
-        model = replicas.convert_sync_bn(model, env)
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if env.distributed:  # under a launcher, a group of one too: DDP's own cost is then measured
         # DDP broadcasts rank 0's weights to every rank here, then all-reduces (averages)
         # gradients bucket by bucket while backward is still running.

@@ -71,7 +71,7 @@ def test_setup_binds_the_group_to_the_ranks_device(monkeypatch, kind, backend):
     calls = []
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: calls.append((backend, kwargs)))
     monkeypatch.setattr(dist, "rendezvous", lambda *args, **kwargs: iter([(dist.HashStore(), 1, 2)]))
-    monkeypatch.setattr(dist_utils, "watch_launcher", lambda: None)
+    monkeypatch.setattr(lifecycle, "watch_launcher", lambda: None)
     monkeypatch.setattr(lifecycle, "_joined_a_group", False)  # put back afterwards: nothing joined here
     monkeypatch.setattr(lifecycle, "_job", None)
     job = dist_utils.Job(1, 2, 1, 2, "tcp://127.0.0.1:1", launched=True)

@@ -440,7 +440,7 @@ def run_script_here(monkeypatch, capsys, tmp_path, cifar):
     monkeypatch.setattr(lifecycle, "_joined_a_group", False)
     monkeypatch.setattr(lifecycle, "_job", None)
     monkeypatch.setattr(lifecycle, "leave", lambda code=0, message=None: sys.exit(code))  # a spawned worker's exit
-    monkeypatch.setattr(dist_utils, "watch_launcher", lambda *a, **k: None)  # nobody to watch in here
+    monkeypatch.setattr(lifecycle, "watch_launcher", lambda *a, **k: None)  # nobody to watch in here
     monkeypatch.setattr(spawn, "forward_stop_signals", lambda workers: None)
     monkeypatch.setattr(distributed_mp.mp, "spawn", InlineSpawn)
     saved_handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}

@@ -1,10 +1,7 @@
-"""Full-state checkpoints: written atomically, read with weights_only=True.
-
-A checkpoint holds everything needed to continue with the exact next batch:
-model, optimizer, scheduler, GradScaler (mixed precision), the epoch and the
-number of optimizer steps already taken in it, the partial training sums of that
-epoch, and the RNG states. Only tensors and plain Python values go in, so
-`torch.load(path, weights_only=True)` can read it without running pickled code.
+"""Full-state checkpoints, written atomically, read with weights_only=True: model, optimizer,
+scheduler, GradScaler, the epoch and the steps taken in it, its partial training sums and the
+RNG states, all that continuing with the exact next batch needs. Only tensors and plain values
+go in, so `torch.load(path, weights_only=True)` reads it without running pickled code.
 """
 import errno
 import fcntl
@@ -25,19 +22,15 @@ _held_locks = []  # open descriptors of the locks this process holds, until it e
 
 
 def atomic_save(obj, path: str):
-    """Write to a temporary file in the same directory, then os.replace it into place.
-
-    os.replace is atomic on POSIX within one file system, so a crash (or a kill)
-    mid-save leaves the previous checkpoint intact, never half a file.
-    """
+    """A temporary file in the same directory, then os.replace (atomic within a file system):
+    a crash or a kill mid-save leaves the previous checkpoint intact, never half a file."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
     umask = os.umask(0)
     os.umask(umask)
     try:
-        # mkstemp makes the file private (0600); give it the mode any new file gets, so
-        # that colleagues sharing the directory can read and resume it.
+        # mkstemp's file is private (0600): the mode of any new file, for colleagues who resume it.
         os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
@@ -63,9 +56,8 @@ def remove_stale_temporaries(path: str):
 
 
 def rng_state(device: torch.device = None) -> dict:
-    """The random generators' states: the CPU's, numpy's, Python's, and those of the
-    accelerator when `device` (the rank's training device) is one: a run on the CPU
-    beside a GPU never touches the GPU (reading its generators would start CUDA there)."""
+    """The CPU's, numpy's and Python's generators, and the accelerator's where `device` (the rank's)
+    is on it: a CPU run beside a GPU never starts CUDA by reading its generators."""
     np_state = np.random.get_state()
     state = {
         "torch": torch.get_rng_state(),
@@ -132,16 +124,11 @@ def load(path: str) -> dict:
 
 
 def lock_directory(directory: str):
-    """Make `directory` this run's alone, for as long as this process lives.
-
-    The lock is a POSIX record lock (fcntl.lockf) on DIRECTORY/.lock, which the kernel
-    releases when the process ends, however it ends: a run that crashed or was killed
-    leaves no stale lock, and a worker restarted by torchrun takes it back. Unlike
-    flock(), it is not inherited by forked DataLoader workers (they would keep it after
-    the rank died) and it works on NFS through the lock manager. The file names the
-    holder, so the run that is refused can say which one it met. A second run is
-    refused with UsageError, and so is a directory that cannot be created or written.
-    """
+    """`directory` this run's alone while this process lives (UsageError for a second run, or a
+    folder that cannot be made or written): a POSIX record lock (fcntl.lockf) on DIRECTORY/.lock,
+    which the kernel releases however the process ends (no stale lock after a crash or a kill).
+    Unlike flock(), forked loader workers do not inherit it, and NFS honours it. The file names
+    the holder, for the refused run's line."""
     try:
         os.makedirs(directory, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
@@ -173,18 +160,15 @@ def lock_directory(directory: str):
 
 
 class WholeState:
-    """How a checkpoint holds the model and the optimizer when every rank has all of them (DDP,
-    one process): their state_dicts in checkpoint.pt, written by rank 0. utils/sharded.py has
-    the kind for a model sharded across ranks (FSDP). TrainingRun (utils/run.py) calls:
-    check(state, path) before the ranks agree that they can resume, load(state) after,
-    save(step) -> what goes into checkpoint.pt (every rank calls it; only rank 0's result is
-    written), saved(path) once checkpoint.pt names it, and tidy(path) when the run starts
-    (rank 0)."""
+    """The model and optimizer of a checkpoint where every rank has all of them (DDP, one
+    process): their state_dicts in checkpoint.pt (utils/sharded.py: sharded across ranks).
+    TrainingRun calls check(state, path) before the ranks agree to resume, load() after,
+    save(step, path) on every rank (rank 0's result is written), saved(path) once
+    checkpoint.pt names it, and tidy(path) when the run starts (rank 0)."""
+    needed = ("model", "optimizer")
 
     def __init__(self, model, optimizer):
         self.model, self.optimizer = model, optimizer
-
-    needed = ("model", "optimizer")
 
     def check(self, state: dict, path: str):
         if "sharded" in state:

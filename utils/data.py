@@ -1,21 +1,15 @@
 """Data: CIFAR-100 through torchvision, an offline synthetic stand-in, your own data set
 (`own_datasets`, `num_classes`), the per-rank training sampler and the exact evaluation sampler.
 
-A sample's augmentation depends on (--seed, epoch, index) alone. The training sampler yields
-(index, epoch) keys: our CIFAR view crops and flips as augmentation_plan drew for that epoch, and
-SeededSamples, the view of any other map-style data set, seeds the random number generators from
-the key before it loads the sample, so that the data set's own random transforms (torchvision's
-included) draw the same numbers wherever it is loaded; left alone, they would draw from whichever
-worker loads it. So a sample is augmented the same way whatever the number of processes or loader
-workers, after a resume in the middle of an epoch, and on the GPU (--data-on-gpu): runs compare
-across strategies, and resumes are exact.
+A sample's augmentation depends on (--seed, epoch, index) alone, not on the loader worker that loads
+it (TrainImages, SeededSamples): so runs compare across strategies and numbers of processes or
+workers, resumes in the middle of an epoch are exact, and --data-on-gpu augments as the loader does.
 
 Loader workers hand their batches over in shared memory (/dev/shm), which Docker keeps at 64 MB
-unless told otherwise; a worker that finds it full dies of a bus error. At the first batch of a
-run, local rank 0 compares what the run's loaders may hold there with the free space, and warns
-once if it is short (warn_if_shm_short).
+unless told otherwise; a worker that finds it full dies of a bus error: warn_if_shm_short.
 """
 
+import contextlib
 import fcntl
 import math
 import os
@@ -23,7 +17,6 @@ import pickle
 import random
 import sys
 import weakref
-from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -34,9 +27,7 @@ from .distributed import DistEnv, all_ranks_ok
 from .lifecycle import SHM_DIR, ignore_stop_signals, shm_free_bytes, start_loader_workers
 
 NUM_CLASSES = 100
-IMAGE_SHAPE = (3, 32, 32)
-# Per-channel statistics of the CIFAR-100 training set (0..1 scale).
-CIFAR100_MEAN = (0.5071, 0.4865, 0.4409)
+CIFAR100_MEAN = (0.5071, 0.4865, 0.4409)  # per channel, of the training set (0..1 scale)
 CIFAR100_STD = (0.2673, 0.2564, 0.2762)
 PAD = 4  # random crop with 4 pixels of zero padding, as in the ResNet paper
 
@@ -44,10 +35,8 @@ PAD = 4  # random crop with 4 pixels of zero padding, as in the ResNet paper
 # --- data sets --------------------------------------------------------------------
 
 class SyntheticCIFAR(Dataset):
-    """An offline stand-in for CIFAR-100 (32x32 RGB uint8 images, 100 classes, `.targets` like
-    torchvision's): a sample is its class's smooth random prototype plus pixel noise, shifted by
-    a few pixels, generated on demand from its index (`_image`), so building it costs nothing.
-    A CNN learns it in a few hundred steps but not instantly: loss curves and accuracies mean something."""
+    """An offline stand-in for CIFAR-100 (32x32 RGB uint8, 100 classes), made on demand from the index: a
+    class prototype plus noise, shifted. A CNN learns it in hundreds of steps, so its loss curves mean something."""
 
     def __init__(self, train: bool, size: int = None, seed: int = 1234):
         self.train = train
@@ -75,16 +64,12 @@ class SyntheticCIFAR(Dataset):
 
 
 class _CifarUnpickler(pickle.Unpickler):
-    """Unpickles what the CIFAR files hold and nothing else (dicts, lists, strings, bytes,
-    numbers, numpy arrays rebuilt from their bytes): pickle.load would import and call whatever
-    a file names (a `__reduce__` that names os.system, say), so a crafted file in --data-dir could run code."""
+    """Unpickles what the CIFAR files hold (dicts, lists, strings, bytes, numbers, numpy arrays) and
+    nothing else: pickle.load would call whatever a file names (os.system, say) and run a crafted file."""
 
-    ALLOWED = {
-        ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-        ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer"),
-        ("numpy", "ndarray"), ("numpy", "dtype"),
-        ("_codecs", "encode"),  # how Python 3 pickles bytes with protocol 2
-    }
+    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+               ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer"),
+               ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")}  # _codecs: bytes, protocol 2
 
     def find_class(self, module, name):
         if (module, name) in self.ALLOWED:
@@ -102,19 +87,16 @@ def read_cifar_file(path: str) -> dict:
         raise UsageError(f"cannot read CIFAR-100 file {path}: {type(exc).__name__}: {detail}") from None
     if not isinstance(entry, dict):
         raise UsageError(f"cannot read CIFAR-100 file {path}: it holds a {type(entry).__name__}, not a dict")
-    data = entry.get("data")
-    if data is not None and not (isinstance(data, np.ndarray) and data.dtype == np.uint8):
+    if (data := entry.get("data")) is not None and not (isinstance(data, np.ndarray) and data.dtype == np.uint8):
         raise UsageError(f"cannot read CIFAR-100 file {path}: its 'data' is not an array of bytes")
     return entry
 
 
-def _cifar100(data_dir: str, train: bool, download: bool):
+def _cifar100(data_dir: str, train: bool):
     """torchvision's CIFAR-100 (its layout, its download with the archive's md5 check), read by
-    read_cifar_file and trusting files already on disk: torchvision checks every file's md5 at
-    every load, which rejects any copy not byte-identical to the release (a subset, a re-pickled
-    copy, the tests' small data sets). torchvision is imported here: it costs seconds that synthetic runs skip."""
+    read_cifar_file. Files on disk are trusted: torchvision's md5 check at every load rejects any copy
+    that is not the release (a subset, the tests' data). Imported here: seconds that synthetic runs skip."""
     import torchvision
-
     base = torchvision.datasets.CIFAR100
 
     class CIFAR100(base):
@@ -122,15 +104,13 @@ def _cifar100(data_dir: str, train: bool, download: bool):
         test_list = [[name, None] for name, _ in base.test_list]
         meta = dict(base.meta, md5=None)
 
-        def __init__(self, root, train, download):
+        def __init__(self, root, train):
             torchvision.datasets.VisionDataset.__init__(self, root)
             self.train = train
-            if download:
-                self.download()  # torchvision's: skipped when the files are there
+            self.download()  # torchvision's: skipped when the files are there
             folder = os.path.join(self.root, self.base_folder)
             files = [name for name, _ in (self.train_list if train else self.test_list)]
-            missing = [name for name in [*files, self.meta["filename"]]
-                       if not os.path.isfile(os.path.join(folder, name))]
+            missing = [n for n in [*files, self.meta["filename"]] if not os.path.isfile(os.path.join(folder, n))]
             if missing:
                 raise FileNotFoundError(f"{os.path.join(folder, missing[0])} does not exist")
             entries = [read_cifar_file(os.path.join(folder, name)) for name in files]
@@ -148,25 +128,19 @@ def _cifar100(data_dir: str, train: bool, download: bool):
         def __getitem__(self, index):
             return self.data[index], self.targets[index]  # as stored: no PIL image to turn back into an array
 
-    return CIFAR100(data_dir, train=train, download=download)
+    return CIFAR100(data_dir, train=train)
 
 
-@contextmanager
 def _download_lock(data_dir: str):
-    """One download into `data_dir` at a time, however many processes share it (the ranks of a
-    node, or of several nodes on a shared file system); the others then find the files. A folder
-    where no lock can be taken (read-only, holding the files already) is read without one."""
+    """One download into `data_dir` at a time, however many processes (or nodes) share it; the others
+    then find the files. A folder where no lock can be taken (read-only) is read without one."""
     try:
         os.makedirs(data_dir, exist_ok=True)
-        fd = os.open(os.path.join(data_dir, ".download.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        lock = open(os.path.join(data_dir, ".download.lock"), "a")
     except OSError:
-        yield
-        return
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
+        return contextlib.nullcontext()
+    fcntl.lockf(lock, fcntl.LOCK_EX)
+    return lock  # leaving its `with` closes the file, which releases the lock
 
 
 def _load_cifar100(args):
@@ -175,7 +149,7 @@ def _load_cifar100(args):
     splits = error = None
     try:
         with _download_lock(args.data_dir):
-            splits = _cifar100(args.data_dir, True, download=True), _cifar100(args.data_dir, False, download=True)
+            splits = _cifar100(args.data_dir, True), _cifar100(args.data_dir, False)
     except Exception as exc:  # no network, disk full, corrupt archive, unreadable file, ...
         error = exc
     if all_ranks_ok(error is None, "data.build_datasets(), agreeing that every rank has CIFAR-100"):
@@ -188,8 +162,7 @@ def _load_cifar100(args):
 
 
 def _first(dataset, n, flag):
-    if n is not None and n > len(dataset):
-        # A silently smaller run would report figures for data it never saw.
+    if n is not None and n > len(dataset):  # a silently smaller run would report figures for data it never saw
         raise UsageError(f"{flag} {n} is more than the {len(dataset)} samples the data set has")
     return dataset if n is None or n == len(dataset) else Subset(dataset, range(n))
 
@@ -204,12 +177,9 @@ def build_datasets(args, env: DistEnv):
 
 
 def own_datasets(args, train, test):
-    """Your own (train, test) data sets for train_loader and eval_loader: any map-style data sets
-    of (input, label) pairs with their own transforms, cut to --train-samples/--test-samples; the
-    training set is seen through SeededSamples. What the data is ("ImageFolder") goes into
-    args.dataset, which config.json and the checkpoints record and a resume must match."""
-    # Refuse the flags that choose or hold our CIFAR data (build_parser(own_data=True) offers none).
-    dataset = getattr(args, "dataset", None)
+    """Your own (train, test) map-style data sets of (input, label) pairs, with their own transforms,
+    cut like ours. Their class ("ImageFolder") goes into args.dataset, which a resume must match."""
+    dataset = getattr(args, "dataset", None)  # flags for our CIFAR data are refused (own_data parsers lack them)
     if dataset not in (None, "cifar100"):  # the parser's default, when it has the flag
         raise UsageError(f"--dataset {dataset} chooses one of our CIFAR data sets; "
                          "this script trains on its own (leave --dataset out)")
@@ -236,15 +206,13 @@ def describe(dataset) -> str:
 
 
 def num_classes(dataset) -> int:
-    """The length of the `classes` list that torchvision's data sets and ours carry, looked for
-    through views and subsets."""
-    seen = innermost = dataset
-    while seen is not None:
-        if hasattr(seen, "classes"):
-            return len(seen.classes)
-        innermost, seen = seen, _inner(seen)
-    raise UsageError(f"cannot tell how many classes {type(innermost).__name__} has: give it a "
-                     "`classes` list (as torchvision's data sets have), or pass the number to the model")
+    """The length of the `classes` list that torchvision's data sets and ours carry, under views and subsets."""
+    while not hasattr(dataset, "classes"):
+        if (inner := _inner(dataset)) is None:
+            raise UsageError(f"cannot tell how many classes {type(dataset).__name__} has: give it a "
+                             "`classes` list (as torchvision's data sets have), or pass the number to the model")
+        dataset = inner
+    return len(dataset.classes)
 
 
 def _to_uint8_chw(image) -> torch.Tensor:
@@ -265,8 +233,7 @@ def crop_flip(pixels: torch.Tensor, dy: int, dx: int, flip: int) -> torch.Tensor
 
 
 def crop_flip_batch(padded: torch.Tensor, dy, dx, flip) -> torch.Tensor:
-    """The same for a batch of already padded B x C x 40 x 40 images (two gathers and a
-    select, on whatever device they live): bitwise what crop_flip gives image by image."""
+    """The same for padded B x C x 40 x 40 images on any device: bitwise what crop_flip gives one by one."""
     b, c = padded.shape[:2]
     window = torch.arange(32, device=padded.device)
     rows = (dy.view(b, 1) + window).view(b, 1, 32, 1).expand(b, c, 32, padded.shape[3])
@@ -276,8 +243,7 @@ def crop_flip_batch(padded: torch.Tensor, dy, dx, flip) -> torch.Tensor:
 
 
 def augmentation_plan(seed: int, epoch: int, num_samples: int) -> torch.Tensor:
-    """num_samples x 3 int64: crop offsets dy, dx in 0..8 and flip in {0, 1} for every
-    sample index, drawn from (seed, epoch) only."""
+    """num_samples x 3 int64 from (seed, epoch) only: crop offsets dy, dx in 0..8, flip in {0, 1}."""
     g = torch.Generator().manual_seed((seed * 1_000_003 + epoch) & 0x7FFF_FFFF_FFFF_FFFF)
     shifts = torch.randint(0, 2 * PAD + 1, (num_samples, 2), generator=g)
     flips = torch.randint(0, 2, (num_samples, 1), generator=g)
@@ -295,27 +261,22 @@ class _View(Dataset):
 
 
 class TrainImages(_View):
-    """Training view of our CIFAR data: (index, epoch) keys from TrainSampler, each
-    image cropped and flipped as augmentation_plan(seed, epoch) says for its index."""
+    """Training view of our CIFAR data: key (index, epoch) crops and flips as augmentation_plan says."""
 
     takes_sample_keys = True  # train_loader hands it (index, epoch), not a bare index
-    _plan_epoch, _plan = None, None  # one epoch's plan, drawn once per process
-
-    def plan(self, epoch: int) -> torch.Tensor:
-        if self._plan_epoch != epoch:
-            self._plan, self._plan_epoch = augmentation_plan(self.seed, epoch, len(self.base)), epoch
-        return self._plan
+    _plan_epoch = None
 
     def __getitem__(self, key):
         index, epoch = key
-        dy, dx, flip = self.plan(epoch)[index].tolist()
+        if self._plan_epoch != epoch:  # one epoch's plan, drawn once per process
+            self._plan, self._plan_epoch = augmentation_plan(self.seed, epoch, len(self.base)), epoch
+        dy, dx, flip = self._plan[index].tolist()
         image, target = self.base[index]
         return _normalize(crop_flip(_to_uint8_chw(image), dy, dx, flip)), target
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
-    """A 64-bit seed for one sample in one epoch, from (seed, epoch, index) alone: the three
-    mixed, then splitmix64's finaliser, so that neighbouring indices or epochs get unrelated seeds."""
+    """A 64-bit seed from (seed, epoch, index), through splitmix64's finaliser: neighbours get unrelated seeds."""
     mask = 2**64 - 1
     x = (seed * 0x9E3779B97F4A7C15 + (epoch + 1) * 0xD1B54A32D192ED03 + index * 0xABC98388FB8FAC03) & mask
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
@@ -324,12 +285,9 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
 
 
 class SeededSamples(_View):
-    """Training view of any map-style data set: key (index, epoch) loads `base[index]` with torch's
-    CPU generator, Python's `random` and NumPy's global generator seeded by sample_seed(seed, epoch,
-    index), so that the data set's own random transforms (torchvision's RandomResizedCrop, its flips,
-    ...) draw the same numbers for that sample in that epoch wherever it is loaded. The generators are
-    put back afterwards, so that loading in the training process itself (--workers 0) leaves the
-    training's random numbers alone. Data transforms run on the CPU: the CUDA generators are not touched."""
+    """Training view of any data set: key (index, epoch) loads `base[index]` with torch's CPU, Python's
+    and NumPy's global generators seeded by sample_seed for its random transforms, then put back, so
+    that --workers 0 leaves the training's random numbers alone."""
 
     takes_sample_keys = True
 
@@ -359,17 +317,14 @@ class TestImages(_View):
 # --- samplers ----------------------------------------------------------------------
 
 def steps_per_epoch(num_samples: int, global_batch: int) -> int:
-    """Optimizer steps per epoch: whole global batches only, so every step sees exactly
-    --batch-size images (the permutation's remainder, a different one each epoch, is dropped)."""
+    """Whole global batches only: every step sees --batch-size images (the remainder changes each epoch)."""
     return num_samples // global_batch
 
 
 class TrainSampler(Sampler):
-    """DistributedSampler's semantics (one permutation per epoch from seed + epoch, rank r takes
-    positions r, r+W, r+2W, ...) plus what exact resume needs. Step s of the epoch uses positions
-    [s*B, (s+1)*B) of the permutation, the global batch B split over the ranks, so N processes see
-    exactly the samples that one process sees. Yields (index, epoch) keys: the sample, and the epoch
-    its augmentation is drawn for (see TrainImages, SeededSamples)."""
+    """DistributedSampler's semantics (a permutation per epoch from seed + epoch, rank r takes positions
+    r, r+W, ...) plus exact resume. Step s takes positions [s*B, (s+1)*B) for global batch B, so N
+    processes see what one does. Yields (index, epoch): the sample and its augmentation's epoch."""
 
     def __init__(self, num_samples: int, global_batch: int, rank: int, world_size: int, seed: int):
         if steps_per_epoch(num_samples, global_batch) == 0:
@@ -380,10 +335,8 @@ class TrainSampler(Sampler):
         self.set_epoch(0)
 
     def set_epoch(self, epoch: int, start_step: int = 0):
-        """Call before every epoch, as with DistributedSampler, or every epoch repeats epoch 0's order.
-        start_step skips the steps a resumed epoch has taken, without loading their images."""
-        self.epoch, self.start_step = epoch, start_step
-        self.skip = 0  # further samples of this rank to skip (a loader restarted mid-epoch)
+        """Call before every epoch, as with DistributedSampler; start_step skips steps already taken."""
+        self.epoch, self.start_step, self.skip = epoch, start_step, 0  # skip: what a restarted loader delivered
 
     def _per_rank(self) -> int:
         return steps_per_epoch(self.num_samples, self.global_batch) * self.global_batch // self.world_size
@@ -405,9 +358,8 @@ class TrainSampler(Sampler):
 
 
 class ShardSampler(Sampler):
-    """Evaluation: rank r takes samples r, r+W, r+2W, ... and nothing else. DistributedSampler pads
-    the last shard with repeated samples, which the accuracy would count twice; here shards differ
-    in length by at most one, each sample counts once, and evaluate() all-reduces sums and counts."""
+    """Evaluation: rank r takes samples r, r+W, ... once each. DistributedSampler would pad the last
+    shard with repeats, counted twice; evaluate() all-reduces sums and counts over uneven shards."""
 
     def __init__(self, num_samples: int, rank: int, world_size: int):
         self.indices = range(rank, num_samples, world_size)
@@ -422,55 +374,41 @@ class ShardSampler(Sampler):
 # --- loaders -----------------------------------------------------------------------
 
 def _worker_init(_):
-    # Stop signals reach the workers too (sent to the process group or job step): their rank
-    # decides when to stop, see utils/lifecycle.py. One thread per worker process: no oversubscription.
-    ignore_stop_signals()
-    torch.set_num_threads(1)
+    ignore_stop_signals()  # they reach the whole process group, but the rank decides when to stop
+    torch.set_num_threads(1)  # each worker is a process: one thread each, not to oversubscribe the CPU
 
 
 def loader_workers(args, env: DistEnv) -> int:
-    """--workers, or what this node can feed: the smaller of 4 and its CPU cores per process (at
-    least 1). More workers than cores only add processes that wait for a core (and PyTorch's warning)."""
+    """--workers, or min(4, CPU cores per process), at least 1: more would only wait for a core."""
     if args.workers is not None:
         return args.workers
-    try:
-        cores = len(os.sched_getaffinity(0))  # the cores this process may use (containers, taskset)
-    except AttributeError:  # macOS
-        cores = os.cpu_count() or 1
+    # The cores this process may use (containers, taskset); macOS has no sched_getaffinity.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(4, cores // max(1, env.local_world_size)))
 
 
 class Loader(DataLoader):
-    """A DataLoader whose workers are forked, and started early (`start_workers`) as utils/lifecycle.py's
-    start_loader_workers starts them (stop signals blocked, killed at exit). Given `env`, the first batch
-    of a run's first loader checks the shared memory for all of them: warn_if_shm_short."""
+    """A DataLoader whose workers are forked early (start_workers) by lifecycle.start_loader_workers. Given
+    `env`, the first batch of a run checks the shared memory for all its loaders (warn_if_shm_short)."""
 
     def __init__(self, *args, env: DistEnv = None, purpose: str = "loader", **kwargs):
         super().__init__(*args, **kwargs)
         if self.num_workers and self.multiprocessing_context is None and sys.platform == "linux":
-            # Forked, whatever started this process. DataLoader's default is the process's start method:
-            # "spawn" in a process that mp.spawn started ("forkserver" on Linux from Python 3.14), every
-            # worker a new interpreter importing PyTorch again for work that never touches the GPU
-            # (measured, one worker under mp.spawn: 1.1 s to the first batch and 283 MB of its own memory
-            # spawned; 0.05 s and 15 MB forked). Ask for another with multiprocessing_context.
+            # DataLoader's default, the process's start method, is "spawn" under mp.spawn ("forkserver"
+            # from Python 3.14): each worker a new interpreter importing PyTorch for work that never
+            # touches the GPU (measured: 1.1 s to the first batch and 283 MB; forked 0.05 s and 15 MB).
             self.multiprocessing_context = "fork"
         self.env, self.purpose = env, purpose
         if env is not None and env.local_rank == 0 and self.num_workers:  # once per node
             _shm_unchecked.add(self)
 
     def start_workers(self):
-        """Fork the persistent workers now, before the model's first collective (DDP's broadcast),
-        not at the first batch. After a collective a thread of the process group may still let go
-        of the tensor it carried, taking the GIL; Python 3.11.9 and older (CPython gh-112275, fixed
-        in 3.11.10 and 3.12) can leave a child forked at that instant waiting forever on the
-        thread-state lock: a worker that never starts. The batches prefetched early are dropped at
-        the first iteration. Workers started by exec ("spawn", "forkserver") start at the first batch."""
-        if not (self.num_workers and self.persistent_workers):
-            return
-        # Without a context (not on Linux), DataLoader uses torch.multiprocessing's start method.
-        if (self.multiprocessing_context or torch.multiprocessing).get_start_method() == "fork":
-            # A new iterator draws its workers' base seed from PyTorch's global generator: put it back,
-            # so that the model is initialised as with --workers 0 (samples are seeded on their own).
+        """Fork the persistent workers now, before the model's first collective (DDP's broadcast). A
+        process-group thread may still hold the GIL after a collective, and Python 3.11.9 and older
+        (CPython gh-112275) can leave a child forked then waiting forever: a worker that never starts."""
+        context = self.multiprocessing_context or torch.multiprocessing  # DataLoader's, with no context
+        if self.num_workers and self.persistent_workers and context.get_start_method() == "fork":
+            # Its workers' base seed comes from the global generator: put it back, as with --workers 0.
             with torch.random.fork_rng(devices=[]):
                 self._batches()  # DataLoader keeps a persistent-worker iterator for the next iter()
 
@@ -482,9 +420,8 @@ class Loader(DataLoader):
         return self._check_shm_at_first_batch(batches) if self in _shm_unchecked else batches
 
     def _check_shm_at_first_batch(self, batches):
-        # At the first batch, when the script has built all its loaders, the sample size measured on
-        # what a worker delivered: loading a sample here, in the training process, would open what a
-        # user's data set opens on first access (an HDF5 file, say) before the workers fork and share it.
+        # At the first batch: all loaders are built, and a sample loaded here would open what a data
+        # set opens on first access (an HDF5 file, say) before the workers fork and share it.
         for batch in batches:
             siblings = sorted((loader for loader in list(_shm_unchecked) if loader.env is self.env),
                               key=lambda loader: loader.purpose != "training")  # training first
@@ -497,8 +434,7 @@ class Loader(DataLoader):
 
 def _loader(dataset, sampler, batch_size: int, env: DistEnv, args, purpose: str) -> Loader:
     workers = loader_workers(args, env)
-    # Pinned (page-locked) host memory lets the copy to the device run asynchronously
-    # (non_blocking=True); Apple's MPS shares memory with the CPU and has nothing to pin.
+    # Pinned memory lets the copy to the device run asynchronously; MPS shares memory with the CPU.
     loader = Loader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
                     pin_memory=env.device.type not in ("cpu", "mps"), persistent_workers=workers > 0,
                     worker_init_fn=_worker_init, env=env, purpose=purpose)
@@ -507,8 +443,7 @@ def _loader(dataset, sampler, batch_size: int, env: DistEnv, args, purpose: str)
 
 
 def train_loader(train_set, per_device_batch: int, global_batch: int, env: DistEnv, args) -> DataLoader:
-    """The training loader: whole global batches split over the ranks (TrainSampler). `train_set` is a
-    view from build_datasets or own_datasets; any other map-style data set is seen through SeededSamples."""
+    """Whole global batches split over the ranks; a data set not from us is seen through SeededSamples."""
     if not getattr(train_set, "takes_sample_keys", False):
         train_set = SeededSamples(train_set, args.seed)
     sampler = TrainSampler(len(train_set), global_batch, env.rank, env.world_size, args.seed)
@@ -525,27 +460,24 @@ _shm_unchecked = weakref.WeakSet()  # loaders with workers whose shared memory i
 
 
 def shm_bytes(workers: int, prefetch_factor: int, batch_size: int, sample_bytes: int) -> int:
-    """Shared memory one process's loader may hold at once: each worker keeps up to prefetch_factor
-    batches (DataLoader's default: 2) ready for its process. Also the formula of scripts/preflight.py."""
+    """What one process's loader may hold at once: prefetch_factor batches per worker (also preflight's)."""
     return workers * prefetch_factor * batch_size * sample_bytes
 
 
 def shm_size_gib(need: int) -> int:
-    """The --shm-size (GiB) to suggest for `need` bytes, with room for the training process's own shared tensors."""
+    """The --shm-size (GiB) to suggest, with room for the training process's own shared tensors."""
     return max(1, math.ceil(need * 1.5 / 2**30))
 
 
-def _tensor_bytes(value) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.nbytes
-    if isinstance(value, (list, tuple, dict)):
-        return sum(_tensor_bytes(v) for v in (value.values() if isinstance(value, dict) else value))
-    return 0  # strings and other objects travel pickled, not in shared memory
-
-
 def batch_sample_bytes(batch) -> int:
-    """Bytes of one sample as the workers hand it over: the batch's tensors (labels included) over
-    its length, measured rather than assumed, so that data of other shapes or types counts right."""
+    """Bytes of one sample as the workers hand it over (labels included): measured, not assumed."""
+    def _tensor_bytes(value) -> int:
+        if isinstance(value, torch.Tensor):
+            return value.nbytes
+        if isinstance(value, (list, tuple, dict)):
+            return sum(_tensor_bytes(v) for v in (value.values() if isinstance(value, dict) else value))
+        return 0  # strings and other objects travel pickled, not in shared memory
+
     first = batch
     while isinstance(first, (list, tuple, dict)) and len(first):
         first = next(iter(first.values())) if isinstance(first, dict) else first[0]
@@ -554,37 +486,29 @@ def batch_sample_bytes(batch) -> int:
 
 
 def shm_estimate(loaders, local_world_size: int, sample_bytes: int):
-    """(bytes, formula): the shared memory that `loaders` (one process's) and their like in the other
-    processes of this node, which share its /dev/shm, may hold at once, for samples of `sample_bytes`
-    (a training sample's; an evaluation sample, cropped and flipped images of the same size, is taken to
-    be as large). Their sum, not the largest: both loaders keep their workers between epochs, and a
-    training epoch cut short (--max-steps, a stop signal) leaves its prefetched batches in shared memory
-    until the next epoch starts, while evaluation fills its own."""
+    """(bytes, formula): what `loaders` and their like in this node's other processes may hold at once
+    (an evaluation sample taken to be as large as a training one). Their sum: both keep their workers
+    between epochs, and a training epoch cut short leaves its prefetched batches while evaluation runs."""
     terms = [(loader.purpose, loader.num_workers, loader.prefetch_factor, loader.batch_size,
               sample_bytes) for loader in loaders if loader.num_workers]
     need = sum(shm_bytes(*term[1:]) for term in terms) * local_world_size
     formula = " + ".join(f"{purpose} {workers} worker{'s' if workers != 1 else ''} x {prefetch} prefetched batches "
                          f"x {batch} samples x {nbytes:,} B" for purpose, workers, prefetch, batch, nbytes in terms)
-    processes = f"{local_world_size} process{'es' if local_world_size != 1 else ''}"
-    return need, f"({formula}) x {processes} on this node"
+    return need, f"({formula}) x {local_world_size} process{'es' if local_world_size != 1 else ''} on this node"
 
 
 def shm_dir() -> str:
-    # TRAIN_SHM_DIR: check another folder instead. The workers themselves always use
-    # /dev/shm (shm_open); the tests point it at a small tmpfs of their own.
+    # TRAIN_SHM_DIR: the tests' small tmpfs. The workers themselves always use /dev/shm (shm_open).
     return os.environ.get("TRAIN_SHM_DIR") or SHM_DIR
 
 
 def warn_if_shm_short(loaders, env: DistEnv, sample_bytes: int):
-    """One warning on stderr when the shared-memory folder has less free space than `loaders` may
-    hold (shm_estimate). Training goes on: the estimate is an upper bound."""
+    """One warning when shared memory has less free space than `loaders` may hold: an upper bound."""
     path = shm_dir()
     free = shm_free_bytes(path)
-    if free is None or not any(loader.num_workers for loader in loaders):
-        return  # no such folder (not Linux), or nothing goes through it
     need, formula = shm_estimate(loaders, env.local_world_size, sample_bytes)
-    if need <= free:
-        return
+    if free is None or need <= free:
+        return  # no such folder (not Linux), or room enough (none needed without workers)
     print_line(error_line(
         f"{path} has {free / 2**20:,.1f} MiB free, less than the {need / 2**20:,.1f} MiB that the "
         f"DataLoader workers of this node may hold there at once: {formula}. A worker that finds it full "

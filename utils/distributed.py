@@ -15,7 +15,6 @@ import datetime
 import os
 import random
 import re
-import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -81,9 +80,8 @@ LAUNCHER_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "M
 
 
 def job_from_env(check_only: bool = False) -> Job:
-    """This process's place in a torchrun (or srun, or hand-made env://) job, from the
-    launcher's variables; one process without WORLD_SIZE. check_only (--check-args): a missing
-    RANK stands for rank 0, the check of one rank of the job."""
+    """This process's place in its job, from the launcher's variables; one process without
+    WORLD_SIZE. check_only (--check-args): a missing RANK stands for rank 0."""
     read = " ".join(f"{name}={os.environ[name]}" for name in LAUNCHER_VARIABLES if name in os.environ)
     if "WORLD_SIZE" not in os.environ:
         if "RANK" in os.environ:
@@ -136,8 +134,7 @@ def _tell_refusals_to(job: Job):
 
 
 def check_network(meets_at, device: torch.device, flag: str = "MASTER_ADDR", announce: bool = True):
-    """Refuse, for this node, a job of several nodes that cannot form its groups from here;
-    warn (once per node: `announce`) of one that may not."""
+    """Refuse a job of several nodes that cannot form its groups from here; warn of one that may not."""
     backend = dist.get_default_backend_for_device(device)
     for finding in network.findings(meets_at, uses_gloo=backend == "gloo", flag=flag):
         if finding.certain:
@@ -196,9 +193,8 @@ def pick_device(local_rank: int, local_world_size: int, choice: str = "auto",
     plural = "s" if count != 1 else ""
     gpus = f"GPU{plural}" if kind in ("cuda", "xpu") else f"{kind} device{plural}"
     fix = f"use --nproc_per_node={count} or fewer (one process per device), or --device cpu"
-    # torchrun --virtual-local-rank shows each worker only its own GPU, as index 0: it sets
-    # CUDA_VISIBLE_DEVICES to that one GPU and LOCAL_RANK=0, while LOCAL_WORLD_SIZE stays the
-    # node's count (LocalElasticAgent._set_local_rank_env).
+    # torchrun --virtual-local-rank shows a worker its own GPU alone, as index 0 (LOCAL_RANK=0,
+    # LOCAL_WORLD_SIZE the node's count: LocalElasticAgent._set_local_rank_env).
     visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     own_device_only = count == 1 and local_rank == 0 and len(visible) == 1
     if local_rank >= count:  # this rank's device does not exist: its error, whoever else fails
@@ -212,27 +208,24 @@ def pick_device(local_rank: int, local_world_size: int, choice: str = "auto",
 
 # --- joining ------------------------------------------------------------------------------------
 
-# How much longer than --dist-timeout a rank may take to join before it gives up on its own: the
-# backends' own timeouts come first where they hold. (gloo's connection of the full mesh does not
-# always: a rank whose peer failed to connect to it was still waiting 150 s into a 30 s timeout,
-# measured on two hosts with PyTorch 2.14.)
+# How much longer than --dist-timeout a rank may take to join before it gives up by itself: the
+# backends' timeouts come first where they hold (gloo's full-mesh connect did not: still waiting
+# 150 s into a 30 s timeout, measured on two hosts with PyTorch 2.14).
 JOIN_GRACE_S = 10.0
 _store = None  # the job's store for the agreements (setup)
 
 
 def setup(job: Job, device: torch.device, timeout_s: float = 1800.0) -> DistEnv:
-    """Join the job's process group (nccl on NVIDIA and AMD GPUs, xccl on Intel's, gloo on the
-    CPU) and pin this rank's device; one process (world size 1 without a launcher) joins none.
-
-    The timeout bounds how long a rank waits for a peer, to form the group and in every
-    collective after it, so a failed job ends instead of hanging."""
+    """Join the job's process group (the device's backend: nccl, xccl, gloo on the CPU) and pin this
+    rank's device; one process without a launcher joins none. The timeout bounds every wait for a
+    peer, to form the group and in each collective after it: a failed job ends, not hangs."""
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
     if not job.launched:
         return DistEnv(0, 0, 1, 1, device, distributed=False)
     global _store
     _tell_refusals_to(job)
-    watch_launcher()
+    lifecycle.watch_launcher()
     backend = dist.get_default_backend_for_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
     with joining(job, timeout_s, backend):
@@ -253,10 +246,9 @@ def setup(job: Job, device: torch.device, timeout_s: float = 1800.0) -> DistEnv:
 
 @contextlib.contextmanager
 def joining(job: Job, timeout_s: float, backend: str):
-    """Around forming the group: a rank that has not joined `timeout_s` + JOIN_GRACE_S later prints
-    one line and exits with status 1, instead of waiting on; one whose peer refused to start
-    (utils/lifecycle.py, tell_the_job) ends with that peer's line and status 2, as the peer does.
-    On several nodes a failure to join is one line too, not a traceback from the depths of gloo."""
+    """Around forming the group: a rank not joined `timeout_s` + JOIN_GRACE_S later ends with one
+    line and status 1; one whose peer refused to start (lifecycle.tell_the_job) with that peer's
+    line and status 2; on several nodes a failure to join is one line, not a trace from gloo."""
     joined = threading.Event()
     where = job.meets_at or "the rendezvous"
 
@@ -306,49 +298,10 @@ def joining(job: Job, timeout_s: float, backend: str):
                               f"{first_line(err)}); scripts/preflight.py checks each node's network"))
         raise SystemExit(1) from None
     finally:
-        # Stopped before this process goes on or exits: a watcher still inside a store call at
-        # exit comes back to a finalizing interpreter, which ends it with pthread_exit; unwinding
-        # through PyTorch's C++ then aborts (SIGABRT, seen once).
+        # Stopped before this process goes on: a watcher in a store call at exit comes back to a
+        # finalizing interpreter, whose pthread_exit through PyTorch's C++ aborts (SIGABRT, seen once).
         joined.set()
         watcher.join(10.0)
-
-
-_stopping = False
-
-
-def stop_under_way():
-    """Called once this process has a stop signal, its own or another rank's (utils/run.py):
-    watch_launcher sends it no other."""
-    global _stopping
-    _stopping = True
-
-
-def watch_launcher(grace_s: float = 30.0, poll_s: float = 1.0):
-    """End this process when the process that started it (torchrun's agent, the mp.spawn parent)
-    dies, instead of training on with nobody watching: a SIGTERM to itself, which checkpoints at
-    the next agreed step like any stop signal (none when a stop is under way already), then
-    SIGKILL `grace_s` later (a peer that died with the launcher never reaches the agreement).
-    A thread that polls the parent's pid works on Linux and macOS alike, and unlike
-    prctl(PR_SET_PDEATHSIG) it does not fire when only the thread that forked us ends."""
-    parent = os.getppid()
-    if parent <= 1:
-        return None
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(poll_s)
-        # Not when a stop is under way: mp.spawn's workers get SIGINT from the kernel when their
-        # parent dies (PR_SET_PDEATHSIG, torch/multiprocessing/spawn.py), and once a stop has
-        # saved its checkpoint the signals are back at their default action: a SIGTERM from here
-        # would end the process in the middle of its exit.
-        if not _stopping:
-            os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(grace_s)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    thread = threading.Thread(target=watch, name="watch-launcher", daemon=True)
-    thread.start()
-    return thread
 
 
 def cleanup():
@@ -374,9 +327,7 @@ def print0(*args, **kwargs):
 # --- meeting points -----------------------------------------------------------------------------
 
 def all_reduce_sum(tensor: torch.Tensor, call: str = None) -> torch.Tensor:
-    """Sum over ranks in place (no-op in a single process); returns the tensor. `call`: where
-    every rank meets, named in the error if one never comes (see meeting); None where the
-    caller names it."""
+    """Sum over ranks in place (no-op alone); `call` names the meeting (None: the caller does)."""
     if dist.is_available() and dist.is_initialized():
         with meeting(call) if call else contextlib.nullcontext():
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
@@ -396,9 +347,8 @@ class MissedCollective(RuntimeError):
 
 @contextlib.contextmanager
 def meeting(call: str):
-    """Around a call that every rank must reach at the same point. If it fails here
-    (--dist-timeout passed with a peer missing, or a peer died), the error names the call this
-    rank was waiting in and what to look for, instead of a bare timeout from the backend."""
+    """Around a call every rank must reach at the same point: if a peer never comes, the error names
+    the call this rank waited in and what to look for, not a bare timeout of the backend."""
     try:
         yield
     except RuntimeError as err:
@@ -415,11 +365,9 @@ _agreements = 0  # how many agreements this rank has made: the same count on eve
 
 
 def _votes(vote: bool, call: str) -> int:
-    """How many ranks voted yes, once every rank has voted: every rank must call it at the same
-    points (like a collective). Through the store: each rank adds its vote to a counter (+1 for
-    being there, + world_size + 1 for yes); the last to arrive posts the total, which the others
-    wait for (store.get waits up to --dist-timeout), and removes the agreement before it, which
-    every rank has read by then."""
+    """How many ranks voted yes, once all have (every rank calls it at the same points). Through the
+    store: each adds 1, plus world_size + 1 for yes, to a counter; the last posts the total, which
+    the others wait for (get: up to --dist-timeout), and deletes the agreement before, read by all."""
     global _agreements
     world = dist.get_world_size()
     _agreements += 1
@@ -436,9 +384,8 @@ def _votes(vote: bool, call: str) -> int:
 
 
 def all_ranks_ok(ok: bool, call: str = "all_ranks_ok()") -> bool:
-    """True only if `ok` holds on every rank. Use it where one rank could fail alone (a file
-    read): every rank learns the outcome, so none is left waiting for a peer that has given up.
-    `call`: what the agreement is, for the error if a rank never comes."""
+    """True only if `ok` holds on every rank: where one rank could fail alone (a file read), every
+    rank learns it, and none waits for a peer that gave up. `call` names it for the error."""
     if _store is None:
         return ok
     return _votes(ok, call) == dist.get_world_size()

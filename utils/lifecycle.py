@@ -11,6 +11,7 @@
   (`stop_signals_blocked`), so that none can arrive before that call.
 - A loader worker killed by a bus error (its shared memory, /dev/shm, full) ends the run
   with one line that says so (`bus_error_message`).
+- A training process does not outlive its launcher (`watch_launcher`).
 """
 import atexit
 import contextlib
@@ -121,6 +122,41 @@ def leave(code: int = 0, message: str = None):
             with contextlib.suppress(OSError, ValueError):  # closed, or a broken pipe
                 stream.flush()
         os._exit(code)
+
+
+# --- the launcher ----------------------------------------------------------------------------
+
+_stopping = False
+
+
+def stop_under_way():
+    """This process has a stop signal, its own or another rank's: watch_launcher sends none."""
+    global _stopping
+    _stopping = True
+
+
+def watch_launcher(grace_s: float = 30.0, poll_s: float = 1.0):
+    """End this process when its launcher (torchrun's agent, the mp.spawn parent) dies: a SIGTERM to
+    itself, which checkpoints at the next agreed step (none if a stop is under way), then SIGKILL
+    `grace_s` later (a peer that died with the launcher never agrees). Polling the parent's pid
+    works on Linux and macOS, and unlike PR_SET_PDEATHSIG ignores the end of the forking thread."""
+    parent = os.getppid()
+    if parent <= 1:
+        return None
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        # Not during a stop: mp.spawn's workers get SIGINT when their parent dies (PR_SET_PDEATHSIG),
+        # and after the stop's checkpoint a SIGTERM would end the process in the middle of its exit.
+        if not _stopping:
+            os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    thread = threading.Thread(target=watch, name="watch-launcher", daemon=True)
+    thread.start()
+    return thread
 
 
 # --- bad input ------------------------------------------------------------------------------

@@ -18,8 +18,7 @@ NOT_EVALUATED = {"test_loss": float("nan"), "test_acc1": float("nan"), "test_acc
 
 
 def correct_topk(logits: torch.Tensor, targets: torch.Tensor, ks=(1, 5)) -> torch.Tensor:
-    """Number of samples whose target is among the k highest logits, for each k."""
-    # With fewer classes than k, the top k are all of them (topk itself would raise).
+    """Number of samples whose target is among the k highest logits, for each k (at most all: topk would raise)."""
     hits = logits.topk(min(max(ks), logits.shape[1]), dim=1).indices.eq(targets.unsqueeze(1))
     return torch.stack([hits[:, :k].any(dim=1).sum() for k in ks])
 
@@ -34,8 +33,7 @@ class TrainMeter:
 
     def __init__(self, device, initial=None):
         self.sums = torch.zeros(3, dtype=sum_dtype(device), device=device)  # loss x samples, correct, samples
-        # The finite gradient norms' sum and count; not summed over ranks (DDP's averaged gradient, one norm).
-        self.norms = torch.zeros(2, dtype=self.sums.dtype, device=device)
+        self.norms = torch.zeros(2, dtype=self.sums.dtype, device=device)  # sum of the finite grad norms, count
         if initial is not None:  # partial sums of an epoch interrupted by a checkpoint
             initial = torch.tensor(initial, dtype=self.sums.dtype, device=device)
             self.sums += initial[:3]
@@ -61,7 +59,7 @@ class TrainMeter:
 
     def global_sums(self) -> list:
         """[loss x samples, correct, samples] over all ranks (an all-reduce the caller names), then this rank's
-        [norm sum, count]."""
+        [norm sum, count]: not summed, DDP's averaged gradient has the same norm on every rank."""
         return all_reduce_sum(self.sums.clone()).tolist() + self.norms.tolist()
 
     def summary(self) -> dict:
@@ -92,8 +90,7 @@ def evaluate(model: torch.nn.Module, loader, device, autocast=None, memory_forma
             dist.broadcast(buffer, src=0)
     was_training = model.training
     model.eval()
-    sums = torch.zeros(4, dtype=sum_dtype(device), device=device)  # loss, top1, top5, count
-    classes = None
+    sums, classes = torch.zeros(4, dtype=sum_dtype(device), device=device), None  # sums: loss, top1, top5, count
     for images, targets in loader:
         images = images.to(device, non_blocking=True, memory_format=memory_format or torch.preserve_format)
         targets = targets.to(device, non_blocking=True)

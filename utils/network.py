@@ -1,23 +1,19 @@
-"""The one network decision of a job on several nodes, made before any process group exists:
-can this node's ranks join a job whose ranks meet at HOST, and if not, why and what to do.
-`findings(host, uses_gloo)` answers it for the training scripts' check (so --check-args and
+"""The one network decision of a job on several nodes, before any process group exists: can
+this node's ranks join a job that meets at HOST, and if not, why and what to do.
+`findings(host, uses_gloo)` answers it for the scripts' check (so --check-args and
 scripts/slurm.sbatch's pre-check), scripts/preflight.py and scripts/torchrun_bounded.py.
 
 What the libraries do, as their sources say:
-
-- The rendezvous store (TCPStore): every rank connects to MASTER_ADDR:MASTER_PORT (--ip and
-  --port under distributed_mp.py); its server listens on every address of its host.
-  torchrun's c10d rendezvous sets MASTER_ADDR to node 0's own name as socket.getfqdn() gives
-  it there (RendezvousStoreInfo.build), unless torchrun's --local-addr names an address.
-  Where node 0's /etc/hosts lists its name after `localhost` on the 127.0.0.1 line, getfqdn()
-  answers "localhost", which every node resolves to itself.
-- gloo (the CPU backend): GLOO_SOCKET_IFNAME's interface if it is set; else the first address
-  that this host's name resolves to and that a socket can bind; else 127.0.0.1. Every rank
-  tells the others the address it listens on: where this host's name is on a loopback line
-  (Debian's and Ubuntu's `127.0.1.1 nodea`), that is an address no other node can reach.
+- The store (TCPStore): every rank connects to MASTER_ADDR:MASTER_PORT (distributed_mp.py:
+  --ip, --port); its server listens on every address of its host. torchrun's c10d rendezvous
+  sets MASTER_ADDR to node 0's socket.getfqdn() (RendezvousStoreInfo.build) unless
+  --local-addr names an address: "localhost" where node 0's /etc/hosts has its name after
+  localhost on the 127.0.0.1 line, which every node resolves to itself.
+- gloo (the CPU backend): GLOO_SOCKET_IFNAME's interface if set; else the first address of
+  this host's name that a socket can bind; else 127.0.0.1. It tells the others that address:
+  with the name on a loopback line (Debian's `127.0.1.1 nodea`), none of them can reach it.
 - NCCL chooses its interfaces by rules of its own (NCCL_SOCKET_IFNAME overrides them,
-  NCCL_DEBUG=INFO prints the choice), which nothing here imitates.
-
+  NCCL_DEBUG=INFO prints them): nothing here imitates it.
 IPv4 only; Linux (interface addresses are read with ioctl).
 """
 import ipaddress
@@ -81,9 +77,8 @@ def can_bind(address: str) -> bool:
 
 
 def route_toward(host: str, known: dict = None):
-    """(interface, address) of this host that reaches `host`: the interface that holds it if it
-    is this host's own, else the one the kernel's route to it leaves from (a UDP socket only
-    picks its route: no packet is sent); (None, None) if neither is known."""
+    """(interface, address) of this host that reaches `host`: its own, or the one the route to it
+    leaves from (a UDP socket only picks its route: nothing is sent); (None, None) if unknown."""
     known = interfaces() if known is None else known
     addresses = resolve(host)
     if not addresses or is_loopback(addresses[0]):
@@ -100,8 +95,7 @@ def route_toward(host: str, known: dict = None):
 
 
 def gloo_listens_on(known: dict = None):
-    """(address, how gloo came to it) on this host; address None if GLOO_SOCKET_IFNAME names
-    no interface that has one."""
+    """(address, how gloo came to it); None if GLOO_SOCKET_IFNAME names no interface with one."""
     known = interfaces() if known is None else known
     chosen = os.environ.get("GLOO_SOCKET_IFNAME")
     if chosen:
@@ -119,9 +113,8 @@ def _own_name(host: str) -> bool:
 
 
 def findings(meet_at, uses_gloo: bool, flag: str = "MASTER_ADDR") -> list:
-    """What keeps this node from a job of several nodes whose ranks meet at `meet_at` (None:
-    a file:// rendezvous), as a list of Findings, the certain ones first. uses_gloo: the job's
-    backend is gloo (the CPU). flag: how the user names `meet_at` ("MASTER_ADDR", "--ip")."""
+    """What keeps this node from a job of several nodes that meets at `meet_at` (None: file://), as
+    Findings. uses_gloo: the backend is gloo (the CPU). flag: how the user names `meet_at`."""
     name, known = socket.gethostname(), interfaces()
     outside = {iface: address for iface, address in known.items() if not is_loopback(address)}
     iface, address = route_toward(meet_at, known) if meet_at else (None, None)

@@ -1,17 +1,15 @@
-"""Keeping DDP's replicas in agreement: SyncBatchNorm and an end-of-run check.
+"""Keeping DDP's replicas in agreement: --sync-bn and an end-of-run check, --verify-sync.
 
-DDP keeps parameters identical on every rank by averaging gradients. Buffers are
-another matter: batch-norm running statistics are updated from each rank's own
-slice of the batch, so they drift apart unless SyncBatchNorm computes the batch
-statistics over the global batch (or DDP's broadcast_buffers copies rank 0's at
-every forward, which hides rather than fixes it).
+DDP keeps parameters identical by averaging gradients; batch-norm running statistics are
+updated from each rank's own slice of the batch and drift apart, unless SyncBatchNorm computes
+the batch statistics over the global batch.
 """
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from .cli import UsageError
-from .distributed import DistEnv, print0
+from .distributed import print0
 
 
 def add_flags(parser):
@@ -24,8 +22,7 @@ def add_flags(parser):
     # of CUDA graphs (PyTorch skips the mask while one is being captured).
     g.add_argument("--sync-bn", "--sync_bn", action="store_true",
                    help="SyncBatchNorm: batch statistics over the global batch (CUDA and XPU GPUs only); "
-                        "costs an all-gather and a GPU-to-CPU sync per batch-norm layer and step "
-                        "(20 for ResNet-18)")
+                        "costs an all-gather and a GPU-to-CPU sync per batch-norm layer and step")
     g.add_argument("--verify-sync", action="store_true",
                    help="at the end, check that parameters and buffers agree across ranks")
 
@@ -35,11 +32,6 @@ def check_flags(args, device_type: str):
     if args.sync_bn and device_type not in ("cuda", "xpu"):  # where SyncBatchNorm's kernels exist
         raise UsageError(f"--sync-bn needs GPUs: PyTorch's SyncBatchNorm runs only on CUDA and XPU "
                          f"devices, and this run trains on {device_type} (leave --sync-bn out)")
-
-
-def convert_sync_bn(model: nn.Module, env: DistEnv) -> nn.Module:
-    """Every batch-norm layer as a SyncBatchNorm (check_flags has refused devices without one)."""
-    return nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
 
 def mismatched_tensors(module: nn.Module) -> list:

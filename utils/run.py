@@ -1,8 +1,6 @@
-"""The bookkeeping of a training run, the same in every script: epochs and steps,
-resume, checkpoints, --max-steps, progress bar, per-epoch summary and metrics.
-
-The scripts keep the lesson (how the model is wrapped, how a step is taken) and
-hand this object the rest:
+"""The bookkeeping of a training run, the same in every script: epochs and steps, resume, checkpoints,
+stop signals, --max-steps, progress bar, per-epoch summary and metrics. The scripts keep the lesson (how
+the model is wrapped, how a step is taken) and hand this object the rest:
 
     run = TrainingRun(args, env, model, optimizer, scheduler, ...)   # resumes if asked
     for epoch in run.epochs():
@@ -15,24 +13,20 @@ hand this object the rest:
         run.end_epoch(evaluate(model, test_loader, env.device))
     run.finish()
 
-Where the ranks meet: every rank must make each of these calls, at the same points and in
-the same order, or the others wait in it until --dist-timeout. So no rank may skip a
-`step_done()` or leave the loop on its own (a rank-dependent `continue` or `break`).
+Where the ranks meet: every rank must make each of these calls, at the same points and in the same
+order, or the others wait in it until --dist-timeout, then fail with an error that names the call (each
+runs inside `meeting(...)`, utils/distributed.py). So no rank may skip a `step_done()` or leave the loop
+on its own (a rank-dependent `continue` or `break`).
 
-- `TrainingRun(...)`: agreements (`all_ranks_ok`, through the job's store) on the output
-  files, on whether a checkpoint exists and on whether this is a launcher's restart, and,
-  with --resume, on whether every rank loaded it (a sharded model loads in a collective).
-- `step_done()`, every step: every `check_every` steps (10 with several processes) one
-  agreement on a stop signal; when a checkpoint is due, one all-reduce of the epoch's
-  training sums (`save`), and a sharded model's collective save.
-- `end_epoch()`: an all-reduce of the training sums for the summary, another in `save`,
-  then one more stop agreement (a signal that came during evaluation). The script's
-  `metrics.evaluate` before it makes its own (one all-reduce, and the broadcasts of
-  batch-norm buffers).
+- `TrainingRun(...)`: agreements (`all_ranks_ok`, through the job's store) on the output files, on
+  whether a checkpoint exists, on whether this is a launcher's restart and, with --resume, on whether
+  every rank loaded it (a sharded model loads in a collective).
+- `step_done()`: every `check_every` steps (10 with several processes) a stop-signal agreement; when a
+  checkpoint is due, an all-reduce of the epoch's training sums (`save`) and a sharded model's save.
+- `end_epoch()`: an all-reduce of the training sums for the summary, another in `save`, then a stop
+  agreement (for a signal that came during evaluation). The script's `metrics.evaluate` before it
+  makes its own (the broadcasts of batch-norm buffers, one all-reduce).
 - `finish()` and `epochs()` communicate nothing.
-
-Each runs inside `meeting(...)` (utils/distributed.py): if a rank never comes, the rank left
-waiting fails after --dist-timeout with an error that names the call it was waiting in.
 """
 import json
 import os
@@ -44,8 +38,8 @@ import torch
 
 from . import checkpoint, observe
 from .cli import UsageError, given, plain_config, print_line
-from .distributed import DistEnv, all_ranks_ok, any_rank, device_name, meeting, print0, stop_under_way
-from .lifecycle import SIGNALS
+from .distributed import DistEnv, all_ranks_ok, any_rank, device_name, meeting, print0
+from .lifecycle import SIGNALS, stop_under_way
 from .metrics import EpochTimer, MetricsLog, TrainMeter, peak_memory_mb, reset_peak_memory
 
 
@@ -57,77 +51,56 @@ def _same_file(a: str, b: str) -> bool:
         return os.path.realpath(a) == os.path.realpath(b)
 
 
-def _check_writable(path: str):
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "a"):
-            pass
-    except OSError as exc:
-        raise UsageError(f"cannot write --metrics {path}: {exc.strerror or exc}") from None
-
-
 class TrainingRun:
     def __init__(self, args, env: DistEnv, model, optimizer, scheduler, *, steps_per_epoch: int,
                  strategy: str, scaler=None, extra_record=None, state=None):
-        self.args, self.env = args, env
-        # How the model and the optimizer go into a checkpoint: whole by default; sharded across
-        # ranks for FSDP (utils/sharded.py's ShardedState).
-        self.state = state or checkpoint.WholeState(model, optimizer)
-        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
-        # A flag of the recipe's SGD that the script's optimizer does not have (AdamW has no momentum)
-        # would be accepted and ignored: refused, on every rank alike, before anything is written.
+        # A flag of the recipe's SGD that the script's optimizer lacks (AdamW has no momentum) would be
+        # accepted and ignored: refused, on every rank alike, before anything is written.
         for name in ("momentum", "nesterov", "weight_decay"):
             if given(args, name) and name not in optimizer.defaults:
                 flag = "--" + name.replace("_", "-")
                 raise UsageError(f"{flag}: this script's optimizer, {type(optimizer).__name__}, has no {name}; "
                                  f"leave {flag} out, or give the optimizer {name}")
-        self.steps_per_epoch = steps_per_epoch
-        self.strategy = strategy
+        self.args, self.env, self.steps_per_epoch, self.strategy = args, env, steps_per_epoch, strategy
+        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        # How model and optimizer go into a checkpoint: whole, or sharded across ranks (utils/sharded.py).
+        self.state = state or checkpoint.WholeState(model, optimizer)
         self.extra_record = dict(extra_record or {})
-        self.epoch = 0           # the epoch in progress (0-based)
-        self.step_in_epoch = 0   # optimizer steps already taken in it
-        self.global_step = 0     # optimizer steps taken in the whole run
-        self.meter = None
-        self.last_eval = {}
-        self.last_record = None
-        self._partial_sums = None
+        # The epoch in progress (0-based), the optimizer steps already taken in it and in the whole run.
+        self.epoch = self.step_in_epoch = self.global_step = 0
+        self.meter = self.last_record = self._partial_sums = self._bar = self._timing = None
         self._stop = False
-        self._bar = None
-        self._timing = None
         self._claim_outputs()
         self.log = MetricsLog(args.metrics)
         self.started = time.perf_counter()
-
-        self.checkpoint_path = None
-        if args.checkpoint_dir:
-            self.checkpoint_path = os.path.join(args.checkpoint_dir, checkpoint.FILENAME)
-        resume_from = self._resume_path()
-        if resume_from:
+        self.checkpoint_path = os.path.join(args.checkpoint_dir, checkpoint.FILENAME) if args.checkpoint_dir else None
+        if resume_from := self._resume_path():
             self._resume(resume_from)
             if not args.checkpoint_dir:
                 print0(f"--resume {args.resume} without --checkpoint-dir: this run saves no checkpoint")
         self.stop_signal = StopSignal(env.distributed)
-        # --profile and --tensorboard (utils/observe.py); nothing when neither is given.
-        self.observers = observe.Observers(args, env, start_step=self.global_step)
-        if args.checkpoint_dir and env.is_main:
+        self.observers = observe.Observers(args, env, start_step=self.global_step)  # --profile, --tensorboard
+        if args.checkpoint_dir and env.is_main:  # (the directory exists: _claim_outputs locked it)
             checkpoint.remove_stale_temporaries(self.checkpoint_path)
             self.state.tidy(self.checkpoint_path)
             # The resolved configuration beside the checkpoint, for whoever finds it later.
-            os.makedirs(args.checkpoint_dir, exist_ok=True)
             with open(os.path.join(args.checkpoint_dir, "config.json"), "w") as f:
                 json.dump(dict(plain_config(args), world_size=env.world_size, strategy=strategy), f, indent=2)
 
     def _claim_outputs(self):
-        """Before anything trains: the checkpoint directory is this run's alone (a lock
-        that dies with the process) and writable, and the metrics file can be written.
-        Rank 0 checks; every rank learns the outcome, so all of them stop together."""
-        error = None
+        """Before anything trains, rank 0 locks the checkpoint directory (a lock that dies with the process) and
+        checks that it and the metrics file can be written; every rank learns the outcome: all stop together."""
+        error, path = None, self.args.metrics
         if self.env.is_main:
             try:
                 if self.args.checkpoint_dir:
                     checkpoint.lock_directory(self.args.checkpoint_dir)
-                if self.args.metrics:
-                    _check_writable(self.args.metrics)
+                if path:
+                    try:
+                        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                        open(path, "a").close()
+                    except OSError as exc:
+                        raise UsageError(f"cannot write --metrics {path}: {exc.strerror or exc}") from None
             except UsageError as exc:
                 error = exc
         if not all_ranks_ok(error is None, "TrainingRun(...), agreeing on the output paths"):
@@ -136,14 +109,10 @@ class TrainingRun:
     # --- resume -------------------------------------------------------------------
 
     def _resume_path(self):
-        """Which checkpoint to continue from, if any.
-
-        A worker restarted by torchrun --max-restarts resumes from --checkpoint-dir's
-        checkpoint by itself (also when the first attempt had --resume PATH: the
-        newer checkpoint wins). --resume PATH: that file. --resume: --checkpoint-dir's
-        checkpoint if there is one (a requeued SLURM job passes it every time), else a
-        fresh start. A run never overwrites a checkpoint it was not told to continue.
-        """
+        """Which checkpoint to continue from, if any. A worker restarted by torchrun --max-restarts resumes from
+        --checkpoint-dir's checkpoint by itself (even after a first attempt with --resume PATH: the newer one
+        wins). --resume PATH: that file. --resume: --checkpoint-dir's checkpoint if there is one (a requeued
+        SLURM job passes it every time), else a fresh start. No run overwrites a checkpoint it did not resume."""
         args = self.args
         here = bool(self.checkpoint_path) and os.path.isfile(self.checkpoint_path)
         agreeing = "TrainingRun(...), agreeing on the checkpoint to resume from"
@@ -151,9 +120,8 @@ class TrainingRun:
         if not exists and not all_ranks_ok(not here, agreeing):
             raise UsageError(f"{self.checkpoint_path} exists for some ranks but not others: "
                              "--checkpoint-dir must be on a file system that every node sees")
-        # Each torchrun agent counts only its own restarts: when a worker dies on one node,
-        # the healthy nodes' workers may restart with a count of 0. Any rank restarted
-        # means the whole group was.
+        # Each torchrun agent counts only its own restarts: when a worker dies on one node, the healthy
+        # nodes' workers may restart with a count of 0. Any rank restarted means the whole group was.
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         restarted = not all_ranks_ok(restarts == 0, agreeing)
         if exists and restarted:
@@ -168,10 +136,8 @@ class TrainingRun:
                              "to continue it, or choose another directory (it would be overwritten)")
         return args.resume
 
-    # Flags that decide which sample comes at which step and the learning rate there:
-    # a resume with other values would not continue the same run.
-    # The optimizer's settings too: its saved state carries them, so a new value would be
-    # silently ignored; changing them is a new run.
+    # Flags that decide which sample comes at which step and the learning rate there, and the optimizer's
+    # settings (its saved state carries them, a new value would be ignored): other values are a new run.
     _MUST_MATCH = ("model", "batch_size", "dataset", "train_samples", "seed", "epochs", "warmup_epochs",
                    "lr", "momentum", "nesterov", "weight_decay")
     _NEEDED = ("scheduler", "epoch", "step_in_epoch", "global_step", "train_sums", "rng")
@@ -183,8 +149,7 @@ class TrainingRun:
             self.state.check(state, path)
         except UsageError as exc:
             error = exc
-        # A file that only some ranks can read must stop all of them, not leave the
-        # others waiting in the next collective.
+        # A file that only some ranks can read stops all of them, rather than leave the others waiting.
         if not all_ranks_ok(error is None, "TrainingRun(...), agreeing that every rank resumed"):
             raise error or UsageError(f"checkpoint {path} could not be read on another rank")
         missing = [key for key in (*self.state.needed, *self._NEEDED) if key not in state]
@@ -206,10 +171,8 @@ class TrainingRun:
             first = (str(exc).strip().splitlines() or [""])[0][:200]
             raise UsageError(f"checkpoint {path} does not fit this model/optimizer: {first}") from None
         checkpoint.set_rng_state(state["rng"], self.env.device)
-        self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
-        self.global_step = state["global_step"]
-        # The interrupted epoch's training sums are already global: only rank 0 carries
-        # them, so that the end-of-epoch all-reduce counts them once.
+        self.epoch, self.step_in_epoch, self.global_step = state["epoch"], state["step_in_epoch"], state["global_step"]
+        # The interrupted epoch's sums are global already: rank 0 alone carries them, so the all-reduce counts once.
         self._partial_sums = state["train_sums"] if self.env.is_main and self.step_in_epoch else None
         if self.step_in_epoch >= self.steps_per_epoch:
             self.epoch, self.step_in_epoch, self._partial_sums = self.epoch + 1, 0, None
@@ -225,29 +188,15 @@ class TrainingRun:
             sums = self.meter.global_sums() if self.meter is not None else [0.0, 0.0, 0.0]
         if not self.env.is_main:
             return
-        state = {
-            "format": checkpoint.FORMAT,
-            **model_and_optimizer,
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "epoch": self.epoch,
-            "step_in_epoch": self.step_in_epoch,
-            "global_step": self.global_step,
-            "train_sums": sums,
-            "rng": checkpoint.rng_state(self.env.device),
-            "config": plain_config(self.args),
-            "world_size": self.env.world_size,
-            "strategy": self.strategy,
-        }
+        state = {"format": checkpoint.FORMAT, **model_and_optimizer, "scheduler": self.scheduler.state_dict(),
+                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                 "epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": self.global_step,
+                 "train_sums": sums, "rng": checkpoint.rng_state(self.env.device), "config": plain_config(self.args),
+                 "world_size": self.env.world_size, "strategy": self.strategy}
         checkpoint.atomic_save(state, self.checkpoint_path)  # the commit
         self.state.saved(self.checkpoint_path)
 
     # --- the loop -----------------------------------------------------------------
-
-    def complete(self) -> bool:
-        """The whole run is trained: every epoch, or --max-steps."""
-        return ((self.epoch >= self.args.epochs) or
-                (self.args.max_steps is not None and self.global_step >= self.args.max_steps))
 
     def done(self) -> bool:
         return self._stop or (self.args.max_steps is not None and self.global_step >= self.args.max_steps)
@@ -258,10 +207,8 @@ class TrainingRun:
             print0(f"nothing to train: the run already stands at epoch {self.epoch} "
                    f"of {self.args.epochs}, step {self.global_step}")
         while self.epoch < self.args.epochs and not self.done():
-            self.meter = TrainMeter(self.env.device, self._partial_sums)
-            self._partial_sums = None
-            remaining = self.steps_per_epoch - self.step_in_epoch
-            self.timer = EpochTimer(self.env.device, self.args.batch_size, remaining)
+            self.meter, self._partial_sums = TrainMeter(self.env.device, self._partial_sums), None
+            self.timer = EpochTimer(self.env.device, self.args.batch_size, self.steps_per_epoch - self.step_in_epoch)
             reset_peak_memory(self.env.device)  # each epoch's record has its own peaks
             yield self.epoch
             if self.step_in_epoch >= self.steps_per_epoch:
@@ -269,26 +216,25 @@ class TrainingRun:
 
     def progress(self, loader):
         """Iterate the loader; a progress bar on rank 0 when stderr is a terminal."""
-        batches = self._batches(loader)
         if not (self.env.is_main and sys.stderr.isatty()):
-            yield from batches
+            yield from self._batches(loader)
             return
         from tqdm import tqdm
-        with tqdm(batches, total=len(loader), desc=f"epoch {self.epoch + 1}/{self.args.epochs}",
+        with tqdm(self._batches(loader), total=len(loader), desc=f"epoch {self.epoch + 1}/{self.args.epochs}",
                   leave=False, dynamic_ncols=True) as self._bar:
             yield from self._bar
         self._bar = None
 
     def _batches(self, loader):
-        """The loader's batches. If a loader worker dies while a stop signal is pending
-        (one that a signal reached before it could ignore it), the stop must still get to
-        its checkpoint: the rest of the epoch is loaded again by new workers, from the
-        first batch not yet delivered, so training sees the same batches either way."""
-        iterator, delivered = iter(loader), 0
+        """The loader's batches. If a loader worker dies while a stop is pending (a signal reached it before
+        it could ignore it), the stop must still get to its checkpoint: new workers load the rest of the
+        epoch from the first batch not yet delivered, so training sees the same batches either way."""
         while True:
+            delivered = 0
             try:
-                batch = next(iterator)
-            except StopIteration:
+                for batch in loader:
+                    delivered += 1
+                    yield batch
                 return
             except RuntimeError as exc:
                 if self.stop_signal.received is None or "DataLoader worker" not in str(exc):
@@ -297,27 +243,18 @@ class TrainingRun:
                            "loading the rest of the epoch with new workers")
                 loader.sampler.skip += delivered * loader.batch_size
                 loader._iterator = None  # persistent workers: forget the broken set
-                iterator, delivered = iter(loader), 0
-                continue
-            delivered += 1
-            yield batch
 
     def clip_grad_norm(self, parameters):
-        """--clip-grad-norm: scale the gradients down to that global L2 norm if theirs is
-        larger; the norm before clipping goes into the epoch's record (its mean over the
-        epoch's steps). Nothing without the flag.
-
-        Call it once per optimizer step, where the gradients are final: after backward
-        (under DDP they are averaged by then, so every rank computes the same norm and
-        clips the same way), after the last micro-batch with accumulation, and after
-        GradScaler.unscale_ under float16, or the norm would be that of the scaled loss."""
+        """--clip-grad-norm (nothing without it): scale the gradients down to that global L2 norm if theirs is
+        larger; the epoch's record gets the mean norm before clipping. Call it once per optimizer step, where
+        the gradients are final: after backward (under DDP they are averaged by then: every rank clips alike),
+        after the last micro-batch with accumulation, after GradScaler.unscale_ (not the scaled loss's norm)."""
         if self.args.clip_grad_norm is None:
             return None
         norm = torch.nn.utils.clip_grad_norm_(parameters, self.args.clip_grad_norm)
         if hasattr(norm, "full_tensor"):
-            # Sharded parameters (FSDP): clip_grad_norm_ all-reduced the shards' norms once and
-            # returns a replicated DTensor, so full_tensor() is local (CommDebugMode counted one
-            # all-reduce for both calls, on 2 gloo processes with PyTorch 2.11 and 2.15).
+            # Sharded (FSDP): clip_grad_norm_ all-reduced the shards' norms into a replicated DTensor, so
+            # full_tensor() is local (CommDebugMode: one all-reduce for both, 2 gloo ranks, PyTorch 2.11, 2.15).
             norm = norm.full_tensor()
         self.meter.add_grad_norm(norm)
         return norm
@@ -329,8 +266,7 @@ class TrainingRun:
         self.timer.step()
         self.observers.step(self.global_step)
         if self.step_in_epoch >= self.steps_per_epoch or self.done():
-            # The epoch's training ends here: stop the clock before the evaluation that
-            # the script runs next, so that images/s measures training alone.
+            # Training ends here: stop the clock before the script's evaluation, so images/s measures training.
             self._timing = self.timer.stop()
         if self._bar is not None and self.global_step % self.args.log_every == 0:
             self._bar.set_postfix(loss=f"{self.meter.local_loss():.3f}")  # one device sync
@@ -340,8 +276,7 @@ class TrainingRun:
         if self.stop_signal.should_stop(self.global_step,
                                         f"run.step_done() at step {self.global_step} (the stop-signal agreement)"):
             if self.step_in_epoch >= self.steps_per_epoch:
-                # The epoch is complete: let end_epoch evaluate, checkpoint and record it,
-                # then stop there (done() is now True), rather than lose its record.
+                # A complete epoch: end_epoch evaluates, checkpoints and records it, then stops (done() is True).
                 self._stop = True
                 return True
             self.save()
@@ -357,18 +292,13 @@ class TrainingRun:
         self._timing = None
         with meeting(f"run.end_epoch() after step {self.global_step} (the epoch's training sums)"):
             train = self.meter.summary()
-        self.last_eval = eval_metrics
         memory = peak_memory_mb(self.env.device)
-        record = {
+        self.last_record = record = {
             "event": "epoch", "epoch": self.epoch + 1, "step": self.global_step,
-            "epoch_complete": self.step_in_epoch >= self.steps_per_epoch,
-            **train, **eval_metrics, **timing,
-            "lr": self.optimizer.param_groups[0]["lr"],
-            **memory,  # this epoch's peaks, on GPUs
+            "epoch_complete": self.step_in_epoch >= self.steps_per_epoch, **train, **eval_metrics, **timing,
+            "lr": self.optimizer.param_groups[0]["lr"], **memory,  # this epoch's peaks, on GPUs
             "world_size": self.env.world_size, "global_batch": self.args.batch_size,
-            "strategy": self.strategy, "device": device_name(self.env.device), **self.extra_record,
-        }
-        self.last_record = record
+            "strategy": self.strategy, "device": device_name(self.env.device), **self.extra_record}
         # Checkpoint first, then record: a record that fails to write loses no training.
         self.save()
         self.log.write(record)
@@ -382,12 +312,10 @@ class TrainingRun:
                f"{timing['epoch_seconds']:.1f} s, {timing['images_per_second']:.0f} samples/s"
                + (f" | peak memory {memory['peak_memory_mb']:,.0f} MB allocated, "
                   f"{memory['peak_reserved_mb']:,.0f} MB reserved" if memory["peak_memory_mb"] is not None else ""))
-        # A signal that came during the evaluation is honoured now, with the epoch just
-        # checkpointed, not ten steps into the next one (an evaluation longer than the
-        # launcher's grace period would otherwise end in SIGKILL). All ranks meet here.
-        if not self._stop and self.stop_signal.should_stop(
-                self.global_step, f"run.end_epoch() after step {self.global_step} (the stop-signal agreement)", now=True):
-            self._stop = True
+        # A signal that came during the evaluation is honoured now, with the epoch just checkpointed, not ten
+        # steps into the next one (an evaluation longer than the launcher's grace period would end in SIGKILL).
+        call = f"run.end_epoch() after step {self.global_step} (the stop-signal agreement)"
+        self._stop = self._stop or self.stop_signal.should_stop(self.global_step, call, now=True)
         if self._stop:
             self.stop_signal.announce(self.global_step, self.checkpoint_path)
 
@@ -395,7 +323,9 @@ class TrainingRun:
         """The end-of-run record (rank 0), with the last evaluation."""
         self.stop_signal.close()
         self.observers.close()
-        if self.last_record is None or not self.complete():
+        max_steps = self.args.max_steps
+        trained = self.epoch >= self.args.epochs or (max_steps is not None and self.global_step >= max_steps)
+        if self.last_record is None or not trained:
             return  # stopped by a signal: the run goes on with --resume, it has not ended
         record = dict(self.last_record, event="end", step=self.global_step,
                       total_seconds=time.perf_counter() - self.started)
@@ -407,21 +337,17 @@ class TrainingRun:
 # --- stop signals --------------------------------------------------------------------------------
 
 class Preempted(SystemExit):
-    """Raised after the stop checkpoint is saved; exits the process with status 0."""
+    """Raised after the stop checkpoint is saved: the process exits with status 0."""
 
     def __init__(self):
         super().__init__(0)
 
 
 class StopSignal:
-    """Stop cleanly on SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 (which SLURM can send before a time
-    limit or preemption): checkpoint at the next step boundary that every rank agrees on, exit 0,
-    and a later run with --resume continues with the exact next batch.
-
-    torchrun forwards SIGTERM to every worker and kills them 30 s later; SLURM's
-    `--signal=USR1@120` gives two minutes. The handler only sets a flag: the ranks then agree
-    on the step at which all of them stop. A rank that stopped alone would leave the others
-    waiting in the next gradient all-reduce."""
+    """Stop cleanly on SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 (SLURM's warning before a time limit or preemption):
+    checkpoint at the next step that every rank agrees on and exit 0; --resume then continues with the exact
+    next batch. torchrun kills the workers 30 s after forwarding SIGTERM; SLURM's `--signal=USR1@120` gives two
+    minutes. The handler only sets a flag: a rank that stopped alone would leave the others waiting."""
 
     def __init__(self, distributed: bool, check_every: int = 10):
         self.received = None
@@ -441,9 +367,8 @@ class StopSignal:
             stop_under_way()
 
     def should_stop(self, global_step: int, call: str = "the stop-signal agreement", now: bool = False) -> bool:
-        """True on every rank at the same step once any rank has received a signal. Checked every
-        `check_every` steps, or at once with now=True (at a point every rank reaches together,
-        such as after evaluation). Every rank must call it at the same steps; `call` names where."""
+        """True on every rank at the same step once any rank has received a signal. Checked every `check_every`
+        steps, or at once with now=True; every rank must call it at the same points (`call` names where)."""
         if global_step % self.check_every and not now:
             return False
         stop = any_rank(self.received is not None, call)
@@ -453,10 +378,7 @@ class StopSignal:
         return stop
 
     def announce(self, global_step: int, path):
-        if path:
-            print0(f"stopping at step {global_step} on {self.received}: checkpoint saved to {path}; "
-                   "continue with --resume")
-        else:
-            print0(f"stopping at step {global_step} on {self.received}: no --checkpoint-dir, nothing saved; "
-                   "this run cannot be continued")
+        print0(f"stopping at step {global_step} on {self.received}: " + (
+            f"checkpoint saved to {path}; continue with --resume" if path
+            else "no --checkpoint-dir, nothing saved; this run cannot be continued"))
 

@@ -1,14 +1,12 @@
-"""Starting and supervising the processes of distributed_mp.py, a script that is its own
-launcher. torchrun does all of this for distributed.py; here it sits apart, so that the
-script shows only what differs from distributed.py: mp.spawn and each process's setup.
+"""What torchrun does for distributed.py, done for distributed_mp.py (its own launcher), apart
+from the script so that it shows only what differs: mp.spawn and each process's setup.
 
-- add_flags, check_launch: the launch flags, checked before any process starts, so that
-  bad input ends with one line, not with N tracebacks or N processes waiting for a peer
-  that never comes (a port already in use, an address of another host, a stale file).
-- Supervisor: in the parent, passes stop signals on to the workers, waits for them, ends
-  as the first one that failed, and removes the rendezvous file of a one-node run.
-- worker_exit: in each worker, bad input written for the parent's one line, a stop on a
-  signal as exit status 0, a loader worker's bus error as one line, and lifecycle.leave at the end.
+- add_flags, check_launch: the launch flags, checked before any process starts: one line, not
+  N tracebacks or N processes waiting for a peer (a port in use, another host's address).
+- Supervisor: in the parent, passes stop signals on, waits for the workers, ends as the first
+  that failed, removes the rendezvous file of a one-node run.
+- worker_exit: in each worker, bad input for the parent's one line, a stop on a signal as exit
+  status 0, a loader worker's bus error as one line, and lifecycle.leave at the end.
 """
 import contextlib
 import errno
@@ -95,8 +93,7 @@ def check_launch(args) -> int:
         if not os.path.isdir(os.path.dirname(path) or "/"):
             raise cli.UsageError(f"--init-method {args.init_method}: directory {os.path.dirname(path)} "
                                  "does not exist")
-        # A file left by an earlier run that crashed would be joined as if it were this run's.
-        # With several nodes a peer may already have created it, so only one node checks.
+        # A crashed run's file would be joined as this run's (several nodes: a peer may have made it).
         if args.nodes == 1 and os.path.exists(path) and os.path.getsize(path) > 0:
             raise cli.UsageError(f"--init-method {args.init_method}: the file exists (left by an earlier "
                                  "run?); delete it or name a new file")
@@ -107,10 +104,8 @@ def check_launch(args) -> int:
 
 
 def _bind(host, port) -> int:
-    """Bind host:port as rank 0's rendezvous server will, then let it go; the port bound."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as s:
-        # As the rendezvous server does: a port still in TIME_WAIT after an earlier run is free.
+    """Bind host:port as rank 0's store will (SO_REUSEADDR: a port in TIME_WAIT is free), let go."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((host, port))
         return s.getsockname()[1]
@@ -143,14 +138,9 @@ def ephemeral_ports() -> range:
 
 
 def free_port(host, tries=100) -> int:
-    """A port that is free on host now, for rank 0's rendezvous server to listen on.
-
-    Taken outside the kernel's ephemeral range: rank 0 listens on it only once mp.spawn has
-    started it, seconds later (a new interpreter that imports torch), and meanwhile any
-    outgoing connection on the machine may be given an ephemeral port as its own. A port from
-    bind(port 0), always in that range, was taken so before rank 0 listened on it (EADDRINUSE,
-    once in a test run with many gloo jobs side by side). Outside the range only a process that
-    binds that very port can take it."""
+    """A port free on host now, for rank 0's store, outside the kernel's ephemeral range: rank 0
+    listens on it seconds later, and meanwhile any outgoing connection may be given an ephemeral
+    port (bind(port 0)'s was taken so once, EADDRINUSE, with many gloo jobs side by side)."""
     ephemeral = ephemeral_ports()
     span = range(20000, ephemeral.start) if ephemeral.start > 21000 else range(ephemeral.stop, 65536)
     pick = random.SystemRandom()
@@ -178,23 +168,19 @@ class Supervisor:
             world_size = args.nodes * args.nproc_per_node
             print(f"starting {args.nproc_per_node} process{'es' if args.nproc_per_node > 1 else ''} on node 0 "
                   f"of {args.nodes} (world size {world_size}), rendezvous at {args.init_method}", flush=True)
-        # Where a worker leaves its bad-input line (worker_exit): ERRORS.LOCAL_RANK, a file
-        # the worker makes only when it has a line, removed here once read (mp.spawn passes a
-        # worker's traceback back the same way). Nothing is on disk otherwise, so a launcher
-        # killed outright (SIGKILL runs no cleanup) leaves nothing behind. Not a folder made
-        # here, which it would leave; nor a multiprocessing queue, whose semaphores the
-        # resource tracker then reports as leaked.
+        # Where a worker leaves its bad-input line (worker_exit): ERRORS.LOCAL_RANK, made only
+        # when there is one, removed here once read, as mp.spawn passes a traceback back: a
+        # launcher killed outright leaves nothing (a folder would stay; a multiprocessing queue's
+        # semaphores are reported as leaked).
         self.errors = os.path.join(tempfile.gettempdir(), f"distributed_mp-{os.getpid()}-{secrets.token_hex(6)}")
         return self
 
     def watch(self, workers):
-        """Wait for the workers, passing stop signals on; end this process as the first of
-        them that failed ended."""
+        """Wait for the workers, passing stop signals on; end as the first of them that failed."""
         self.workers = workers
         forward_stop_signals(workers)
         try:
-            # When one fails, the others get 10 s to finish failing on their own (the same bad
-            # input reaches every rank), then are terminated.
+            # When one fails, the others get 10 s to fail on their own (the same bad input), then end.
             while not workers.join(grace_period=10):
                 pass
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
@@ -204,8 +190,7 @@ class Supervisor:
         try:
             remove_rendezvous_file(self.args)
         finally:
-            # mp.spawn's own files, one per worker, which a failed worker writes its traceback
-            # to and which PyTorch reads but never removes (torch/multiprocessing/spawn.py).
+            # mp.spawn's own traceback files, which PyTorch reads but never removes (multiprocessing/spawn.py).
             theirs = getattr(self.workers, "error_files", None) or []
             for path in [*error_files(self.errors), *theirs]:
                 with contextlib.suppress(FileNotFoundError):
@@ -214,11 +199,9 @@ class Supervisor:
 
 @contextlib.contextmanager
 def worker_exit(errors, local_rank):
-    """Around a worker's whole life: bad input (UsageError) is written to a file of its own next
-    to `errors` (Supervisor) for the parent's one line, and told to the other ranks
-    (lifecycle.tell_the_job), exit status 2; a stop on a signal, checkpoint saved, is status 0;
-    then lifecycle.leave. Any other exception goes on to mp.spawn, which shows the parent its
-    traceback."""
+    """Around a worker's life: bad input goes to a file beside `errors` (Supervisor) for the parent's
+    one line and to the other ranks (lifecycle.tell_the_job), status 2; a stop on a signal is 0;
+    then lifecycle.leave. Any other exception goes to mp.spawn, which shows the parent its traceback."""
     code = 0
     try:
         yield
@@ -240,22 +223,19 @@ def worker_exit(errors, local_rank):
 
 
 def forward_stop_signals(workers):
-    """Pass SIGTERM/SIGINT/SIGUSR1 on to the workers, as torchrun does: they checkpoint at a
-    step all ranks agree on and exit 0 (utils/run.py, StopSignal). Dying here instead would take
-    them down mid-step, before they could save."""
+    """Pass the stop signals on to the workers, as torchrun does: they checkpoint at an agreed step
+    and exit 0 (utils/run.py). Dying here would take them down mid-step, unsaved."""
     def forward(signum, frame):
         for pid in workers.pids():
-            try:
+            with contextlib.suppress(ProcessLookupError):  # already gone
                 os.kill(pid, signum)
-            except ProcessLookupError:  # already gone
-                pass
     for sig in lifecycle.SIGNALS:
         signal.signal(sig, forward)
 
 
 def exit_like(err, args, errors):
-    """End this process as its failed worker ended: bad input as one line and exit status 2,
-    a bug with the worker's traceback (not ours), a signal or exit status as such."""
+    """End as the failed worker ended: bad input as one line and status 2, a bug with the worker's
+    traceback, a signal or exit status as such."""
     rank = args.node_rank * args.nproc_per_node + err.error_index
     paths = error_files(errors)
     if paths:  # bad input that only the workers could see: the lowest local rank's line
@@ -276,9 +256,8 @@ def error_files(errors):
 
 
 def remove_rendezvous_file(args):
-    # The file store often leaves its file behind, and a stale file would be joined as if it
-    # were the next run's. On one node, every process that used it has exited by now; the file
-    # where a rank left its refusal (lifecycle.tell_the_job) goes with node 0's end.
+    # The file store may leave its file, which the next run would join: on one node every user of
+    # it has exited by now. A refusal's file (lifecycle.tell_the_job) goes with node 0's end.
     if args.init_method.startswith("file://"):
         path = urlparse(args.init_method).path
         for leftover in ([path] if args.nodes == 1 else []) + ([lifecycle.refusal_file(path)] if args.node_rank == 0 else []):
