@@ -65,8 +65,8 @@ def check(args) -> cli.Plan:
 
 
 def worker(local_rank, args, world_size, per_device_batch, errors):
-    job = dist_utils.Job(args.node_rank * args.nproc_per_node + local_rank, world_size, local_rank,
-                         args.nproc_per_node, args.init_method, launched=True)
+    job = dist_utils.DistEnv(args.node_rank * args.nproc_per_node + local_rank, local_rank, world_size,
+                             args.nproc_per_node, distributed=True, init_method=args.init_method)
     with spawn.worker_exit(errors, local_rank):  # exit status 2 for bad input, 0 after a stop signal
         device = dist_utils.pick_device(local_rank, args.nproc_per_node, args.device, distributed=True)
         env = dist_utils.setup(job, device, timeout_s=args.dist_timeout)

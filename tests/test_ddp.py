@@ -38,7 +38,7 @@ def join_group(rank, world_size, port):
     # CPU tests: gloo even on a machine with GPUs (one GPU could not host two ranks).
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     torch.set_num_threads(1)
-    job = dist_utils.Job(rank, world_size, rank, world_size, f"tcp://127.0.0.1:{port}", launched=True)
+    job = dist_utils.DistEnv(rank, rank, world_size, world_size, distributed=True, init_method=f"tcp://127.0.0.1:{port}")
     env = dist_utils.setup(job, torch.device("cpu"), timeout_s=120)
     assert env.device.type == "cpu" and torch.distributed.get_backend() == "gloo"
     return env

@@ -637,7 +637,7 @@ def test_a_rank_that_could_not_join_exits_once_its_store_watcher_is_back(monkeyp
             return False
 
     monkeypatch.setattr(lifecycle, "store_client", lambda *args, **kwargs: SlowStore())
-    job = distributed.Job(0, 2, 0, 1, "tcp://127.0.0.1:1", launched=True)
+    job = distributed.DistEnv(0, 0, 2, 1, distributed=True, init_method="tcp://127.0.0.1:1")
     before = set(threading.enumerate())
     with pytest.raises(SystemExit) as exited:
         with distributed.joining(job, 60.0, "gloo"):

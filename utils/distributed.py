@@ -11,13 +11,13 @@ stack and never wait behind the GPU's queue, and no backend thread touches a Pyt
 before the loaders fork their workers.
 """
 import contextlib
+import dataclasses
 import datetime
 import os
 import random
 import re
 import threading
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -27,44 +27,18 @@ from . import lifecycle, network
 from .cli import UsageError, error_line, print_line
 
 
-@dataclass(frozen=True)
-class Job:
-    """Who this process is in its job, as its launcher said, before joining it."""
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    local_world_size: int = 1
-    init_method: str = "env://"  # how the ranks meet: env:// (MASTER_ADDR:MASTER_PORT), tcp://, file://
-    launched: bool = False       # started by a launcher: the process joins a group, a group of one too
-    read: str = ""               # the launcher's variables that were read, for --check-args to show
-
-    @property
-    def rendezvous(self) -> str:
-        """Where the ranks meet: tcp://HOST:PORT (env://: MASTER_ADDR:MASTER_PORT) or file:///PATH."""
-        if self.init_method.startswith("env://"):
-            return f"tcp://{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '0')}"
-        return self.init_method
-
-    @property
-    def meets_at(self):
-        """The host every rank connects to, or None (file://: a shared file, no host)."""
-        if not self.rendezvous.startswith("tcp://"):
-            return None
-        return self.rendezvous[len("tcp://"):].rsplit(":", 1)[0].strip("[]") or None
-
-    @property
-    def several_nodes(self) -> bool:
-        return self.world_size > self.local_world_size
-
-
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class DistEnv:
+    """Who this process is in its job: as its launcher said (job_from_env), then with its device
+    once it joined (setup)."""
     rank: int               # global rank, 0 .. world_size-1
     local_rank: int         # rank within this node: picks the GPU
     world_size: int         # processes in the whole job
     local_world_size: int   # processes on this node
-    device: torch.device
-    distributed: bool       # a process group exists (wrap the model in DDP)
+    device: torch.device = None
+    distributed: bool = False    # started by a launcher: a process group (of one too), a DDP wrapper
+    init_method: str = "env://"  # where the ranks meet: env:// (MASTER_ADDR:MASTER_PORT), tcp://, file://
+    read: str = ""               # the launcher's variables that were read, for --check-args to show
 
     @property
     def is_main(self) -> bool:
@@ -75,11 +49,28 @@ class DistEnv:
         """DDP's device_ids: this rank's one device, or None on the CPU."""
         return None if self.device.type == "cpu" else [self.device.index]
 
+    @property
+    def rendezvous(self) -> str:
+        """tcp://HOST:PORT (env://: MASTER_ADDR:MASTER_PORT) or file:///PATH."""
+        if self.init_method.startswith("env://"):
+            return f"tcp://{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '0')}"
+        return self.init_method
+
+    @property
+    def meets_at(self):
+        """The host every rank connects to, or None (file://: no host)."""
+        return self.rendezvous[len("tcp://"):].rsplit(":", 1)[0].strip("[]") or None \
+            if self.rendezvous.startswith("tcp://") else None
+
+    @property
+    def several_nodes(self) -> bool:
+        return self.world_size > self.local_world_size
+
 
 LAUNCHER_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-def job_from_env(check_only: bool = False) -> Job:
+def job_from_env(check_only: bool = False) -> DistEnv:
     """This process's place in its job, from the launcher's variables; one process without
     WORLD_SIZE. check_only (--check-args): a missing RANK stands for rank 0."""
     read = " ".join(f"{name}={os.environ[name]}" for name in LAUNCHER_VARIABLES if name in os.environ)
@@ -87,7 +78,7 @@ def job_from_env(check_only: bool = False) -> Job:
         if "RANK" in os.environ:
             raise UsageError(f"RANK={os.environ['RANK']} without WORLD_SIZE: a launcher (torchrun, srun) sets both; "
                              "unset RANK to run one process with plain python")
-        return Job(read="no launcher's variables: one process")
+        return DistEnv(0, 0, 1, 1, read="no launcher's variables: one process")
     if "RANK" not in os.environ and not check_only:
         raise UsageError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} without RANK: a launcher (torchrun, srun) sets both; "
                          "unset WORLD_SIZE to run one process with plain python")
@@ -97,7 +88,7 @@ def job_from_env(check_only: bool = False) -> Job:
     if not (world_size >= 1 and rank < world_size and local_rank < local_world_size <= world_size):
         raise UsageError(f"RANK={rank}, WORLD_SIZE={world_size}, LOCAL_RANK={local_rank}, "
                          f"LOCAL_WORLD_SIZE={local_world_size} do not fit together: start the job with torchrun")
-    return Job(rank, world_size, local_rank, local_world_size, "env://", launched=True, read=read)
+    return DistEnv(rank, local_rank, world_size, local_world_size, distributed=True, read=read)
 
 
 def _env_int(name, default):
@@ -110,12 +101,12 @@ def _env_int(name, default):
     return int(value)
 
 
-def check_job(job: Job, device_choice: str = "auto", check_only: bool = False) -> torch.device:
+def check_job(job: DistEnv, device_choice: str = "auto", check_only: bool = False) -> torch.device:
     """This rank's device, and this node's refusals that need no process group: a device this
     machine lacks, more processes than devices, and on several nodes a network on which the
     groups cannot form (utils/network.py). From here on a refusal reaches every rank of the job
     (lifecycle.tell_the_job), not only this one."""
-    if job.launched and not check_only:
+    if job.distributed and not check_only:
         if job.init_method.startswith("env://") and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
             raise UsageError("WORLD_SIZE is set but MASTER_ADDR or MASTER_PORT is not: the launcher "
                              "(torchrun) sets them; where they meet is node 0's address and a free port")
@@ -126,7 +117,7 @@ def check_job(job: Job, device_choice: str = "auto", check_only: bool = False) -
     return device
 
 
-def _tell_refusals_to(job: Job):
+def _tell_refusals_to(job: DistEnv):
     # Rank 0 serves the store, but where torchrun's agent does (its agent store, env:// only:
     # torch/distributed/rendezvous.py, _create_c10d_store).
     agent = job.init_method.startswith("env://") and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -215,14 +206,14 @@ JOIN_GRACE_S = 10.0
 _store = None  # the job's store for the agreements (setup)
 
 
-def setup(job: Job, device: torch.device, timeout_s: float = 1800.0) -> DistEnv:
+def setup(job: DistEnv, device: torch.device, timeout_s: float = 1800.0) -> DistEnv:
     """Join the job's process group (the device's backend: nccl, xccl, gloo on the CPU) and pin this
     rank's device; one process without a launcher joins none. The timeout bounds every wait for a
     peer, to form the group and in each collective after it: a failed job ends, not hangs."""
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
-    if not job.launched:
-        return DistEnv(0, 0, 1, 1, device, distributed=False)
+    if not job.distributed:
+        return dataclasses.replace(job, device=device)
     global _store
     _tell_refusals_to(job)
     lifecycle.watch_launcher()
@@ -241,11 +232,11 @@ def setup(job: Job, device: torch.device, timeout_s: float = 1800.0) -> DistEnv:
     global _agreements
     _store, _agreements = dist.PrefixStore(f"{lifecycle.attempt_prefix()}/agreements", store), 0
     lifecycle.joined_a_group()  # the process now ends through lifecycle.leave (see there)
-    return DistEnv(job.rank, job.local_rank, job.world_size, job.local_world_size, device, distributed=True)
+    return dataclasses.replace(job, device=device)
 
 
 @contextlib.contextmanager
-def joining(job: Job, timeout_s: float, backend: str):
+def joining(job: DistEnv, timeout_s: float, backend: str):
     """Around forming the group: a rank not joined `timeout_s` + JOIN_GRACE_S later ends with one
     line and status 1; one whose peer refused to start (lifecycle.tell_the_job) with that peer's
     line and status 2; on several nodes a failure to join is one line, not a trace from gloo."""
