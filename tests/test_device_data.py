@@ -16,7 +16,7 @@ def test_batched_crop_flip_equals_per_image():
     images = torch.randint(0, 256, (16, 3, 32, 32), dtype=torch.uint8, generator=g)
     plan = data.augmentation_plan(seed=3, epoch=1, num_samples=16)
     padded = torch.nn.functional.pad(images, (data.PAD,) * 4)
-    batched = data.crop_flip_batch(padded, plan[:, 0], plan[:, 1], plan[:, 2])
+    batched = device_data.crop_flip_batch(padded, plan[:, 0], plan[:, 1], plan[:, 2])
     for i in range(16):
         dy, dx, flip = plan[i].tolist()
         assert torch.equal(batched[i], data.crop_flip(images[i], dy, dx, flip))

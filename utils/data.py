@@ -232,16 +232,6 @@ def crop_flip(pixels: torch.Tensor, dy: int, dx: int, flip: int) -> torch.Tensor
     return crop.flip(2) if flip else crop
 
 
-def crop_flip_batch(padded: torch.Tensor, dy, dx, flip) -> torch.Tensor:
-    """The same for padded B x C x 40 x 40 images on any device: bitwise what crop_flip gives one by one."""
-    b, c = padded.shape[:2]
-    window = torch.arange(32, device=padded.device)
-    rows = (dy.view(b, 1) + window).view(b, 1, 32, 1).expand(b, c, 32, padded.shape[3])
-    cols = (dx.view(b, 1) + window).view(b, 1, 1, 32).expand(b, c, 32, 32)
-    out = padded.gather(2, rows).gather(3, cols)
-    return torch.where(flip.view(b, 1, 1, 1).bool(), out.flip(3), out)
-
-
 def augmentation_plan(seed: int, epoch: int, num_samples: int) -> torch.Tensor:
     """num_samples x 3 int64 from (seed, epoch) only: crop offsets dy, dx in 0..8, flip in {0, 1}."""
     g = torch.Generator().manual_seed((seed * 1_000_003 + epoch) & 0x7FFF_FFFF_FFFF_FFFF)

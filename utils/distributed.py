@@ -243,21 +243,8 @@ def joining(job: DistEnv, timeout_s: float, backend: str):
     joined = threading.Event()
     where = job.meets_at or "the rendezvous"
 
-    def refusal_of_a_peer(read):
-        if job.rendezvous.startswith("file://"):
-            with contextlib.suppress(OSError), open(lifecycle.refusal_file(job.rendezvous[len("file://"):])) as f:
-                return f.read()
-            return None
-        if read[0] is None:  # connected once the store's host is up
-            host, port = job.rendezvous[len("tcp://"):].rsplit(":", 1)
-            read[0] = lifecycle.store_client(host.strip("[]"), int(port), 5.0)
-        if read[0].check([lifecycle.refusal_key()]):
-            read[0].add(lifecycle.refusal_key() + "/read", 1)
-            return read[0].get(lifecycle.refusal_key()).decode(errors="replace")
-        return None
-
     def watch():
-        deadline, client = time.monotonic() + timeout_s + JOIN_GRACE_S, [None]
+        deadline, store = time.monotonic() + timeout_s + JOIN_GRACE_S, [None]
         while not joined.wait(min(1.0, max(0.0, deadline - time.monotonic()))):
             if time.monotonic() >= deadline:
                 print_line(error_line(f"rank {job.rank} did not join the {backend} process group within "
@@ -265,10 +252,7 @@ def joining(job: DistEnv, timeout_s: float, backend: str):
                                       f"joining, or cannot reach {where}), or cannot be reached by the others; "
                                       "scripts/preflight.py checks each node's network"))
                 os._exit(1)
-            try:
-                refused = refusal_of_a_peer(client)
-            except Exception:  # noqa: BLE001 - the store is not up yet, or gone: look again later
-                client[0], refused = None, None
+            refused = lifecycle.refusal_of_a_peer(job.rendezvous, store)
             if refused is not None and not joined.is_set():
                 # The job's bad input, met on another rank: exit status 2, its line once per node.
                 peer, line = refused.split("\n", 1)

@@ -260,6 +260,25 @@ def tell_the_job(refusal: str):
         pass
 
 
+def refusal_of_a_peer(rendezvous: str, store: list):
+    """A refusal that another rank left for this job (tell_the_job) as "RANK\\nLINE", or None.
+    store: [a client of the rendezvous store, or None], kept between calls (the store's host may
+    not be up yet: connected at a later call)."""
+    try:
+        if rendezvous.startswith("file://"):
+            with open(refusal_file(rendezvous[len("file://"):])) as f:
+                return f.read()
+        if store[0] is None:
+            host, port = rendezvous[len("tcp://"):].rsplit(":", 1)
+            store[0] = store_client(host.strip("[]"), int(port), 5.0)
+        if store[0].check([refusal_key()]):
+            store[0].add(refusal_key() + "/read", 1)
+            return store[0].get(refusal_key()).decode(errors="replace")
+    except Exception:  # noqa: BLE001 - no file yet; the store not up yet, or gone: look again later
+        store[0] = None
+    return None
+
+
 # --- loader workers -------------------------------------------------------------------------
 
 def ignore_stop_signals():
