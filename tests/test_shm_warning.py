@@ -1,7 +1,8 @@
 """The warning before training when the shared-memory folder is smaller than what the
 loader workers may hold there: the estimate (utils/data.py shm_estimate), one warning
 per node before the first step, and a run that trains on. The small folder is a real
-1 MiB tmpfs, mounted by the test (root only); TRAIN_SHM_DIR points the check at it."""
+1 MiB tmpfs, mounted by the test (root only); the scripts run through SHM_RUNNER, which points
+the check at it (the workers themselves use /dev/shm)."""
 import argparse
 import os
 import subprocess
@@ -48,9 +49,27 @@ def small_shm(tmp_path):
         subprocess.run(["umount", str(folder)], check=True)
 
 
-def run_in_order(argv, shm_dir):
+# `python SHM_RUNNER FOLDER SCRIPT ARGS...`: SCRIPT as the program, its shared-memory check on FOLDER.
+SHM_RUNNER = """
+import runpy, sys
+sys.path.insert(0, {root!r})
+from utils import lifecycle
+lifecycle.SHM_DIR = sys.argv[1]
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.fixture(scope="module")
+def shm_runner(tmp_path_factory):
+    runner = tmp_path_factory.mktemp("runner") / "shm_runner.py"
+    runner.write_text(SHM_RUNNER.format(root=str(ROOT)))
+    return runner
+
+
+def run_in_order(argv, shm_dir, runner):
     """`python argv`, checking shm_dir: exit status 0, stdout and stderr in the order written."""
-    proc = subprocess.run([sys.executable, *map(str, argv)], cwd=ROOT, env=subprocess_env(TRAIN_SHM_DIR=shm_dir),
+    proc = subprocess.run([sys.executable, runner, shm_dir, *map(str, argv)], cwd=ROOT, env=subprocess_env(),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout
     return proc.stdout
@@ -116,8 +135,8 @@ def test_one_warning_for_all_the_loaders_of_a_run_on_local_rank_0_only(monkeypat
     assert f"less than the {need / 2**20:,.1f} MiB" in err and "x 2 processes on this node" in err, err
 
 
-def test_a_run_with_too_little_shared_memory_warns_once_before_training_and_trains_on(small_shm):
-    out = run_in_order(RUN, small_shm)
+def test_a_run_with_too_little_shared_memory_warns_once_before_training_and_trains_on(small_shm, shm_runner):
+    out = run_in_order(RUN, small_shm, shm_runner)
     warnings = [line for line in out.splitlines() if "warning:" in line]
     assert len(warnings) == 1, out
     need = (1 * 2 * 32 + 1 * 2 * 64) * SAMPLE_BYTES
@@ -133,13 +152,13 @@ def test_a_run_with_too_little_shared_memory_warns_once_before_training_and_trai
 
 
 @pytest.mark.parametrize("room, workers", [("enough", "1"), ("1 MiB", "0")])
-def test_no_warning_with_room_enough_or_without_workers(room, workers, small_shm, tmp_path):
-    out = run_in_order([*RUN, "--workers", workers], tmp_path if room == "enough" else small_shm)
+def test_no_warning_with_room_enough_or_without_workers(room, workers, small_shm, tmp_path, shm_runner):
+    out = run_in_order([*RUN, "--workers", workers], tmp_path if room == "enough" else small_shm, shm_runner)
     assert "warning:" not in out and "done: 2 steps" in out, out
 
 
-def test_under_torchrun_one_warning_per_node_counting_both_processes(small_shm):
-    proc = torchrun(2, RUN[0], RUN[1:], env=subprocess_env(TRAIN_SHM_DIR=small_shm))
+def test_under_torchrun_one_warning_per_node_counting_both_processes(small_shm, shm_runner):
+    proc = torchrun(2, shm_runner, [small_shm, *RUN])
     assert proc.stdout.count("warning:") + proc.stderr.count("warning:") == 1, proc.stderr
     need = (1 * 2 * 16 + 1 * 2 * 32) * SAMPLE_BYTES * 2  # per-process batch 16, evaluation 32
     assert f"less than the {need / 2**20:,.1f} MiB" in proc.stderr, proc.stderr

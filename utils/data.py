@@ -24,7 +24,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from .cli import UsageError, error_line, print_line
 from .distributed import DistEnv, all_ranks_ok
-from .lifecycle import SHM_DIR, ignore_stop_signals, shm_free_bytes, start_loader_workers
+from . import lifecycle
+from .lifecycle import ignore_stop_signals, shm_free_bytes, start_loader_workers
 
 NUM_CLASSES = 100
 CIFAR100_MEAN = (0.5071, 0.4865, 0.4409)  # per channel, of the training set (0..1 scale)
@@ -488,8 +489,7 @@ def shm_estimate(loaders, local_world_size: int, sample_bytes: int):
 
 
 def shm_dir() -> str:
-    # TRAIN_SHM_DIR: the tests' small tmpfs. The workers themselves always use /dev/shm (shm_open).
-    return os.environ.get("TRAIN_SHM_DIR") or SHM_DIR
+    return lifecycle.SHM_DIR  # where the workers' shm_open puts their batches (Linux)
 
 
 def warn_if_shm_short(loaders, env: DistEnv, sample_bytes: int):
