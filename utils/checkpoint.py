@@ -3,6 +3,7 @@ scheduler, GradScaler, the epoch and the steps taken in it, its partial training
 RNG states, all that continuing with the exact next batch needs. Only tensors and plain values
 go in, so `torch.load(path, weights_only=True)` reads it without running pickled code.
 """
+import contextlib
 import errno
 import fcntl
 import os
@@ -30,15 +31,14 @@ def atomic_save(obj, path: str):
     umask = os.umask(0)
     os.umask(umask)
     try:
-        # mkstemp's file is private (0600): the mode of any new file, for colleagues who resume it.
-        os.fchmod(fd, 0o666 & ~umask)
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp's is 0600: a new file's mode, for colleagues who resume it
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())  # the data is on disk before the rename makes it visible
         os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
 
@@ -46,36 +46,28 @@ def atomic_save(obj, path: str):
 def remove_stale_temporaries(path: str):
     """Delete the half-written temporaries that a crash during atomic_save left beside path."""
     directory, name = os.path.split(os.path.abspath(path))
-    if os.path.isdir(directory):
-        for entry in os.listdir(directory):
-            if entry.startswith("." + name + ".") and entry.endswith(".tmp"):
-                try:
-                    os.unlink(os.path.join(directory, entry))
-                except FileNotFoundError:
-                    pass
+    for entry in os.listdir(directory) if os.path.isdir(directory) else ():
+        if entry.startswith(f".{name}.") and entry.endswith(".tmp"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, entry))
 
 
 def rng_state(device: torch.device = None) -> dict:
     """The CPU's, numpy's and Python's generators, and the accelerator's where `device` (the rank's)
     is on it: a CPU run beside a GPU never starts CUDA by reading its generators."""
-    np_state = np.random.get_state()
-    state = {
-        "torch": torch.get_rng_state(),
-        "numpy": {"name": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),
-                  "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
-        "python": random.getstate(),
-    }
+    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    state = {"torch": torch.get_rng_state(),
+             "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+             "python": random.getstate()}
     accelerator = _accelerator_module(device)
-    if accelerator is not None:
-        # Saved under the device type's name ("cuda", "xpu"): a resume on another kind of
-        # machine leaves that generator alone.
+    if accelerator is not None:  # under the device type's name: a resume on another kind leaves it alone
         state[torch.accelerator.current_accelerator().type] = accelerator.get_rng_state_all()
     return state
 
 
 def _accelerator_module(device):
-    """torch.cuda, torch.xpu...: the module that holds the accelerator's random generators,
-    if `device` is on the accelerator and it keeps one per device (get_rng_state_all)."""
+    """torch.cuda, torch.xpu...: the module of the accelerator's generators, if `device` is on it."""
     if device is None or device.type == "cpu" or not torch.accelerator.is_available():
         return None
     module = torch.get_device_module(torch.accelerator.current_accelerator())
@@ -90,10 +82,9 @@ def set_rng_state(state: dict, device: torch.device = None):
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     accelerator = _accelerator_module(device)
-    if accelerator is not None:
-        saved = state.get(torch.accelerator.current_accelerator().type)
-        if saved is not None and len(saved) == torch.accelerator.device_count():
-            accelerator.set_rng_state_all(saved)
+    saved = state.get(torch.accelerator.current_accelerator().type) if accelerator is not None else None
+    if saved is not None and len(saved) == torch.accelerator.device_count():
+        accelerator.set_rng_state_all(saved)
 
 
 def read_file(path: str, what: str = "checkpoint"):
@@ -103,9 +94,8 @@ def read_file(path: str, what: str = "checkpoint"):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        if "Unsupported global" in str(exc):  # weights_only met a class it will not import
-            # torch's own hint suggests weights_only=False; for a file from elsewhere that
-            # would run whatever code it holds. These scripts never write such objects.
+        if "Unsupported global" in str(exc):  # a class weights_only will not import; none in our files
+            # Not torch's hint, weights_only=False: for a file from elsewhere it runs whatever code it holds.
             raise UsageError(f"cannot read {what} {path}: it holds Python objects other than tensors "
                              "and plain values, which are not loaded because loading them could run "
                              "code; it was not written by these scripts") from None
@@ -118,28 +108,25 @@ def load(path: str) -> dict:
     """Read a checkpoint of ours, or raise UsageError with one readable line."""
     state = read_file(path)
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise UsageError(f"{path} is not a checkpoint written by these scripts "
-                         f"(expected format {FORMAT!r})")
+        raise UsageError(f"{path} is not a checkpoint written by these scripts (expected format {FORMAT!r})")
     return state
 
 
 def lock_directory(directory: str):
-    """`directory` this run's alone while this process lives (UsageError for a second run, or a
-    folder that cannot be made or written): a POSIX record lock (fcntl.lockf) on DIRECTORY/.lock,
-    which the kernel releases however the process ends (no stale lock after a crash or a kill).
-    Unlike flock(), forked loader workers do not inherit it, and NFS honours it. The file names
-    the holder, for the refused run's line."""
+    """`directory` this run's alone while this process lives (UsageError for a second run, or a folder that
+    cannot be made or written): a POSIX record lock (fcntl.lockf) on DIRECTORY/.lock, which the kernel
+    releases however the process ends (no stale lock after a crash or a kill). Unlike flock(), forked
+    loader workers do not inherit it, and NFS honours it. The file names the holder, for the refusal."""
     try:
         os.makedirs(directory, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
         raise UsageError(f"--checkpoint-dir {directory} is a file, not a directory") from None
     except OSError as exc:
         raise UsageError(f"cannot create --checkpoint-dir {directory}: {exc.strerror}") from None
-    path = os.path.join(directory, LOCKNAME)
     try:
         if not os.access(directory, os.W_OK | os.X_OK):
             raise PermissionError(errno.EACCES, "Permission denied")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        fd = os.open(os.path.join(directory, LOCKNAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
     except OSError as exc:
         raise UsageError(f"--checkpoint-dir {directory} is not writable: {exc.strerror}") from None
     try:
@@ -151,20 +138,18 @@ def lock_directory(directory: str):
         if holder is None:  # ENOLCK and the like: a file system without locks
             raise UsageError(f"cannot lock --checkpoint-dir {directory} ({exc.strerror}): its file system "
                              "offers no locks; use a local or lock-capable shared directory") from None
-        raise UsageError(f"--checkpoint-dir {directory} is in use by another run "
-                         f"({holder or 'unknown holder'}): wait until it ends, or choose another "
-                         "directory") from None
+        raise UsageError(f"--checkpoint-dir {directory} is in use by another run ({holder or 'unknown holder'}): "
+                         "wait until it ends, or choose another directory") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}\n".encode(), 0)
     _held_locks.append(fd)
 
 
 class WholeState:
-    """The model and optimizer of a checkpoint where every rank has all of them (DDP, one
-    process): their state_dicts in checkpoint.pt (utils/sharded.py: sharded across ranks).
-    TrainingRun calls check(state, path) before the ranks agree to resume, load() after,
-    save(step, path) on every rank (rank 0's result is written), saved(path) once
-    checkpoint.pt names it, and tidy(path) when the run starts (rank 0)."""
+    """The model and optimizer of a checkpoint where every rank has all of them (DDP, one process): their
+    state_dicts in checkpoint.pt (utils/sharded.py: sharded across ranks). TrainingRun calls check(state,
+    path) before the ranks agree to resume, load() after, save(step, path) on every rank (rank 0's result
+    is written), saved(path) once checkpoint.pt names it, and tidy(path) when the run starts (rank 0)."""
     needed = ("model", "optimizer")
 
     def __init__(self, model, optimizer):

@@ -1,12 +1,11 @@
 """The command line the scripts share: the parser, its checks, and the one-line error.
 
-A script builds its parser with `build_parser`, adds a group of its own, calls `parse_args`,
-then `validated(args, check)`: its `check` makes every refusal that needs no process group (a
-batch that does not split, a device this machine lacks, a network on which the groups cannot
-form, contradicting flags), and --check-args stops right after it, so that a batch script's
-check and the run refuse the same things with the same words. Bad input raises `UsageError`,
-which utils/lifecycle.py's `run_main` turns into one line on stderr and exit status 2.
-The ground floor: it imports nothing of the package.
+A script builds its parser with `build_parser`, adds a group of its own, calls `parse_args`, then
+`validated(args, check)`: `check` makes every refusal that needs no process group (a batch that does
+not split, a device this machine lacks, a network on which the groups cannot form, contradicting
+flags), and --check-args stops right after it, so a batch script's check and the run refuse the same
+things in the same words. Bad input raises `UsageError`, which utils/lifecycle.py's `run_main` turns
+into one line on stderr and exit status 2. The ground floor: it imports nothing of the package.
 """
 import argparse
 import importlib.util
@@ -17,11 +16,9 @@ import types
 
 
 class UsageError(Exception):
-    """Bad input from the user: reported as one line and exit status 2, no traceback.
-
-    met_by: who meets it, and so who prints the line: "job" (every rank, the default:
-    global rank 0 prints), "node" (every rank of one node: its local rank 0 prints), or
-    "rank" (this rank alone: it prints)."""
+    """Bad input from the user: reported as one line and exit status 2, no traceback. met_by: who meets
+    it, and so who prints the line: "job" (every rank, the default: global rank 0 prints), "node" (every
+    rank of one node: its local rank 0 prints), or "rank" (this rank alone: it prints)."""
 
     def __init__(self, message, met_by: str = "job"):
         super().__init__(message)
@@ -29,9 +26,8 @@ class UsageError(Exception):
 
 
 def print_line(line: str):
-    """`line` and its newline on stderr in one write: unbuffered (torchrun's `python -u`), print()
-    writes them apart and another thread's output can land between; a pipe takes up to 4096
-    bytes (PIPE_BUF) whole."""
+    """`line` and its newline on stderr in one write: unbuffered (torchrun's `python -u`), print() writes
+    them apart and another thread's output can land between; a pipe takes up to 4096 bytes whole."""
     sys.stderr.write(f"{line}\n")
     sys.stderr.flush()
 
@@ -56,9 +52,8 @@ def prints_errors(met_by: str = "job") -> bool:
 
 
 class Parser(argparse.ArgumentParser):
-    # argparse prints the whole usage block before the error; a wrong flag deserves one
-    # line that names it, and --help for the rest. Every rank parses the same arguments:
-    # global rank 0 prints, every rank exits with 2.
+    # argparse prints the whole usage block before the error; a wrong flag deserves one line that names
+    # it, and --help for the rest. Every rank parses the same arguments: rank 0 prints, every rank exits 2.
     def error(self, message):
         if prints_errors():
             print_line(f"{self.prog}: error: {message} (see --help)")
@@ -67,53 +62,38 @@ class Parser(argparse.ArgumentParser):
 
 # --- value types: argparse calls them, a bad value becomes "argument --flag: ..." ------------
 
-def _number(text, kind, test, wanted):
-    try:
-        value = kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a {'whole ' if kind is int else ''}number, "
-                                         f"got {text!r}") from None
-    if kind is float and not math.isfinite(value):  # inf and nan would train on garbage
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    if not test(value):
-        raise argparse.ArgumentTypeError(f"{wanted}, got {value}")
-    return value
+def _number(kind, test, wanted):
+    """A value type: text to a finite `kind` for which test(value) holds, else "WANTED, got VALUE"."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {'whole ' if kind is int else ''}number, "
+                                             f"got {text!r}") from None
+        if kind is float and not math.isfinite(value):  # inf and nan would train on garbage
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+        if not test(value):
+            raise argparse.ArgumentTypeError(f"{wanted}, got {value}")
+        return value
+    return parse
 
 
-def positive_int(text):
-    return _number(text, int, lambda v: v > 0, "must be at least 1")
-
-
-def non_negative_int(text):
-    return _number(text, int, lambda v: v >= 0, "must be 0 or more")
-
-
-def positive_float(text):
-    return _number(text, float, lambda v: v > 0, "must be greater than 0")
-
-
-def non_negative_float(text):
-    return _number(text, float, lambda v: v >= 0, "must be 0 or more")
-
-
-def seed(text):
-    return _number(text, int, lambda v: 0 <= v < 2**64, "must be in 0 .. 2**64-1")  # torch.manual_seed's range
-
-
-def port(text):
-    return _number(text, int, lambda v: 0 < v <= 65535, "a TCP port is 1 .. 65535")
+positive_int = _number(int, lambda v: v > 0, "must be at least 1")
+non_negative_int = _number(int, lambda v: v >= 0, "must be 0 or more")
+positive_float = _number(float, lambda v: v > 0, "must be greater than 0")
+non_negative_float = _number(float, lambda v: v >= 0, "must be 0 or more")
+seed = _number(int, lambda v: 0 <= v < 2**64, "must be in 0 .. 2**64-1")  # torch.manual_seed's range
+port = _number(int, lambda v: 0 < v <= 65535, "a TCP port is 1 .. 65535")
 
 
 def build_parser(doc: str, model_names, own_data: bool = False, images: bool = True) -> argparse.ArgumentParser:
-    """The command line every script shares, grouped; each script adds its own group.
-    model_names: the choices of --model. own_data: the script trains on a data set of its
-    own (data.own_datasets): no --dataset nor --data-on-gpu, and the data flags say nothing
-    of CIFAR. images: its inputs are images (N x C x H x W), for which --channels-last is
-    offered (add_fast_path_flags)."""
+    """The command line every script shares, grouped; each script adds its own group. model_names: the
+    choices of --model. own_data: the script trains on a data set of its own (data.own_datasets): no
+    --dataset nor --data-on-gpu, and the data flags say nothing of CIFAR. images: its inputs are images
+    (N x C x H x W), for which --channels-last is offered (add_fast_path_flags)."""
     first_line = doc.strip().splitlines()[0] if doc else None
-    # allow_abbrev=False: a flag is its full name only. The launchers read some flags from the
-    # extra arguments themselves (scripts/slurm.sbatch: --checkpoint-dir), which an
-    # abbreviation (--checkpoint-d) would pass unseen.
+    # allow_abbrev=False: the launchers read some flags from the extra arguments themselves
+    # (scripts/slurm.sbatch: --checkpoint-dir), which an abbreviation (--checkpoint-d) would pass unseen.
     parser = Parser(description=first_line, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                     allow_abbrev=False)
     parser.own_data, parser.images = own_data, images
@@ -121,14 +101,13 @@ def build_parser(doc: str, model_names, own_data: bool = False, images: bool = T
     g = parser.add_argument_group("data")
     if own_data:
         parser.set_defaults(dataset=None)  # own_datasets records what the data is here
-        g.add_argument("--data-dir", "--data_dir", default="./data",
-                       help="where the data set's files are (the script builds its data sets from it)")
     else:
         g.add_argument("--dataset", choices=["cifar100", "synthetic"], default="cifar100",
                        help="cifar100 is downloaded once to --data-dir; synthetic is an offline "
                             "stand-in of the same shape (100 classes, 50,000/10,000 images) that a model can learn")
-        g.add_argument("--data-dir", "--data_dir", default="./data",
-                       help="where CIFAR-100 is stored (--dataset cifar100)")
+    g.add_argument("--data-dir", "--data_dir", default="./data",
+                   help="where the data set's files are (the script builds its data sets from it)" if own_data
+                   else "where CIFAR-100 is stored (--dataset cifar100)")
     g.add_argument("--train-samples", type=positive_int, default=None,
                    help="use only the first N training samples (quick runs, tests)")
     g.add_argument("--test-samples", type=positive_int, default=None, help="use only the first N test samples")
@@ -250,9 +229,8 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
 
 
 class Plan(types.SimpleNamespace):
-    """What a script's check settled before anything started: `world_size` (the processes of
-    the whole job), `read` (the launcher's variables it read, for --check-args to show) and
-    whatever else the run takes from it (the device, the per-device batch, ...)."""
+    """What a script's check settled before anything started: `world_size` (the whole job's processes),
+    `read` (the launcher's variables it read, for --check-args) and whatever else the run takes from it."""
 
     def __init__(self, world_size: int, read: str = "", **settled):
         super().__init__(world_size=world_size, read=read, **settled)

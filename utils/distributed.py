@@ -1,14 +1,12 @@
 """Joining the job, and the few helpers every rank needs.
 
-Devices: this machine's accelerator if it has one (torch.accelerator: NVIDIA or AMD GPUs with
-nccl, Intel's with xccl), else the CPU with gloo; --device cpu forces the CPU. The launcher
-says who each process is (torchrun: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT); `python script.py` sets none and runs one process, no group.
+Devices: this machine's accelerator if it has one (torch.accelerator: NVIDIA or AMD GPUs with nccl,
+Intel's with xccl), else the CPU with gloo. The launcher says who each process is (torchrun: RANK,
+LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT); plain python runs one, no group.
 
-Agreements (`all_ranks_ok`, `any_rank`: may the run go on, has any rank a stop signal) go
-through the job's rendezvous store, not a collective: beside NCCL they need no second network
-stack and never wait behind the GPU's queue, and no backend thread touches a Python object
-before the loaders fork their workers.
+Agreements (`all_ranks_ok`, `any_rank`: may the run go on, has any rank a stop signal) go through the
+job's rendezvous store, not a collective: beside NCCL they need no second network stack and never wait
+behind the GPU's queue, and no backend thread touches a Python object before the loaders fork workers.
 """
 import contextlib
 import dataclasses
@@ -16,6 +14,8 @@ import datetime
 import os
 import random
 import re
+import socket
+import sys
 import threading
 import time
 
@@ -29,8 +29,7 @@ from .cli import UsageError, error_line, print_line
 
 @dataclasses.dataclass(frozen=True)
 class DistEnv:
-    """Who this process is in its job: as its launcher said (job_from_env), then with its device
-    once it joined (setup)."""
+    """Who this process is in its job: as its launcher said (job_from_env), with its device once joined (setup)."""
     rank: int               # global rank, 0 .. world_size-1
     local_rank: int         # rank within this node: picks the GPU
     world_size: int         # processes in the whole job
@@ -82,8 +81,7 @@ def job_from_env(check_only: bool = False) -> DistEnv:
     if "RANK" not in os.environ and not check_only:
         raise UsageError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} without RANK: a launcher (torchrun, srun) sets both; "
                          "unset WORLD_SIZE to run one process with plain python")
-    world_size, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
-    local_rank = _env_int("LOCAL_RANK", 0)
+    world_size, rank, local_rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
     local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
     if not (world_size >= 1 and rank < world_size and local_rank < local_world_size <= world_size):
         raise UsageError(f"RANK={rank}, WORLD_SIZE={world_size}, LOCAL_RANK={local_rank}, "
@@ -92,9 +90,7 @@ def job_from_env(check_only: bool = False) -> DistEnv:
 
 
 def _env_int(name, default):
-    value = os.environ.get(name)
-    if value in (None, ""):
-        return default
+    value = os.environ.get(name) or str(default)
     if not value.strip().isdigit():
         raise UsageError(f"environment variable {name}={value!r} is not a rank or size: the launcher "
                          "(torchrun, srun) sets it; unset it to run one process with plain python")
@@ -102,10 +98,9 @@ def _env_int(name, default):
 
 
 def check_job(job: DistEnv, device_choice: str = "auto", check_only: bool = False) -> torch.device:
-    """This rank's device, and this node's refusals that need no process group: a device this
-    machine lacks, more processes than devices, and on several nodes a network on which the
-    groups cannot form (utils/network.py). From here on a refusal reaches every rank of the job
-    (lifecycle.tell_the_job), not only this one."""
+    """This rank's device, and this node's refusals that need no process group: a device this machine
+    lacks, more processes than devices, on several nodes a network on which the groups cannot form
+    (utils/network.py). From here on a refusal reaches every rank (lifecycle.tell_the_job)."""
     if job.distributed and not check_only:
         if job.init_method.startswith("env://") and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
             raise UsageError("WORLD_SIZE is set but MASTER_ADDR or MASTER_PORT is not: the launcher "
@@ -118,16 +113,20 @@ def check_job(job: DistEnv, device_choice: str = "auto", check_only: bool = Fals
 
 
 def _tell_refusals_to(job: DistEnv):
-    # Rank 0 serves the store, but where torchrun's agent does (its agent store, env:// only:
-    # torch/distributed/rendezvous.py, _create_c10d_store).
+    # Several nodes meeting at a loopback address (not this host's own name, which the others may
+    # resolve to its network address) reach no rank of another node there: nothing to tell.
+    host = job.meets_at
+    if job.several_nodes and host and network.is_loopback((network.resolve(host) or [""])[0]) \
+            and host.split(".")[0] != socket.gethostname().split(".")[0]:
+        return
+    # Rank 0 serves the store, but where torchrun's agent does (env:// only: rendezvous.py, _create_c10d_store).
     agent = job.init_method.startswith("env://") and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     lifecycle.meets_at(job.rendezvous, job.rank, job.world_size, hosts_store=job.rank == 0 and not agent)
 
 
 def check_network(meets_at, device: torch.device, flag: str = "MASTER_ADDR", announce: bool = True):
     """Refuse a job of several nodes that cannot form its groups from here; warn of one that may not."""
-    backend = dist.get_default_backend_for_device(device)
-    for finding in network.findings(meets_at, uses_gloo=backend == "gloo", flag=flag):
+    for finding in network.findings(meets_at, dist.get_default_backend_for_device(device) == "gloo", flag=flag):
         if finding.certain:
             raise UsageError(finding.line, met_by="node")
         if announce:
@@ -135,25 +134,21 @@ def check_network(meets_at, device: torch.device, flag: str = "MASTER_ADDR", ann
 
 
 def device_type(choice: str = "auto", distributed: bool = False) -> str:
-    """The device type --device asks for, checked against this machine ('cuda' for NVIDIA and
-    AMD GPUs, 'xpu' for Intel's, 'mps'...: torch.accelerator names no vendor). `distributed`:
-    the process joins a group."""
+    """The device type --device asks for, checked against this machine ('cuda' for NVIDIA and AMD GPUs,
+    'xpu' for Intel's, 'mps'...: torch.accelerator names no vendor). `distributed`: it joins a group."""
     accelerator = torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else None
     if choice == "cpu":
         return "cpu"
     if ":" in choice:  # each rank's index comes from its local rank
         raise UsageError(f"--device {choice}: name the type alone (--device {choice.split(':')[0]}); "
                          "each process takes the device of its local rank")
-    if choice == "auto":
-        kind = accelerator or "cpu"
-    elif accelerator is None:
+    if choice != "auto" and accelerator is None:
         raise UsageError(f"--device {choice}: PyTorch sees no accelerator on this machine "
                          "(torch.accelerator.is_available() is False): use --device cpu, or auto")
-    elif choice != accelerator:
+    if choice not in ("auto", accelerator):
         raise UsageError(f"--device {choice}: this machine's accelerator is {accelerator}: "
                          f"use --device {accelerator}, cpu, or auto")
-    else:
-        kind = choice
+    kind = accelerator or "cpu"  # what auto means; a named type is the accelerator's now
     if kind == "mps" and distributed:  # no backend moves MPS tensors between processes
         raise UsageError("DDP does not run on Apple's MPS devices: train one process with plain python, "
                          "or several on the CPU with --device cpu")
@@ -167,12 +162,9 @@ def device_count(choice: str = "auto") -> int:
 
 def device_name(device: torch.device) -> str:
     """The device's product name for records ("NVIDIA H100 80GB HBM3"), "cpu", or the device."""
-    if device.type == "cpu":
-        return "cpu"
-    try:
-        return torch.get_device_module(device).get_device_name(device)
-    except (AttributeError, RuntimeError):
-        return str(device)
+    with contextlib.suppress(AttributeError, RuntimeError):
+        return "cpu" if device.type == "cpu" else torch.get_device_module(device).get_device_name(device)
+    return str(device)
 
 
 def pick_device(local_rank: int, local_world_size: int, choice: str = "auto",
@@ -181,29 +173,26 @@ def pick_device(local_rank: int, local_world_size: int, choice: str = "auto",
     if kind == "cpu":
         return torch.device("cpu")
     count = torch.accelerator.device_count()
-    plural = "s" if count != 1 else ""
-    gpus = f"GPU{plural}" if kind in ("cuda", "xpu") else f"{kind} device{plural}"
+    gpus = ("GPU" if kind in ("cuda", "xpu") else f"{kind} device") + ("s" if count != 1 else "")
     fix = f"use --nproc_per_node={count} or fewer (one process per device), or --device cpu"
-    # torchrun --virtual-local-rank shows a worker its own GPU alone, as index 0 (LOCAL_RANK=0,
-    # LOCAL_WORLD_SIZE the node's count: LocalElasticAgent._set_local_rank_env).
+    # torchrun --virtual-local-rank: LOCAL_RANK=0, one visible GPU per worker (LocalElasticAgent._set_local_rank_env).
     visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     own_device_only = count == 1 and local_rank == 0 and len(visible) == 1
     if local_rank >= count:  # this rank's device does not exist: its error, whoever else fails
         raise UsageError(f"local rank {local_rank} of {local_world_size} processes per node has no device: "
                          f"only {count} {gpus} visible: {fix}", met_by="rank")
     if local_world_size > count and not own_device_only:
-        raise UsageError(f"{local_world_size} processes per node but only {count} {gpus} visible: {fix}",
-                         met_by="node")
+        raise UsageError(f"{local_world_size} processes per node but only {count} {gpus} visible: {fix}", met_by="node")
     return torch.device(kind, local_rank)
 
 
 # --- joining ------------------------------------------------------------------------------------
 
-# How much longer than --dist-timeout a rank may take to join before it gives up by itself: the
-# backends' timeouts come first where they hold (gloo's full-mesh connect did not: still waiting
-# 150 s into a 30 s timeout, measured on two hosts with PyTorch 2.14).
+# How much longer than --dist-timeout a rank may take to join before it gives up by itself: gloo's
+# full-mesh connect ignored its timeout (still waiting 150 s into 30 s; two hosts, PyTorch 2.14).
 JOIN_GRACE_S = 10.0
 _store = None  # the job's store for the agreements (setup)
+_agreements = 0  # how many agreements this rank has made: the same count on every rank
 
 
 def setup(job: DistEnv, device: torch.device, timeout_s: float = 1800.0) -> DistEnv:
@@ -214,22 +203,18 @@ def setup(job: DistEnv, device: torch.device, timeout_s: float = 1800.0) -> Dist
         torch.accelerator.set_device_index(device.index)
     if not job.distributed:
         return dataclasses.replace(job, device=device)
-    global _store
+    global _store, _agreements
     _tell_refusals_to(job)
     lifecycle.watch_launcher()
-    backend = dist.get_default_backend_for_device(device)
-    timeout = datetime.timedelta(seconds=timeout_s)
+    backend, timeout = dist.get_default_backend_for_device(device), datetime.timedelta(seconds=timeout_s)
     with joining(job, timeout_s, backend):
-        # What init_process_group(init_method=...) does itself, with the store kept for the
-        # agreements (torch/distributed/distributed_c10d.py, init_process_group).
+        # init_process_group(init_method=...)'s own rendezvous (distributed_c10d.py), its store kept for agreements.
         store, _, _ = next(dist.rendezvous(job.init_method, job.rank, job.world_size, timeout=timeout))
         store.set_timeout(timeout)
-        # device_id binds the group to this rank's device: NCCL connects here rather than in the
-        # first collective, so a broken setup fails now, with the launch, not minutes later.
+        # device_id: NCCL connects now, not in the first collective: a broken setup fails with the launch.
         dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=job.rank,
                                 world_size=job.world_size, timeout=timeout,
                                 device_id=device if device.type != "cpu" else None)
-    global _agreements
     _store, _agreements = dist.PrefixStore(f"{lifecycle.attempt_prefix()}/agreements", store), 0
     lifecycle.joined_a_group()  # the process now ends through lifecycle.leave (see there)
     return dataclasses.replace(job, device=device)
@@ -241,7 +226,6 @@ def joining(job: DistEnv, timeout_s: float, backend: str):
     line and status 1; one whose peer refused to start (lifecycle.tell_the_job) with that peer's
     line and status 2; on several nodes a failure to join is one line, not a trace from gloo."""
     joined = threading.Event()
-    where = job.meets_at or "the rendezvous"
 
     def watch():
         deadline, store = time.monotonic() + timeout_s + JOIN_GRACE_S, [None]
@@ -249,8 +233,8 @@ def joining(job: DistEnv, timeout_s: float, backend: str):
             if time.monotonic() >= deadline:
                 print_line(error_line(f"rank {job.rank} did not join the {backend} process group within "
                                       f"--dist-timeout {timeout_s:g} s: a rank did not come (it failed before "
-                                      f"joining, or cannot reach {where}), or cannot be reached by the others; "
-                                      "scripts/preflight.py checks each node's network"))
+                                      f"joining, or cannot reach {job.meets_at or 'the rendezvous'}), or cannot "
+                                      "be reached by the others; scripts/preflight.py checks each node's network"))
                 os._exit(1)
             refused = lifecycle.refusal_of_a_peer(job.rendezvous, store)
             if refused is not None and not joined.is_set():
@@ -273,14 +257,27 @@ def joining(job: DistEnv, timeout_s: float, backend: str):
                               f"{first_line(err)}); scripts/preflight.py checks each node's network"))
         raise SystemExit(1) from None
     finally:
-        # Stopped before this process goes on: a watcher in a store call at exit comes back to a
-        # finalizing interpreter, whose pthread_exit through PyTorch's C++ aborts (SIGABRT, seen once).
+        # Stopped first: a watcher in a store call at exit meets a finalizing interpreter: SIGABRT (seen once).
         joined.set()
         watcher.join(10.0)
 
 
 def cleanup():
+    """Leave the group. After a run that ended well (or stopped on a signal), rank 0 first waits, 2 s
+    at most, until every rank is done with the store: where rank 0 serves it, a rank still reading
+    the last agreement lost its connection to a rank 0 that had exited ("Connection reset by
+    peer", seen under load). After a failure nobody waits: the peers may be gone."""
     global _store
+    failure = sys.exc_info()[1]  # what is propagating through the script's `finally`, if anything
+    if _store is not None and dist.is_initialized() and (failure is None or isinstance(failure, SystemExit)
+                                                         and not failure.code):
+        with contextlib.suppress(Exception):  # a store already gone: nobody left to wait for
+            _store.set_timeout(datetime.timedelta(seconds=2))
+            _store.add("left", 1)
+            deadline = time.monotonic() + 2.0
+            while dist.get_rank() == 0 and _store.add("left", 0) < dist.get_world_size() \
+                    and time.monotonic() < deadline:
+                time.sleep(0.01)
     _store = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
@@ -310,8 +307,7 @@ def all_reduce_sum(tensor: torch.Tensor, call: str = None) -> torch.Tensor:
 
 
 def first_line(err: BaseException, limit: int = 300) -> str:
-    """An error's first line, without the C++ source location that gloo puts in front
-    ("[/__w/pytorch/.../pair.cc:152] "): it says nothing to a user."""
+    """An error's first line, without the C++ source location gloo puts in front ("[/__w/.../pair.cc:152] ")."""
     line = (str(err).strip().splitlines() or [type(err).__name__])[0]
     return re.sub(r"\[[^\]\s]*\.(?:cc|cpp|h|hpp):\d+\] ?", "", line)[:limit]
 
@@ -336,41 +332,32 @@ def meeting(call: str):
             "utils/run.py lists every call where the ranks meet.") from err
 
 
-_agreements = 0  # how many agreements this rank has made: the same count on every rank
-
-
 def _votes(vote: bool, call: str) -> int:
     """How many ranks voted yes, once all have (every rank calls it at the same points). Through the
     store: each adds 1, plus world_size + 1 for yes, to a counter; the last posts the total, which
     the others wait for (get: up to --dist-timeout), and deletes the agreement before, read by all."""
     global _agreements
-    world = dist.get_world_size()
-    _agreements += 1
-    key = f"{_agreements}"
+    world, _agreements = dist.get_world_size(), _agreements + 1
     with meeting(call):
-        total = _store.add(key, 1 + (world + 1 if vote else 0))
+        total = _store.add(f"{_agreements}", 1 + (world + 1 if vote else 0))
         if total % (world + 1) == world:
-            _store.set(f"{key}/total", str(total))
+            _store.set(f"{_agreements}/total", str(total))
             if _agreements > 1:
                 _store.delete_key(f"{_agreements - 1}")
                 _store.delete_key(f"{_agreements - 1}/total")
-        total = int(_store.get(f"{key}/total"))
+        total = int(_store.get(f"{_agreements}/total"))
     return total // (world + 1)
 
 
 def all_ranks_ok(ok: bool, call: str = "all_ranks_ok()") -> bool:
     """True only if `ok` holds on every rank: where one rank could fail alone (a file read), every
     rank learns it, and none waits for a peer that gave up. `call` names it for the error."""
-    if _store is None:
-        return ok
-    return _votes(ok, call) == dist.get_world_size()
+    return ok if _store is None else _votes(ok, call) == dist.get_world_size()
 
 
 def any_rank(flag: bool, call: str = "any_rank()") -> bool:
     """True on every rank if `flag` holds on any (an agreement, as all_ranks_ok)."""
-    if _store is None:
-        return flag
-    return _votes(flag, call) > 0
+    return flag if _store is None else _votes(flag, call) > 0
 
 
 def seed_everything(seed: int):

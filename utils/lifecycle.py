@@ -1,16 +1,11 @@
 """A training process's life: how it ends, the signals it takes, and its loader workers.
 
-- `run_main(main)`: the scripts' entry point. Bad input (cli.UsageError) becomes one line
-  on stderr and exit status 2; a rank of a job also tells the other ranks, which would
-  otherwise wait for it (`tell_the_job`). A process that joined a process group ends
-  through `leave`.
-- Stop signals (SIGTERM, SIGINT, SIGUSR1) reach a whole process group or job step, the
-  DataLoader workers included (Ctrl-C, SLURM's `scancel --signal`, preemption). The workers
-  ignore them (`ignore_stop_signals`) and leave the decision to their rank, which stops at
-  a step all ranks agree on (utils/run.py); they are started with the signals blocked
-  (`stop_signals_blocked`), so that none can arrive before that call.
-- A loader worker killed by a bus error (its shared memory, /dev/shm, full) ends the run
-  with one line that says so (`bus_error_message`).
+- `run_main(main)`: the scripts' entry point. Bad input (cli.UsageError) is one line and exit status 2,
+  told also to the ranks that would wait for it (`tell_the_job`); a process in a group ends by `leave`.
+- Stop signals (SIGTERM, SIGINT, SIGUSR1: Ctrl-C, `scancel --signal`, preemption) reach the whole
+  process group, DataLoader workers included. The workers ignore them (`ignore_stop_signals`) and
+  leave the decision to their rank, which stops at a step all ranks agree on (utils/run.py).
+- A loader worker killed by a bus error (/dev/shm full) ends the run with one line that says so.
 - A training process does not outlive its launcher (`watch_launcher`).
 """
 import atexit
@@ -29,30 +24,30 @@ from . import compat
 from .cli import UsageError, error_line, print_line, prints_errors
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+SHM_DIR = "/dev/shm"  # where DataLoader workers put the batches they hand over (Linux)
 
 # What a rank's error says when a peer died or left (gloo's sockets; utils.distributed.meeting).
 _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Another rank never came")
 
 _as_program = False  # run_main called as the program (argv None): the process ends with it
 _joined_a_group = False
+_stopping = False  # a stop signal is being handled (stop_under_way)
+_loader_workers = weakref.WeakSet()  # the worker processes our loaders started
+_kill_at_exit_registered = False
 
 
 def joined_a_group():
-    """Called when this process joins a process group: from then on, run_main ends it through
-    `leave`."""
+    """From now on run_main ends this process through `leave`."""
     global _joined_a_group
     _joined_a_group = True
 
 
 def run_main(main, argv=None):
-    """Call main(argv); a UsageError becomes one line on stderr and exit status 2 (printed by
-    global rank 0 alone: every rank meets the same input; see cli.UsageError's met_by). Any other
-    exception is a bug: torchelastic's @record writes its traceback to the error file torchrun
-    reads, so torchrun reports the failing rank's error first, not the timeouts of the ranks
-    that waited for it. As the program (argv None), a process that joined a group leaves
-    through `leave`."""
+    """Call main(argv); a UsageError becomes one line on stderr (printed as its met_by says) and exit
+    status 2. Any other exception is a bug, which torchelastic's @record writes where torchrun reads
+    it: torchrun then reports the failing rank's error first, not the timeouts of the ranks that
+    waited for it. As the program (argv None), a process that joined a group leaves through `leave`."""
     from torch.distributed.elastic.multiprocessing.errors import record
-
     failed_at = []  # when main raised: the time torchrun orders the ranks' failures by
 
     def guarded():
@@ -67,15 +62,13 @@ def run_main(main, argv=None):
             failed_at.append(time.time())
             loader_sigchld_off()  # before @record writes the error file
             if _joined_a_group and isinstance(err, RuntimeError) and any(w in str(err) for w in _PEER_LOST):
-                # Only a consequence of a peer's failure: report it a second later. torchrun
-                # names as the root cause the failure whose error file has the earliest time,
-                # in whole seconds, and this rank fails as fast as the peer that caused it.
+                # Only a consequence of a peer's failure: reported a second later, since torchrun names
+                # as root cause the error file with the earliest time (whole seconds).
                 time.sleep(1.0)
             raise
 
     if argv is not None:  # a caller's own process: it keeps its handlers and its exit
-        record(guarded)()
-        return
+        return record(guarded)()
     global _as_program
     _as_program = True
     try:
@@ -83,22 +76,20 @@ def run_main(main, argv=None):
     except SystemExit as stop:
         if not _joined_a_group:
             raise
-        code = stop.code
-        leave(code if isinstance(code, int) else (0 if code is None else 1),
-              message=None if code is None or isinstance(code, int) else str(code))
+        text = stop.code is not None and not isinstance(stop.code, int)  # sys.exit("message")
+        leave(1 if text else stop.code or 0, message=str(stop.code) if text else None)
     except Exception as err:
         message = bus_error_message(err)
         if message is not None:  # this rank's own line (under torchrun also in its error file)
             record_for_torchrun(error_line(message), failed_at[0] if failed_at else None)
-            if not _joined_a_group:
-                print_line(error_line(message))
-                sys.exit(1)
-            leave(1, message=error_line(message))
+            if _joined_a_group:
+                leave(1, message=error_line(message))
+            print_line(error_line(message))
+            sys.exit(1)
         if not _joined_a_group:
             raise
-        # A failure after joining (a bug, a peer that died): the traceback, then out through
-        # leave. Through the interpreter's teardown, a rank whose peer had died stayed until
-        # torchrun killed it 30 s later (measured).
+        # A failure after joining (a bug, a dead peer): through the interpreter's teardown, a rank
+        # whose peer had died stayed until torchrun killed it 30 s later (measured).
         traceback.print_exc()
         leave(1)
     if _joined_a_group:
@@ -106,13 +97,12 @@ def run_main(main, argv=None):
 
 
 def leave(code: int = 0, message: str = None):
-    """End this process now, once its work is done and its group destroyed, skipping the
-    interpreter's teardown on purpose: gloo's worker threads outlive destroy_process_group()
-    once DDP has used the group (pytorch/pytorch issues 72366, 107298), and one that frees a
-    work item's tensors while the interpreter finalizes is ended by Python (up to 3.13) with
-    pthread_exit inside a noexcept destructor: SIGABRT, and a failure reported for a job that
-    completed (tutorials/09-debugging.md). The atexit handlers run (they end the loader workers
-    still alive and flush logging), and stdout and stderr are flushed; nothing else."""
+    """End this process now, skipping the interpreter's teardown on purpose: gloo's worker threads outlive
+    destroy_process_group() once DDP has used the group (pytorch/pytorch issues 72366, 107298), and one
+    that frees a work item's tensors while the interpreter finalizes is ended by Python (up to 3.13) with
+    pthread_exit in a noexcept destructor: SIGABRT, a failure reported for a job that completed
+    (tutorials/09-debugging.md). Only the atexit handlers (which end the loader workers still alive and
+    flush logging) run, and stdout and stderr are flushed."""
     if message:
         print_line(message)
     try:
@@ -126,9 +116,6 @@ def leave(code: int = 0, message: str = None):
 
 # --- the launcher ----------------------------------------------------------------------------
 
-_stopping = False
-
-
 def stop_under_way():
     """This process has a stop signal, its own or another rank's: watch_launcher sends none."""
     global _stopping
@@ -136,13 +123,12 @@ def stop_under_way():
 
 
 def watch_launcher(grace_s: float = 30.0, poll_s: float = 1.0):
-    """End this process when its launcher (torchrun's agent, the mp.spawn parent) dies: a SIGTERM to
-    itself, which checkpoints at the next agreed step (none if a stop is under way), then SIGKILL
-    `grace_s` later (a peer that died with the launcher never agrees). Polling the parent's pid
-    works on Linux and macOS, and unlike PR_SET_PDEATHSIG ignores the end of the forking thread."""
+    """End this process when its launcher (torchrun's agent, the mp.spawn parent) dies: a SIGTERM to itself,
+    which checkpoints at the next agreed step, then SIGKILL `grace_s` later (a peer that died with the
+    launcher never agrees). Polling the parent's pid, unlike PR_SET_PDEATHSIG, ignores the forking thread."""
     parent = os.getppid()
     if parent <= 1:
-        return None
+        return
 
     def watch():
         while os.getppid() == parent:
@@ -154,19 +140,16 @@ def watch_launcher(grace_s: float = 30.0, poll_s: float = 1.0):
         time.sleep(grace_s)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    thread = threading.Thread(target=watch, name="watch-launcher", daemon=True)
-    thread.start()
-    return thread
+    threading.Thread(target=watch, name="watch-launcher", daemon=True).start()
 
 
 # --- bad input ------------------------------------------------------------------------------
 
 def refuse(message: str, prints: bool):
-    """Before exit status 2 for bad input: the line on stderr (where `prints`), in torchrun's
-    error file (its summary's root cause), and told to the ranks that wait (`tell_the_job`).
-    SIGTERM is ignored from here on: under torchrun the first rank out makes the agent stop
-    the others, and one still on its way out lost its own status to it (seen under load). A
-    rank that does not print waits 2 s under torchrun, so that rank 0's line comes first."""
+    """Before exit status 2 for bad input: the line on stderr (where `prints`), in torchrun's error file,
+    and told to the ranks that wait (`tell_the_job`). SIGTERM is ignored from here on: under torchrun the
+    first rank out makes the agent stop the others, and one still on its way out lost its own status to
+    it (seen under load). A rank that does not print waits 2 s under torchrun: rank 0's line comes first."""
     if _as_program and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     line = error_line(message)
@@ -179,31 +162,27 @@ def refuse(message: str, prints: bool):
 
 
 def record_for_torchrun(line: str, when: float = None):
-    """Under torchrun, `line` where torchrun reads a failed rank's error (TORCHELASTIC_ERROR_FILE,
-    in torch.distributed.elastic's ErrorHandler format): its summary then shows it as the root
-    cause, which is the failure with the earliest `when` (whole seconds)."""
+    """Under torchrun, `line` where it reads a failed rank's error (TORCHELASTIC_ERROR_FILE, ErrorHandler's
+    format): its summary shows as root cause the failure with the earliest `when` (whole seconds)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    data = json.dumps({"message": {"message": line, "extraInfo": {
-        "py_callstack": line, "timestamp": str(int(time.time() if when is None else when))}}})
-    # Whole or not at all: torchrun's agent fails on a file cut short (this process killed meanwhile).
+    if path:  # whole or not at all: torchrun's agent fails on a file cut short
+        _write_whole(path, json.dumps({"message": {"message": line, "extraInfo": {
+            "py_callstack": line, "timestamp": str(int(time.time() if when is None else when))}}}))
+
+
+def _write_whole(path: str, text: str):
+    """`text` in `path` whole or not at all (this process may be killed meanwhile); best effort."""
     temporary = f"{path}.{os.getpid()}.tmp"
     try:
         with open(temporary, "w") as f:
-            f.write(data)
+            f.write(text)
         os.replace(temporary, path)
-    except OSError:  # the launcher's folder gone: the line on stderr is still there
+    except OSError:
         with contextlib.suppress(OSError):
             os.unlink(temporary)
 
 
 # --- telling the other ranks ------------------------------------------------------------------
-#
-# A rank that refuses before the group forms leaves its line where the others, waiting to form
-# it, look (utils.distributed.joining): the rendezvous store, or a file beside a file://
-# rendezvous. Where the store is this rank's to serve (rank 0, but under torchrun's agent store),
-# it serves it until every other rank has read the line, or DELIVERY_S have passed.
 
 DELIVERY_S = 10.0  # how long a refusing rank tries to reach the others (bounds its exit)
 _job = None  # where this process's job meets: set by utils.distributed, see meets_at
@@ -216,64 +195,58 @@ def meets_at(rendezvous: str, rank: int, world_size: int, hosts_store: bool = Fa
 
 
 def attempt_prefix() -> str:
-    """This attempt's keys in the job's store: a store that outlives an attempt (torchrun's
-    shared store) holds the keys of the one before."""
-    return f"utils/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-
-
-def refusal_key() -> str:
-    return f"{attempt_prefix()}/refused"
+    """This attempt's keys in the job's store. Only torchrun's shared (agent) store outlives an
+    attempt; the nodes' restart counts may differ (a healthy node's does not count a restart), so
+    they number the keys there alone."""
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return f"utils/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0') if shared else 0}"
 
 
 def refusal_file(path: str) -> str:
     return f"{path}.refused"
 
 
-def store_client(host: str, port: int, timeout_s: float, host_it: bool = False):
+def store_client(rendezvous: str, timeout_s: float, host_it: bool = False):
     from torch.distributed import TCPStore
-    return TCPStore(host, port, None, host_it, timeout=datetime.timedelta(seconds=timeout_s),
+    host, port = rendezvous[len("tcp://"):].rsplit(":", 1)
+    return TCPStore(host.strip("[]"), int(port), None, host_it, timeout=datetime.timedelta(seconds=timeout_s),
                     wait_for_workers=False)
 
 
 def tell_the_job(refusal: str):
-    """This process's refusal where the other ranks look (above); best effort, within DELIVERY_S."""
+    """This process's refusal, before the group forms, where the other ranks waiting to form it look
+    (utils.distributed.joining): the rendezvous store, or a file beside a file:// rendezvous. A rank
+    that serves the store (rank 0, but under torchrun's agent store) serves it until every other rank
+    has read the line, or DELIVERY_S have passed. Best effort."""
     if _job is None or _job[2] <= 1:
         return
     rendezvous, rank, world_size, hosts_store = _job
-    message = f"{rank}\n{refusal}"
     if rendezvous.startswith("file://"):
-        path = refusal_file(rendezvous[len("file://"):])
-        with contextlib.suppress(OSError), open(f"{path}.{os.getpid()}", "w") as f:
-            f.write(message)
-        with contextlib.suppress(OSError):
-            os.replace(f"{path}.{os.getpid()}", path)
-        return
-    host, port = rendezvous[len("tcp://"):].rsplit(":", 1)
-    deadline = time.monotonic() + DELIVERY_S
+        return _write_whole(refusal_file(rendezvous[len("file://"):]), f"{rank}\n{refusal}")
+    deadline, key = time.monotonic() + DELIVERY_S, f"{attempt_prefix()}/refused"
     try:
-        store = store_client(host.strip("[]"), int(port), DELIVERY_S, host_it=hosts_store)
-        store.set(refusal_key(), message)
-        store.add(refusal_key() + "/read", 1)
-        while hosts_store and store.add(refusal_key() + "/read", 0) < world_size and time.monotonic() < deadline:
+        store = store_client(rendezvous, DELIVERY_S, host_it=hosts_store)
+        store.set(key, f"{rank}\n{refusal}")
+        store.add(key + "/read", 1)
+        while hosts_store and store.add(key + "/read", 0) < world_size and time.monotonic() < deadline:
             time.sleep(0.2)
     except Exception:  # noqa: BLE001 - not reachable in time: the line is on this node's stderr
         pass
 
 
 def refusal_of_a_peer(rendezvous: str, store: list):
-    """A refusal that another rank left for this job (tell_the_job) as "RANK\\nLINE", or None.
-    store: [a client of the rendezvous store, or None], kept between calls (the store's host may
-    not be up yet: connected at a later call)."""
+    """Another rank's refusal (tell_the_job) as "RANK\\nLINE", or None. store: [a client of the
+    rendezvous store, or None], kept between calls (its host may not be up yet)."""
+    key = f"{attempt_prefix()}/refused"
     try:
         if rendezvous.startswith("file://"):
             with open(refusal_file(rendezvous[len("file://"):])) as f:
                 return f.read()
         if store[0] is None:
-            host, port = rendezvous[len("tcp://"):].rsplit(":", 1)
-            store[0] = store_client(host.strip("[]"), int(port), 5.0)
-        if store[0].check([refusal_key()]):
-            store[0].add(refusal_key() + "/read", 1)
-            return store[0].get(refusal_key()).decode(errors="replace")
+            store[0] = store_client(rendezvous, 5.0)
+        if store[0].check([key]):
+            store[0].add(key + "/read", 1)
+            return store[0].get(key).decode(errors="replace")
     except Exception:  # noqa: BLE001 - no file yet; the store not up yet, or gone: look again later
         store[0] = None
     return None
@@ -291,32 +264,24 @@ def ignore_stop_signals():
 
 @contextlib.contextmanager
 def stop_signals_blocked():
-    """The stop signals blocked while loader workers start: a child inherits the mask, so a
-    signal to the whole group waits in the worker until `ignore_stop_signals` ran there, and
-    comes here when the block ends."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    """The stop signals blocked while loader workers start: a child inherits the mask, so a signal to
+    the group waits in the worker until `ignore_stop_signals` ran there, and comes here after."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS) if main else None
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-_loader_workers = weakref.WeakSet()  # the worker processes our loaders started
-_kill_at_exit_registered = False
+        if main:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def start_loader_workers(start):
-    """`start()`, a DataLoader iterator whose worker processes start now, with the stop signals
-    blocked; returned. At exit the workers still alive are killed: they ignore the SIGTERM of
-    multiprocessing's exit handler, which would wait for them forever. Registered before the
-    first workers start, it runs after the handler PyTorch 2.13 and 2.14 register for persistent
-    pinned workers (atexit runs the last registered first), which stops those iterators
-    properly. The workers share this process's multiprocessing folder ("pymp-" in /tmp, for the
-    sockets that hand batches over), made here first: each would make its own otherwise, which a
-    killed worker leaves behind."""
+    """`start()`, a DataLoader iterator whose worker processes start now, with the stop signals blocked.
+    At exit the workers still alive are killed: they ignore the SIGTERM of multiprocessing's exit handler,
+    which would wait for them forever. Registered before the first workers start, the kill runs after the
+    handler PyTorch 2.13 and 2.14 register for persistent pinned workers, which stops those iterators
+    properly. The workers share this process's multiprocessing folder ("pymp-" in /tmp: the sockets that
+    hand batches over), made here first: each would make its own, which a killed worker leaves behind."""
     global _kill_at_exit_registered
     import multiprocessing.util
     if not _kill_at_exit_registered:
@@ -342,36 +307,27 @@ def _kill_loader_workers():
 
 
 def loader_sigchld_off():
-    """SIGCHLD back to its default in a failing rank: once a worker died, the loader's handler
-    raises wherever the main thread is at each child's end, in @record's write of the error file
-    too (which torchrun then cannot parse). signal.signal runs pending handlers first: retried."""
+    """SIGCHLD back to its default in a failing rank: once a worker died, the loader's handler raises at
+    each child's end, in @record's write of the error file too (retried: signal.signal runs it first)."""
     for _ in range(5):
-        try:
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        with contextlib.suppress(RuntimeError):  # the loader's error, raised again: being handled already
+            with contextlib.suppress(AttributeError, ValueError):  # no SIGCHLD here; not the main thread
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             return
-        except RuntimeError:  # the loader's error, raised again: it is being handled already
-            continue
-        except (AttributeError, ValueError):  # no SIGCHLD here; not the main thread
-            return
-
-
-SHM_DIR = "/dev/shm"  # where DataLoader workers put the batches they hand over (Linux)
 
 
 def shm_free_bytes(path: str = None):
     """Free bytes in the shared-memory folder (other jobs may use it), or None without one."""
-    try:
+    with contextlib.suppress(OSError):
         st = os.statvfs(path or SHM_DIR)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
+        return st.f_bavail * st.f_frsize
+    return None
 
 
 def bus_error_message(err: BaseException):
-    """One line for a loader worker killed by SIGBUS (its shared memory, /dev/shm, full: Docker
-    gives 64 MB), or None for any other error. A worker that dies while handing a batch over
-    shows first as a closed socket: our loaders' workers' exit status is then looked at (given
-    a second)."""
+    """One line for a loader worker killed by SIGBUS (its shared memory, /dev/shm, full: Docker gives
+    64 MB), or None for any other error. A worker that dies while handing a batch over shows first
+    as a closed socket: our loaders' workers' exit status is then looked at (given a second)."""
     chain = []
     while err is not None and not ("DataLoader worker" in str(err) and "Bus error" in str(err)):
         chain.append(err)
@@ -390,8 +346,7 @@ def bus_error_message(err: BaseException):
 
 
 def _a_loader_worker_died_of_sigbus(wait_s: float = 0.0) -> bool:
-    bus = getattr(signal, "SIGBUS", None)
-    deadline = time.monotonic() + wait_s
+    bus, deadline = getattr(signal, "SIGBUS", None), time.monotonic() + wait_s
     try:
         while bus is not None:
             for worker in list(_loader_workers):

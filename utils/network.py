@@ -1,21 +1,20 @@
-"""The one network decision of a job on several nodes, before any process group exists: can
-this node's ranks join a job that meets at HOST, and if not, why and what to do.
-`findings(host, uses_gloo)` answers it for the scripts' check (so --check-args and
-scripts/slurm.sbatch's pre-check), scripts/preflight.py and scripts/torchrun_bounded.py.
+"""The one network decision of a job on several nodes, before any process group exists: can this node's
+ranks join a job that meets at HOST, and if not, why and what to do. `findings(host, uses_gloo)` answers it
+for the scripts' check (so --check-args and slurm.sbatch's pre-check), preflight.py and torchrun_bounded.py.
 
 What the libraries do, as their sources say:
-- The store (TCPStore): every rank connects to MASTER_ADDR:MASTER_PORT (distributed_mp.py:
-  --ip, --port); its server listens on every address of its host. torchrun's c10d rendezvous
-  sets MASTER_ADDR to node 0's socket.getfqdn() (RendezvousStoreInfo.build) unless
-  --local-addr names an address: "localhost" where node 0's /etc/hosts has its name after
-  localhost on the 127.0.0.1 line, which every node resolves to itself.
-- gloo (the CPU backend): GLOO_SOCKET_IFNAME's interface if set; else the first address of
-  this host's name that a socket can bind; else 127.0.0.1. It tells the others that address:
-  with the name on a loopback line (Debian's `127.0.1.1 nodea`), none of them can reach it.
-- NCCL chooses its interfaces by rules of its own (NCCL_SOCKET_IFNAME overrides them,
-  NCCL_DEBUG=INFO prints them): nothing here imitates it.
+- The store (TCPStore): every rank connects to MASTER_ADDR:MASTER_PORT (distributed_mp.py: --ip, --port);
+  its server listens on every address of its host. torchrun's c10d rendezvous sets MASTER_ADDR to node 0's
+  socket.getfqdn() (RendezvousStoreInfo.build) unless --local-addr names an address: "localhost" where
+  node 0's /etc/hosts has its name after localhost on the 127.0.0.1 line, which every node resolves to itself.
+- gloo (the CPU backend): GLOO_SOCKET_IFNAME's interface if set; else the first address of this host's
+  name that a socket can bind; else 127.0.0.1. It tells the others that address: with the name on a
+  loopback line (Debian's `127.0.1.1 nodea`), none of them can reach it.
+- NCCL chooses its interfaces by rules of its own (NCCL_SOCKET_IFNAME overrides them, NCCL_DEBUG=INFO
+  prints them): nothing here imitates it.
 IPv4 only; Linux (interface addresses are read with ioctl).
 """
+import contextlib
 import ipaddress
 import os
 import socket
@@ -42,11 +41,9 @@ def interfaces() -> dict:
     found = {}
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for _, name in sorted(socket.if_nameindex()):
-            try:  # SIOCGIFADDR: the interface's IPv4 address
+            with contextlib.suppress(OSError):  # SIOCGIFADDR: the interface's IPv4 address, if it has one
                 packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
-            except OSError:  # none
-                continue
-            found[name] = socket.inet_ntoa(packed[20:24])
+                found[name] = socket.inet_ntoa(packed[20:24])
     return found
 
 
@@ -60,30 +57,26 @@ def resolve(host: str) -> list:
 
 
 def is_loopback(address: str) -> bool:
-    try:
+    with contextlib.suppress(ValueError):
         return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return False
+    return False
 
 
 def can_bind(address: str) -> bool:
     """Whether `address` is one of this host's own (a socket can listen on it)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((address, 0))
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((address, 0))
         return True
-    except OSError:
-        return False
+    return False
 
 
 def route_toward(host: str, known: dict = None):
     """(interface, address) of this host that reaches `host`: its own, or the one the route to it
     leaves from (a UDP socket only picks its route: nothing is sent); (None, None) if unknown."""
     known = interfaces() if known is None else known
-    addresses = resolve(host)
-    if not addresses or is_loopback(addresses[0]):
+    source = (resolve(host) or ["127.0.0.1"])[0]  # none: as unknown as a loopback address
+    if is_loopback(source):
         return None, None
-    source = addresses[0]
     if not can_bind(source):
         try:
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -108,10 +101,6 @@ def gloo_listens_on(known: dict = None):
     return "127.0.0.1", f"this host's name {name} resolves to no address of its own"
 
 
-def _own_name(host: str) -> bool:
-    return host.split(".")[0] == socket.gethostname().split(".")[0]
-
-
 def findings(meet_at, uses_gloo: bool, flag: str = "MASTER_ADDR") -> list:
     """What keeps this node from a job of several nodes that meets at `meet_at` (None: file://), as
     Findings. uses_gloo: the backend is gloo (the CPU). flag: how the user names `meet_at`."""
@@ -127,10 +116,10 @@ def findings(meet_at, uses_gloo: bool, flag: str = "MASTER_ADDR") -> list:
         if not addresses:
             return [Finding(True, f"{flag} {meet_at}, where the ranks meet, does not resolve on this host ({name})",
                             "name it by its address, or add it to this host's /etc/hosts")]
-        if is_loopback(addresses[0]) and not _own_name(meet_at):
+        if is_loopback(addresses[0]) and meet_at.split(".")[0] != name.split(".")[0]:
             # Every node would meet at its own loopback; this host's own name is left to the gloo
             # rule below: the other nodes may resolve it to this host's network address.
-            fix = ("give --ip node 0's network address" if flag == "--ip" else
+            fix = (f"give {flag} node 0's network address" if flag != "MASTER_ADDR" else
                    "torchrun's c10d rendezvous sets it to node 0's own name as socket.getfqdn() gives it "
                    "there: list that name with node 0's network address in node 0's /etc/hosts, not on a "
                    "127.x line; or start torchrun with --local-addr=<the node's address> on every node "

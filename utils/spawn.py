@@ -1,18 +1,13 @@
-"""What torchrun does for distributed.py, done for distributed_mp.py (its own launcher), apart
-from the script so that it shows only what differs: mp.spawn and each process's setup.
-
-- add_flags, check_launch: the launch flags, checked before any process starts: one line, not
-  N tracebacks or N processes waiting for a peer (a port in use, another host's address).
-- Supervisor: in the parent, passes stop signals on, waits for the workers, ends as the first
-  that failed, removes the rendezvous file of a one-node run.
-- worker_exit: in each worker, bad input for the parent's one line, a stop on a signal as exit
-  status 0, a loader worker's bus error as one line, and lifecycle.leave at the end.
+"""What torchrun does for distributed.py, done for distributed_mp.py (its own launcher), kept apart from
+the script so that it shows only what differs: mp.spawn and each process's setup. add_flags, check_launch:
+the launch flags, checked before any process starts (one line, not N tracebacks or N processes waiting
+for a peer). Supervisor, in the parent: passes stop signals on, waits for the workers, ends as the first
+that failed. worker_exit, in each worker: the exit status of bad input, a stop, a loader's bus error.
 """
 import contextlib
 import errno
 import glob
 import os
-import random
 import secrets
 import signal
 import socket
@@ -35,68 +30,53 @@ def add_flags(parser):
                    help="this node's number, 0 .. nodes-1; node 0 hosts the rendezvous")
     g.add_argument("--ip", default="127.0.0.1", help="address of node 0, reachable from every node")
     g.add_argument("--port", type=cli.port, default=None,
-                   help="a free TCP port on node 0, the same on every node; required with --nodes > 1, "
-                        "picked for you on one node")
+                   help="a free TCP port on node 0, the same on every node (needed with --nodes > 1, else picked)")
     g.add_argument("--init-method", "--init_method", default=None, metavar="URL",
-                   help="tcp://HOST:PORT, or file:///PATH: a new file on a file system that every node "
-                        "sees; without it, tcp://IP:PORT")
+                   help="tcp://HOST:PORT, or file:///PATH (a new file that every node sees); without it, tcp://IP:PORT")
 
 
 def check_launch(args) -> int:
-    """Fill in the defaults, validate the launch flags; returns the world size. On several
-    nodes a refusal here also reaches the other nodes' processes (lifecycle.tell_the_job)."""
+    """Fill in the defaults, validate the launch flags; returns the world size."""
     device_type = dist_utils.device_type(args.device, distributed=True)  # what no process group can use
     gpus = dist_utils.device_count(args.device)
-    if args.nproc_per_node is None:
-        args.nproc_per_node = gpus or 2
+    args.nproc_per_node = args.nproc_per_node or gpus or 2
     if args.node_rank >= args.nodes:
         raise cli.UsageError(f"--node-rank {args.node_rank} with --nodes {args.nodes}: "
                              f"node ranks go from 0 to {args.nodes - 1}")
     world_size = args.nodes * args.nproc_per_node
-
     if args.init_method is None:
         if args.nodes > 1 and not cli.given(args, "ip"):
             raise cli.UsageError(f"--nodes {args.nodes} needs --ip: node 0's address, which every node reaches, "
                                  "the same on every node")
-        if args.port is None:
-            if args.nodes > 1:
-                raise cli.UsageError(f"--nodes {args.nodes} needs --port: the same free port of node 0 "
-                                     "on every node, e.g. --port 29500")
-            args.port = free_port(args.ip)
-        host = f"[{args.ip}]" if ":" in args.ip else args.ip  # an IPv6 address needs brackets
-        args.init_method = f"tcp://{host}:{args.port}"
-    url = urlparse(args.init_method)
+        if args.nodes > 1 and args.port is None:
+            raise cli.UsageError(f"--nodes {args.nodes} needs --port: the same free port of node 0 "
+                                 "on every node, e.g. --port 29500")
+        args.port = args.port or free_port(args.ip)
+        args.init_method = f"tcp://{f'[{args.ip}]' if ':' in args.ip else args.ip}:{args.port}"  # IPv6: in brackets
+    url, host, port = urlparse(args.init_method), None, None
     if url.scheme == "tcp":
-        try:
+        with contextlib.suppress(ValueError):  # a port that is not a number
             host, port = url.hostname, url.port
-        except ValueError:
-            host, port = None, None
         if not host or not port:
             raise cli.UsageError(f"--init-method {args.init_method}: expected tcp://HOST:PORT")
-    elif url.scheme == "file":
-        host = None
-        if url.netloc or not url.path.startswith("/"):
-            raise cli.UsageError(f"--init-method {args.init_method}: expected file:///ABSOLUTE/PATH")
-    else:
+    elif url.scheme != "file":
         raise cli.UsageError(f"--init-method {args.init_method}: use tcp://HOST:PORT or file:///PATH")
+    elif url.netloc or not url.path.startswith("/"):
+        raise cli.UsageError(f"--init-method {args.init_method}: expected file:///ABSOLUTE/PATH")
     if args.nodes > 1:  # from here on the other nodes hear of a refusal (rank 0 is node 0's)
         lifecycle.meets_at(args.init_method, args.node_rank * args.nproc_per_node, world_size,
                            hosts_store=args.node_rank == 0)
     if gpus and args.nproc_per_node > gpus:
-        raise cli.UsageError(f"--nproc-per-node {args.nproc_per_node} but only {gpus} GPU"
-                             f"{'s' if gpus != 1 else ''} visible: use {gpus} or fewer (one process per GPU), "
-                             "or --device cpu", met_by="node")
+        raise cli.UsageError(f"--nproc-per-node {args.nproc_per_node} but only {gpus} GPU{'s' if gpus != 1 else ''} "
+                             f"visible: use {gpus} or fewer (one process per GPU), or --device cpu", met_by="node")
     if url.scheme == "tcp" and args.node_rank == 0:  # rank 0 listens there: check now that it can
         bind_port(host, port)
-    if url.scheme == "file":
-        path = url.path
-        if not os.path.isdir(os.path.dirname(path) or "/"):
-            raise cli.UsageError(f"--init-method {args.init_method}: directory {os.path.dirname(path)} "
-                                 "does not exist")
-        # A crashed run's file would be joined as this run's (several nodes: a peer may have made it).
-        if args.nodes == 1 and os.path.exists(path) and os.path.getsize(path) > 0:
-            raise cli.UsageError(f"--init-method {args.init_method}: the file exists (left by an earlier "
-                                 "run?); delete it or name a new file")
+    if url.scheme == "file" and not os.path.isdir(os.path.dirname(url.path) or "/"):
+        raise cli.UsageError(f"--init-method {args.init_method}: directory {os.path.dirname(url.path)} does not exist")
+    # A crashed run's file would be joined as this run's (several nodes: a peer may have made it).
+    if url.scheme == "file" and args.nodes == 1 and os.path.exists(url.path) and os.path.getsize(url.path) > 0:
+        raise cli.UsageError(f"--init-method {args.init_method}: the file exists (left by an earlier "
+                             "run?); delete it or name a new file")
     if args.nodes > 1:
         flag = "--ip" if cli.given(args, "ip") else "--init-method"
         dist_utils.check_network(host, torch.device(device_type), flag=flag)
@@ -129,24 +109,20 @@ def bind_port(host, port=0) -> int:
 
 def ephemeral_ports() -> range:
     """The ports the kernel hands out to outgoing connections and to bind(port 0)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low, high = map(int, f.read().split())
+    with contextlib.suppress(OSError, ValueError), open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low, high = map(int, f.read().split())
         return range(low, high + 1)
-    except (OSError, ValueError):
-        return range(32768, 61000)  # Linux's default
+    return range(32768, 61000)  # Linux's default
 
 
 def free_port(host, tries=100) -> int:
-    """A port free on host now, for rank 0's store, outside the kernel's ephemeral range: rank 0
-    listens on it seconds later, and meanwhile any outgoing connection may be given an ephemeral
-    port (bind(port 0)'s was taken so once, EADDRINUSE, with many gloo jobs side by side)."""
+    """A port free on host now, for rank 0's store, outside the kernel's ephemeral range: rank 0 listens on it
+    seconds later, and meanwhile an outgoing connection may take an ephemeral one (bind(port 0)'s was, once)."""
     ephemeral = ephemeral_ports()
     span = range(20000, ephemeral.start) if ephemeral.start > 21000 else range(ephemeral.stop, 65536)
-    pick = random.SystemRandom()
     for _ in range(tries if len(span) > 1000 else 0):
         try:
-            return _bind(host, pick.choice(span))
+            return _bind(host, secrets.choice(span))
         except OSError as exc:
             if exc.errno != errno.EADDRINUSE:
                 break  # not a busy port (a bad address): bind_port says what is wrong
@@ -154,25 +130,20 @@ def free_port(host, tries=100) -> int:
 
 
 class Supervisor:
-    """The parent's side of a spawned run: `with Supervisor(args) as s:` start the workers
-    with s.errors among their arguments, then s.watch(the context mp.spawn returned)."""
+    """The parent's side of a spawned run: `with Supervisor(args) as s:` start the workers with
+    s.errors among their arguments, then s.watch(the context mp.spawn returned)."""
 
     def __init__(self, args):
-        self.args = args
-        self.errors = None
-        self.workers = None
+        # Where a worker leaves its bad-input line (worker_exit): ERRORS.LOCAL_RANK, made only if there is
+        # one, removed once read, as mp.spawn passes a traceback back: a launcher killed outright leaves
+        # nothing (a folder would stay; a multiprocessing queue's semaphores are reported as leaked).
+        self.errors = os.path.join(tempfile.gettempdir(), f"distributed_mp-{os.getpid()}-{secrets.token_hex(6)}")
+        self.args, self.workers, n = args, None, args.nproc_per_node
+        if args.node_rank == 0:
+            print(f"starting {n} process{'es' if n > 1 else ''} on node 0 of {args.nodes} (world size "
+                  f"{args.nodes * n}), rendezvous at {args.init_method}", flush=True)
 
     def __enter__(self):
-        args = self.args
-        if args.node_rank == 0:
-            world_size = args.nodes * args.nproc_per_node
-            print(f"starting {args.nproc_per_node} process{'es' if args.nproc_per_node > 1 else ''} on node 0 "
-                  f"of {args.nodes} (world size {world_size}), rendezvous at {args.init_method}", flush=True)
-        # Where a worker leaves its bad-input line (worker_exit): ERRORS.LOCAL_RANK, made only
-        # when there is one, removed here once read, as mp.spawn passes a traceback back: a
-        # launcher killed outright leaves nothing (a folder would stay; a multiprocessing queue's
-        # semaphores are reported as leaked).
-        self.errors = os.path.join(tempfile.gettempdir(), f"distributed_mp-{os.getpid()}-{secrets.token_hex(6)}")
         return self
 
     def watch(self, workers):
@@ -187,26 +158,27 @@ class Supervisor:
             exit_like(err, self.args, self.errors)
 
     def __exit__(self, *exc_info):
-        try:
-            remove_rendezvous_file(self.args)
-        finally:
-            # mp.spawn's own traceback files, which PyTorch reads but never removes (multiprocessing/spawn.py).
-            theirs = getattr(self.workers, "error_files", None) or []
-            for path in [*error_files(self.errors), *theirs]:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(path)
+        # The workers' lines; mp.spawn's traceback files, which PyTorch reads and never removes; the file store's
+        # file, which the next run would join (one node: all its users are gone); node 0: a refusal's file.
+        leftovers = [*error_files(self.errors), *(getattr(self.workers, "error_files", None) or [])]
+        if self.args.init_method.startswith("file://"):
+            path = urlparse(self.args.init_method).path
+            leftovers += [path] if self.args.nodes == 1 else []
+            leftovers += [lifecycle.refusal_file(path)] if self.args.node_rank == 0 else []
+        for path in leftovers:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
 
 
 @contextlib.contextmanager
 def worker_exit(errors, local_rank):
-    """Around a worker's life: bad input goes to a file beside `errors` (Supervisor) for the parent's
-    one line and to the other ranks (lifecycle.tell_the_job), status 2; a stop on a signal is 0;
+    """Around a worker's life: bad input, which every rank meets, goes to a file beside `errors` for the
+    parent's one line and to the other ranks (lifecycle.tell_the_job), status 2; a stop on a signal is 0;
     then lifecycle.leave. Any other exception goes to mp.spawn, which shows the parent its traceback."""
     code = 0
     try:
         yield
     except cli.UsageError as err:
-        # Each rank meets the same bad input; the parent prints one line for all of them.
         with open(f"{errors}.{local_rank:05d}", "x") as f:  # closed before this process exits
             f.write(str(err))
         lifecycle.tell_the_job(str(err))
@@ -234,11 +206,9 @@ def forward_stop_signals(workers):
 
 
 def exit_like(err, args, errors):
-    """End as the failed worker ended: bad input as one line and status 2, a bug with the worker's
-    traceback, a signal or exit status as such."""
+    """End as the failed worker did: bad input in one line and 2, a bug with its traceback, else its status."""
     rank = args.node_rank * args.nproc_per_node + err.error_index
-    paths = error_files(errors)
-    if paths:  # bad input that only the workers could see: the lowest local rank's line
+    if paths := error_files(errors):  # bad input that only the workers could see: the lowest local rank's line
         with open(paths[0]) as f:
             raise cli.UsageError(f.read()) from None
     if isinstance(err, mp.ProcessExitedException) and err.exit_code == 2:
@@ -253,13 +223,3 @@ def exit_like(err, args, errors):
 def error_files(errors):
     """The bad-input lines the workers wrote (worker_exit), lowest local rank first."""
     return sorted(glob.glob(glob.escape(errors) + ".[0-9]*"))
-
-
-def remove_rendezvous_file(args):
-    # The file store may leave its file, which the next run would join: on one node every user of
-    # it has exited by now. A refusal's file (lifecycle.tell_the_job) goes with node 0's end.
-    if args.init_method.startswith("file://"):
-        path = urlparse(args.init_method).path
-        for leftover in ([path] if args.nodes == 1 else []) + ([lifecycle.refusal_file(path)] if args.node_rank == 0 else []):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(leftover)
