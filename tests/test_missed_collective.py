@@ -77,3 +77,44 @@ def test_meeting_leaves_errors_alone_without_a_process_group():
         with dist_utils.meeting("anything"):
             raise RuntimeError("shape mismatch")
     assert torch.equal(dist_utils.all_reduce_sum(torch.ones(2), "a sum"), torch.ones(2))
+
+
+# The last agreement of a run, with rank 1 slow to read its result: rank 0, which serves the
+# store (torchrun's agent store off, as every launcher here has it), must not be gone by then.
+LAST_AGREEMENT = """
+import sys, time
+import torch
+sys.path.insert(0, {root!r})
+from utils import distributed as dist_utils, lifecycle
+
+def main(argv):
+    job = dist_utils.job_from_env()
+    env = dist_utils.setup(job, dist_utils.check_job(job, "cpu"), timeout_s=30)
+    try:
+        if env.rank == 1:  # reads the total a second late, after rank 0 has gone on
+            class Late:
+                def __init__(self, store):
+                    self.store = store
+                def get(self, key):
+                    time.sleep(1.0)
+                    return self.store.get(key)
+                def __getattr__(self, name):
+                    return getattr(self.store, name)
+            dist_utils._store = Late(dist_utils._store)
+        assert not dist_utils.any_rank(False, "the last agreement")
+        print(f"rank {{env.rank}} agreed", flush=True)
+    finally:
+        dist_utils.cleanup()
+
+lifecycle.run_main(main)
+"""
+
+
+def test_rank_0_serving_the_store_outlasts_the_last_agreement_of_every_rank(tmp_path):
+    """Without cleanup's wait, rank 1 found rank 0's store gone ("Connection reset by peer")."""
+    program = tmp_path / "last.py"
+    program.write_text(LAST_AGREEMENT.format(root=str(ROOT)))
+    proc = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", program],
+                      check=False, timeout=120, env=subprocess_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "rank 0 agreed" in proc.stdout and "rank 1 agreed" in proc.stdout, proc.stdout
