@@ -1,8 +1,11 @@
 """Benchmark every training strategy on this machine.
 
-Per row: images/s, the measured seconds of one epoch, peak memory and the share
-of the hardware's peak FLOP/s that it reaches, and its speed against the plain
-DDP row (`ddp`) measured in the same run.
+Per row: its precision as it runs here (fp32 convolutions run in TF32 on Ampere
+and newer GPUs, cuDNN's default), images/s after each epoch's warm-up steps and
+over whole epochs (each as median and min-max over the timed epochs), the
+measured seconds of one epoch, peak memory, the share of the hardware's peak
+FLOP/s that it reaches, and its speed against the plain DDP row (`ddp`) measured
+in the same run.
 
 Every row runs a real training script through its real launcher (python,
 torchrun, the script's own mp.spawn) with the same model, and reads the figures
@@ -11,9 +14,10 @@ CIFAR-sized one: as many whole global batches as 50,000 images hold (97 steps of
 512 = 49,664 images), and a row's "s per epoch" is the median measured duration
 of such an epoch, training only (evaluation runs after the clock stops). Epoch 1
 is warm-up (loader start, cudnn autotuning, torch.compile) and is not counted: a
-row's images/s is the median over epochs 2..E. A ceiling row times the same
-training step in a process of its own, on random tensors already on the device:
-no data loading, no communication.
+row's figures are over epochs 2..E. The ceiling rows time the training step alone
+in a process of their own, on random tensors already on the device (no loader, no
+DDP, no communication): in NCHW (ceiling-bf16-nchw), in channels_last
+(ceiling-bf16-channels-last) and CUDA-graphed (ceiling-bf16-cudagraphs, GPUs only).
 
 The report (benchmark.md, benchmark.json, benchmark.png in --out) is rewritten
 after every row, and each row's output is kept in --log-dir, so a run cut short
@@ -139,28 +143,32 @@ class Row:
 
 FAST = ("--data-on-gpu", "--channels-last")
 COMPILE_ON_CPU = "torch.compile on the CPU spends minutes compiling for a run of seconds"
+# Each row's precision is not in its `about`: the report derives it from the row's flags and
+# the device (row_precision), so that it cannot drift from what runs.
 ROWS = [
-    Row("dp", "dataparallel.py", "python", True, (), "nn.DataParallel, one process, fp32"),
-    Row("dp-bf16", "dataparallel.py", "python", True, ("--amp", "bf16"), "nn.DataParallel, bf16 autocast",
+    Row("dp", "dataparallel.py", "python", True, (), "nn.DataParallel: one process drives every GPU"),
+    Row("dp-bf16", "dataparallel.py", "python", True, ("--amp", "bf16"), "nn.DataParallel with bf16 autocast",
         needs_bf16=True),
-    Row("ddp-1proc-noddp", "distributed.py", "python", False, (), "one process under plain python: the bare step"),
+    Row("ddp-1proc-noddp", "distributed.py", "python", False, (),
+        "distributed.py under plain python: one process, no process group, no DDP wrapper"),
     Row("ddp-1proc", "distributed.py", "torchrun", False, (),
-        "one process under torchrun: DDP's wrapper and hooks, nothing to all-reduce (DDP's own cost)"),
-    Row(BASELINE, "distributed.py", "torchrun", True, (), "DDP via torchrun, fp32, the template path: the baseline"),
+        "distributed.py under torchrun, one process: wrapped in DDP on a group of one, so that beside "
+        "ddp-1proc-noddp it shows DDP's own cost (its hooks and buckets, no other rank to wait for)"),
+    Row(BASELINE, "distributed.py", "torchrun", True, (), "DDP via torchrun, the template path: the baseline"),
     Row("ddp-spawn", "distributed_mp.py", "spawn", True, (), "DDP, processes started by mp.spawn"),
-    Row("ddp-bf16", "distributed_apex.py", "torchrun", True, ("--amp", "bf16"), "DDP + bf16 autocast",
+    Row("ddp-bf16", "distributed_apex.py", "torchrun", True, ("--amp", "bf16"), "DDP + bf16 autocast, NCHW, the loader",
         needs_bf16=True),
     Row("ddp-fp16", "distributed_apex.py", "torchrun", True, ("--amp", "fp16"), "DDP + fp16 autocast + GradScaler",
         gpu_only="fp16 convolutions on the CPU are a slow fallback, not a measurement"),
     Row("ddp-accum2", "distributed_gradient_accumulation.py", "torchrun", True, ("--accum-steps", "2"),
         "DDP, 2 accumulated micro-batches per step"),
-    Row("fsdp2", "distributed_fsdp.py", "torchrun", True, (), "FSDP2 fully_shard (ZeRO-3), fp32, the template path"),
+    Row("fsdp2", "distributed_fsdp.py", "torchrun", True, (), "FSDP2 fully_shard (ZeRO-3), the template path"),
     Row("fsdp2-bf16", "distributed_fsdp.py", "torchrun", True, ("--mp-policy", "bf16"),
-        "FSDP2 with bf16 compute (MixedPrecisionPolicy), fp32 gradient reduction", needs_bf16=True),
+        "FSDP2 with the bf16 MixedPrecisionPolicy (bf16 compute, fp32 gradient reduction)", needs_bf16=True),
     Row("fast-fp32", "distributed_apex.py", "torchrun", True, ("--opt-level", "O0", *FAST),
-        "DDP, fp32 (TF32 convolutions on GPUs), data on the device, channels_last", fast_loader=True),
+        "DDP, no autocast, data on the device, channels_last", fast_loader=True),
     Row("fast-bf16", "distributed_apex.py", "torchrun", True, ("--amp", "bf16", *FAST),
-        "DDP + bf16, data on the device, channels_last", needs_bf16=True, fast_loader=True),
+        "DDP + bf16 autocast, data on the device, channels_last", needs_bf16=True, fast_loader=True),
     Row("fast-bf16-compile", "distributed_apex.py", "torchrun", True, ("--amp", "bf16", *FAST, "--compile"),
         "fast-bf16 + torch.compile", needs_bf16=True, fast_loader=True, gpu_only=COMPILE_ON_CPU),
     Row("fast-bf16-compile-1024", "distributed_apex.py", "torchrun", True, ("--amp", "bf16", *FAST, "--compile"),
@@ -168,7 +176,7 @@ ROWS = [
         per_device_batch=1024),
     Row("fast-bf16-cudagraphs", "distributed_apex.py", "python", False,
         ("--amp", "bf16", *FAST, "--compile", "--compile-mode", "reduce-overhead"),
-        "fast-bf16-compile with CUDA graphs, one process (no DDP hooks between the graphs)",
+        "fast-bf16-compile with CUDA graphs, one process under plain python (no DDP: no hooks between the graphs)",
         needs_bf16=True, fast_loader=True, gpu_only="CUDA graphs need a GPU"),
     Row("fast-bf16-autotune", "distributed_apex.py", "torchrun", True,
         ("--amp", "bf16", *FAST, "--compile", "--compile-mode", "max-autotune-no-cudagraphs"),
@@ -179,61 +187,158 @@ ROWS = [
 
 @dataclass(frozen=True)
 class Ceiling:
+    """The training step alone, in a process of its own, on a batch already on the device:
+    no loader, no DDP, no communication. Its name says its precision and what else differs
+    from the eager NCHW step."""
     name: str
-    dtype: str         # autocast dtype name, "fp32" for none
-    compiled: bool
+    dtype: str               # autocast dtype name, "fp32" for none
+    channels_last: bool
+    compile_mode: str        # torch.compile's mode, "" for eager
     about: str
-    mirrors: str       # the script row that runs the same step with real data
+    mirrors: str             # the script row that runs the same step with real data
     per_device_batch: int = 0
+    gpu_only: str = ""       # why it is skipped on the CPU ("" = it runs there)
 
 
 CEILINGS = [
-    Ceiling("ceiling-fp32", "fp32", False, "fp32, channels_last", "fast-fp32"),
-    Ceiling("ceiling-bf16", "bf16", False, "bf16 autocast, channels_last", "fast-bf16"),
-    Ceiling("ceiling-bf16-compile", "bf16", True, "bf16 autocast, channels_last, torch.compile",
+    Ceiling("ceiling-fp32", "fp32", True, "", "channels_last, eager", "fast-fp32"),
+    Ceiling("ceiling-bf16-nchw", "bf16", False, "", "NCHW (the template's layout), eager", "ddp-bf16"),
+    Ceiling("ceiling-bf16-channels-last", "bf16", True, "", "channels_last, eager", "fast-bf16"),
+    Ceiling("ceiling-bf16-compile", "bf16", True, "default", "channels_last, torch.compile (default mode)",
             "fast-bf16-compile"),
-    Ceiling("ceiling-bf16-compile-1024", "bf16", True, "ceiling-bf16-compile at 1024 images per device",
+    Ceiling("ceiling-bf16-cudagraphs", "bf16", True, "reduce-overhead",
+            "channels_last, torch.compile mode reduce-overhead: the step captured in CUDA graphs and replayed",
+            "fast-bf16-cudagraphs", gpu_only="CUDA graphs need a GPU"),
+    Ceiling("ceiling-bf16-compile-1024", "bf16", True, "default", "ceiling-bf16-compile at 1024 images per device",
             "fast-bf16-compile-1024", per_device_batch=1024),
 ]
+# Former names, still accepted by --rows: the same measurement under its present name.
+RENAMED = {"ceiling-bf16": "ceiling-bf16-channels-last"}
 ALL_NAMES = [row.name for row in ROWS] + [c.name for c in CEILINGS]
 DEFAULT_NAMES = [n for n in ALL_NAMES if n not in ("fast-bf16-autotune", "ceiling-bf16-compile-1024")]
-QUICK_ROWS = ["ddp-1proc-noddp", "ddp-1proc", BASELINE, "ddp-bf16", "fast-fp32", "ceiling-fp32", "ceiling-bf16"]
-# Ratios the report spells out (numerator row, denominator row, what the ratio tells),
-# beside every row's ratio to the baseline.
+QUICK_ROWS = ["ddp-1proc-noddp", "ddp-1proc", BASELINE, "ddp-bf16", "fast-fp32",
+              "ceiling-bf16-nchw", "ceiling-bf16-channels-last", "ceiling-bf16-cudagraphs"]
+# Ratios the report spells out (numerator row, denominator row, what the ratio tells), of
+# images/s per device, beside every row's ratio to the baseline.
 COMPARISONS = [
-    ("ddp-1proc", "ddp-1proc-noddp", "torchrun and a process group, one process, against plain python"),
-    ("ddp", "ddp-1proc", "all devices against one (scaling; 1.00 with one GPU)"),
+    ("ddp-1proc", "ddp-1proc-noddp", "DDP's own cost: one process wrapped in DDP (torchrun) against none "
+                                     "(plain python)"),
+    ("ddp", "ddp-1proc", "all devices against one, both under DDP (scaling efficiency; 1.00 is perfect)"),
     ("ddp-bf16", "ddp", "bf16 autocast against fp32, template path"),
     ("fsdp2", "ddp", "sharded (FSDP2) against replicated (DDP), fp32"),
     ("fsdp2-bf16", "ddp-bf16", "FSDP2 bf16 policy against DDP bf16 autocast"),
     ("fast-bf16", "ddp-bf16", "data on the device + channels_last against the loader, bf16"),
     ("fast-bf16-compile", "fast-bf16", "torch.compile against eager"),
     ("fast-bf16-compile-1024", "fast-bf16-compile", "1024 against 512 images per device, compiled"),
-    ("fast-bf16-cudagraphs", "fast-bf16-compile", "CUDA graphs against plain torch.compile"),
-    ("fast-bf16", "ceiling-bf16", "fast path against its ceiling, eager"),
+    ("fast-bf16-cudagraphs", "fast-bf16-compile", "CUDA graphs (one process) against plain torch.compile"),
+    ("ceiling-bf16-channels-last", "ceiling-bf16-nchw", "channels_last against NCHW, the step alone, bf16"),
+    ("ceiling-bf16-cudagraphs", "ceiling-bf16-channels-last", "CUDA graphs against eager, the step alone, bf16"),
+    ("ddp-bf16", "ceiling-bf16-nchw", "the template path against its ceiling, bf16 NCHW"),
+    ("fast-fp32", "ceiling-fp32", "fast path against its ceiling, fp32"),
+    ("fast-bf16", "ceiling-bf16-channels-last", "fast path against its ceiling, eager"),
     ("fast-bf16-compile", "ceiling-bf16-compile", "fast path against its ceiling, compiled"),
+    ("fast-bf16-cudagraphs", "ceiling-bf16-cudagraphs", "fast path against its ceiling, CUDA graphs"),
 ]
+
+
+# --- precision: what each row computes in -------------------------------------------
+
+# TF32 (float32 range, a 10-bit mantissa in the multiply, float32 sums) came with Ampere.
+TF32_MIN_CAPABILITY = (8, 0)
+# The scripts that also let float32 matmuls use TF32 (torch.backends.cuda.matmul.allow_tf32 is
+# False by default); the ceilings' own process does as distributed_apex.py does.
+MATMUL_TF32_SCRIPTS = ("distributed_apex.py",)
+
+
+def tf32_convolutions(use_cuda: bool) -> bool:
+    """Whether float32 convolutions run in TF32 here: cuDNN's default
+    (torch.backends.cudnn.allow_tf32 is True unless a script turns it off, and none here
+    does), on a GPU that has TF32 (Ampere or newer)."""
+    return (use_cuda and torch.cuda.get_device_capability(0) >= TF32_MIN_CAPABILITY
+            and torch.backends.cudnn.allow_tf32)
+
+
+def row_precision(row, plan) -> tuple:
+    """(amp, label): the dtype the row computes in ("fp32", "bf16", "fp16"), and the label
+    that the report prints, read from the row's own flags."""
+    if isinstance(row, Ceiling):
+        amp, matmul_tf32 = row.dtype, True
+    else:
+        flags = list(row.flags)
+        amp = flags[flags.index("--amp") + 1] if "--amp" in flags else "fp32"
+        if "--mp-policy" in flags and flags[flags.index("--mp-policy") + 1] == "bf16":
+            return "bf16", "bf16 (FSDP2 MixedPrecisionPolicy: bf16 compute, fp32 gradient reduction)"
+        matmul_tf32 = row.script in MATMUL_TF32_SCRIPTS
+    if amp == "bf16":
+        return amp, "bf16 autocast"
+    if amp == "fp16":
+        return amp, "fp16 autocast + GradScaler"
+    if plan.tf32:
+        return amp, "fp32 (TF32 convolutions and matmuls)" if matmul_tf32 else "fp32 (TF32 convolutions)"
+    return amp, "fp32"
+
+
+def row_wrapper(row) -> str:
+    """What wraps the model in a script row: the launcher decides (the scripts wrap in DDP
+    under any launcher, a group of one included, and in nothing under plain python)."""
+    if row.script == "dataparallel.py":
+        return "nn.DataParallel"
+    if row.launcher == "python":
+        return "no wrapper, no process group (plain python)"
+    return "FSDP2 fully_shard" if row.script == "distributed_fsdp.py" else "DDP"
 
 
 # --- arithmetic -----------------------------------------------------------------------
 
+def spread(values: list) -> dict:
+    """Median, min and max of the timed figures; min and max only where there are two or
+    more of them (the min-max of one value is not a spread)."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return {"median": None, "min": None, "max": None, "count": 0}
+    several = len(values) > 1
+    return {"median": statistics.median(values), "min": min(values) if several else None,
+            "max": max(values) if several else None, "count": len(values)}
+
+
+def flat(prefix: str, s: dict, suffix: str) -> dict:
+    """spread() as a row's keys: median_<suffix>, min_<suffix>, max_<suffix>."""
+    return {f"{key}_{prefix}{suffix}": s[key] for key in ("median", "min", "max")}
+
+
 def summarize_epochs(records: list) -> dict:
-    """A row's figures from its --metrics records: the median images/s and the median
-    measured epoch duration over the epochs after warm-up, and the largest peak memory."""
+    """A row's figures from its --metrics records, over the epochs after warm-up: the
+    steady images/s (the scripts' own figure, which leaves out the first min(10, steps/4)
+    steps of each epoch) and the whole epoch's (every step of it: steps x global batch /
+    the measured epoch), each as median, min and max; the median measured epoch duration;
+    the largest peak memory."""
     epochs = [r for r in records if r.get("event") == "epoch"]
     if not epochs:
         raise ValueError("no epoch records")
-    steady = [r for r in epochs if r["epoch"] > WARMUP_EPOCHS]
-    counted = steady or epochs  # a one-epoch run has nothing but its warm-up epoch
-    peaks = [r["peak_memory_mb"] for r in epochs if r.get("peak_memory_mb") is not None]
+    summary_epochs, previous_step = [], 0
+    for r in epochs:
+        # The record's `step` counts optimizer steps from the start: this epoch's are the difference.
+        steps = r["step"] - previous_step if "step" in r else None
+        whole = (steps * r["global_batch"] / r["epoch_seconds"]
+                 if steps and r.get("global_batch") and r["epoch_seconds"] > 0 else None)
+        summary_epochs.append({"epoch": r["epoch"], "steps": steps, "images_per_second": r["images_per_second"],
+                               "whole_epoch_images_per_second": whole, "epoch_seconds": r["epoch_seconds"],
+                               "peak_memory_mb": r.get("peak_memory_mb")})
+        previous_step = r.get("step", previous_step)
+    steady = [e for e in summary_epochs if e["epoch"] > WARMUP_EPOCHS]
+    counted = steady or summary_epochs  # a one-epoch run has nothing but its warm-up epoch
+    peaks = [e["peak_memory_mb"] for e in summary_epochs if e["peak_memory_mb"] is not None]
+    rate = spread([e["images_per_second"] for e in counted])
+    whole = spread([e["whole_epoch_images_per_second"] for e in counted])
     return {
-        "median_images_per_second": statistics.median(r["images_per_second"] for r in counted),
-        "median_epoch_seconds": statistics.median(r["epoch_seconds"] for r in counted),
-        "counted_epochs": [r["epoch"] for r in counted],
+        **flat("", rate, "images_per_second"),
+        **flat("whole_epoch_", whole, "images_per_second"),
+        "timed_count": rate["count"], "timed_unit": "epochs",
+        "median_epoch_seconds": statistics.median(e["epoch_seconds"] for e in counted),
+        "counted_epochs": [e["epoch"] for e in counted],
         "warmup_included": not steady,
         "peak_memory_mb": max(peaks) if peaks else None,
-        "epochs": [{key: r.get(key) for key in ("epoch", "images_per_second", "epoch_seconds", "peak_memory_mb")}
-                   for r in epochs],
+        "epochs": summary_epochs,
     }
 
 
@@ -318,6 +423,7 @@ class Plan:
     timeout: float              # --row-timeout
     bf16: bool
     names: list = field(default_factory=list)  # in the order they run
+    tf32: bool = False          # float32 convolutions run in TF32 (tf32_convolutions)
     time_budget: float = None   # seconds for the whole benchmark; None: no limit
     min_row_seconds: float = 30.0  # under time_budget, a row is not started with less left
     ceiling_warmup: int = 20
@@ -346,7 +452,7 @@ def resolve_plan(args) -> Plan:
     if epochs <= WARMUP_EPOCHS:
         raise cli.UsageError(f"--epochs {epochs}: epoch 1 is warm-up and not counted; use 2 or more")
     names = args.rows.split(",") if args.rows else (QUICK_ROWS if args.quick else DEFAULT_NAMES)
-    names = list(dict.fromkeys(n.strip() for n in names if n.strip()))
+    names = list(dict.fromkeys(RENAMED.get(n.strip(), n.strip()) for n in names if n.strip()))
     unknown = [n for n in names if n not in ALL_NAMES]
     if unknown:
         raise cli.UsageError(f"--rows: unknown row {unknown[0]!r}; choose from {', '.join(ALL_NAMES)}")
@@ -357,6 +463,7 @@ def resolve_plan(args) -> Plan:
                 model=args.model or d.model, dataset=args.dataset,
                 data_dir=os.path.abspath(args.data_dir),  # the rows run in the repository root
                 timeout=args.row_timeout or d.row_timeout, bf16=bf16_available(use_cuda), names=names,
+                tf32=tf32_convolutions(use_cuda),
                 time_budget=args.time_budget, min_row_seconds=d.min_row_seconds,
                 ceiling_warmup=args.ceiling_warmup or d.ceiling_warmup,
                 ceiling_steps=args.ceiling_steps or d.ceiling_steps,
@@ -411,7 +518,9 @@ def bf16_available(use_cuda: bool) -> bool:
 
 def skip_reason(row, plan: Plan) -> str:
     if isinstance(row, Ceiling):
-        if row.compiled and not plan.compile_ceiling:
+        if row.gpu_only and not plan.use_cuda:
+            return row.gpu_only
+        if row.compile_mode and not plan.compile_ceiling:
             return "torch.compile is off for the ceiling (on by default on CUDA; --compile-ceiling turns it on)"
         if row.dtype == "bf16" and not plan.bf16:
             return "this GPU has no bfloat16 hardware (Ampere or newer needed)"
@@ -458,11 +567,20 @@ def row_command(row: Row, plan: Plan, metrics_path: str) -> list:
     return [sys.executable, *train_args]
 
 
+def ceiling_setup(ceiling: Ceiling) -> str:
+    """Its layout and how it runs: "NCHW, eager", "channels_last, torch.compile reduce-overhead (CUDA graphs)"."""
+    mode = "eager"
+    if ceiling.compile_mode:
+        mode = f"torch.compile {ceiling.compile_mode}" + (" (CUDA graphs)" if ceiling.compile_mode == "reduce-overhead"
+                                                         else "")
+    return f"{'channels_last' if ceiling.channels_last else 'NCHW'}, {mode}"
+
+
 def short_command(row, plan: Plan) -> str:
     if isinstance(row, Ceiling):
         batch, multiplier = row.per_device_batch or plan.per_device_batch, plan.procs
         device = "cuda" if plan.use_cuda else "cpu"
-        return (f"own process: {row.about}, {batch} random images on {device}"
+        return (f"the step alone: {ceiling_setup(row)}, {batch} random images on {device}"
                 + (f", x {multiplier} {'GPUs' if plan.use_cuda else 'processes'} (no communication)"
                    if multiplier > 1 else ""))
     procs = row_shape(row, plan)[0]
@@ -663,15 +781,19 @@ def read_records(path: str) -> list:
 # --- running a row --------------------------------------------------------------------
 
 def base_result(row, plan: Plan) -> dict:
+    amp, precision_label = row_precision(row, plan)
     if isinstance(row, Ceiling):
         batch = row.per_device_batch or plan.per_device_batch
         return {"name": row.name, "kind": "ceiling", "about": row.about, "mirrors": row.mirrors,
+                "amp": amp, "precision": precision_label, "channels_last": row.channels_last,
+                "compile_mode": row.compile_mode or None,
                 "processes": 1, "global_batch": batch * plan.procs, "per_device_batch": batch,
                 "multiplier": plan.procs, "devices": plan.procs, "short_command": short_command(row, plan),
                 "status": "skipped", "reason": ""}
     procs, batch, devices, steps = row_shape(row, plan)
     result = {"name": row.name, "kind": "script", "about": row.about, "script": row.script,
-              "launcher": row.launcher, "flags": list(row.flags), "processes": procs, "global_batch": batch,
+              "launcher": row.launcher, "flags": list(row.flags), "amp": amp, "precision": precision_label,
+              "wrapper": row_wrapper(row), "processes": procs, "global_batch": batch,
               "devices": devices, "steps_per_epoch": steps, "epoch_images": steps * batch,
               "short_command": short_command(row, plan), "status": "skipped", "reason": ""}
     if row.name.startswith("dp") and not plan.use_cuda:
@@ -717,8 +839,13 @@ def run_row(row: Row, plan: Plan, work_dir: str, timeout: float = None) -> dict:
         return result
     result.update(summarize_epochs(records), status="ok")
     first = records[0]
-    result.update(device=first.get("device"), world_size=first.get("world_size"),
-                  strategy=first.get("strategy"), amp=first.get("amp", "fp32"))
+    # Not the records' `strategy`: it names the script, not what this launch wrapped the model in
+    # (distributed.py writes "ddp-torchrun" under plain python too); the row's `wrapper` says that.
+    # Their `amp`, where they write one, must agree with the row's.
+    result.update(device=first.get("device"), world_size=first.get("world_size"))
+    if first.get("amp") not in (None, result["amp"]):
+        result.update(status="failed", reason=f"the row asks for {result['amp']} but its script recorded "
+                                              f"amp {first['amp']!r}")
     return result
 
 
@@ -752,37 +879,51 @@ def measure_ceiling(spec: dict) -> dict:
     device = torch.device(spec["device"])
     dtype = precision.AMP_DTYPES.get(spec["dtype"])  # None for fp32
     batch = spec["batch"]
+    memory_format = torch.channels_last if spec["channels_last"] else torch.contiguous_format
     if device.type == "cuda":
-        # As the scripts do: cudnn picks the fastest algorithms for the fixed shape, and
-        # distributed_apex.py lets what autocast leaves in float32 use TF32.
+        # As distributed_apex.py does: cudnn picks the fastest algorithms for the fixed shape,
+        # and float32 convolutions and matmuls (all of them in fp32, what autocast leaves in
+        # float32 otherwise) may use TF32.
         torch.backends.cudnn.benchmark = True
-        if dtype is not None:
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(0)
-    model = build_model(spec["model"], NUM_CLASSES).to(device, memory_format=torch.channels_last)
+    model = build_model(spec["model"], NUM_CLASSES).to(device, memory_format=memory_format)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True, weight_decay=5e-4,
                                 fused=True if device.type == "cuda" else None)
-    images = torch.randn(batch, 3, 32, 32, device=device).contiguous(memory_format=torch.channels_last)
+    images = torch.randn(batch, 3, 32, 32, device=device).contiguous(memory_format=memory_format)
     targets = torch.randint(0, NUM_CLASSES, (batch,), device=device)
-    forward = torch.compile(model) if spec["compiled"] else model
+    mode = spec["compile_mode"]
+    graphs = mode == "reduce-overhead"
+    if graphs:
+        torch._logging.set_logs(perf_hints=True)  # why a graph ran without CUDA graphs, if one did, in the log
+    forward = torch.compile(model, mode=mode) if mode else model
 
     def step():  # the scripts' step, minus loading, DDP and bookkeeping
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's graph outputs may be overwritten now
         with torch.amp.autocast(device.type, dtype=dtype, enabled=dtype is not None):
             loss = F.cross_entropy(forward(images), targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
 
-    windows = time_steps(step, device, spec["warmup"], spec["steps"], spec["windows"])
-    return {"window_seconds": windows,
-            "peak_memory_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None}
+    # CUDA graphs: the first call compiles, the second records, the third is the first replay.
+    warmup = max(spec["warmup"], 3) if graphs else spec["warmup"]
+    windows = time_steps(step, device, warmup, spec["steps"], spec["windows"])
+    measured = {"window_seconds": windows, "warmup_steps": warmup,
+                "peak_memory_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None}
+    if graphs:
+        from torch._dynamo.utils import counters
+        measured["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
+    return measured
 
 
 def run_ceiling(ceiling: Ceiling, plan: Plan, work_dir: str, timeout: float = None) -> dict:
     """One device's share of the batch, timed in a process of its own, times the number of
     devices (GPUs, or CPU processes with the rows' threads each): what the rows would
-    reach with nothing but the step."""
+    reach with nothing but the step. Its spread is over the timed windows; it has no
+    epochs, so no whole-epoch figure."""
     timeout = timeout or plan.timeout
     result = base_result(ceiling, plan)
     reason = skip_reason(ceiling, plan)
@@ -791,8 +932,8 @@ def run_ceiling(ceiling: Ceiling, plan: Plan, work_dir: str, timeout: float = No
         return result
     batch = result["per_device_batch"]
     spec = {"device": "cuda:0" if plan.use_cuda else "cpu", "dtype": ceiling.dtype, "batch": batch,
-            "model": plan.model, "compiled": ceiling.compiled, "warmup": plan.ceiling_warmup,
-            "steps": plan.ceiling_steps, "windows": plan.ceiling_windows}
+            "model": plan.model, "channels_last": ceiling.channels_last, "compile_mode": ceiling.compile_mode,
+            "warmup": plan.ceiling_warmup, "steps": plan.ceiling_steps, "windows": plan.ceiling_windows}
     out_path = os.path.join(work_dir, f"{ceiling.name}.json")
     if os.path.exists(out_path):
         os.remove(out_path)
@@ -812,10 +953,18 @@ def run_ceiling(ceiling: Ceiling, plan: Plan, work_dir: str, timeout: float = No
     with open(out_path) as f:
         measured = json.load(f)
     per_device = [plan.ceiling_steps * batch / s for s in measured["window_seconds"]]
+    rate = spread([x * plan.procs for x in per_device])
     result.update(status="ok", window_seconds=measured["window_seconds"],
-                  window_images_per_second_per_device=per_device,
-                  median_images_per_second=statistics.median(per_device) * plan.procs,
-                  peak_memory_mb=measured["peak_memory_mb"])
+                  window_images_per_second_per_device=per_device, warmup_steps=measured["warmup_steps"],
+                  **flat("", rate, "images_per_second"), timed_count=rate["count"], timed_unit="windows",
+                  median_whole_epoch_images_per_second=None, min_whole_epoch_images_per_second=None,
+                  max_whole_epoch_images_per_second=None, peak_memory_mb=measured["peak_memory_mb"])
+    if measured.get("cudagraph_skips"):
+        # Timed all the same, but not what the row's name says: a failure to see, not a figure to quote.
+        skipped = [line.strip() for line in output.splitlines() if "skipping cudagraphs" in line]
+        result.update(status="failed", cudagraph_skips=measured["cudagraph_skips"],
+                      reason=f"torch.compile ran {measured['cudagraph_skips']} graph(s) without CUDA graphs"
+                             + (f": {skipped[-1][:200]}" if skipped else " (its log says why)"))
     return result
 
 
@@ -842,15 +991,26 @@ def add_derived(rows: list, flops: dict, peak_tflops):
 
 
 def comparisons(rows: list) -> list:
-    """The named ratios of COMPARISONS whose two rows were both measured in this run."""
-    rate = {r["name"]: r["median_images_per_second"] for r in rows if r["status"] == "ok"}
-    return [{"rows": [a, b], "what": what, "ratio": rate[a] / rate[b]}
+    """The named ratios of COMPARISONS whose two rows were both measured in this run, of
+    images/s per device: a one-process row is compared with the same work per device."""
+    rate = {r["name"]: r["median_images_per_second"] / r["devices"] for r in rows if r["status"] == "ok"}
+    return [{"rows": [a, b], "what": what, "ratio": rate[a] / rate[b], "per": "device"}
             for a, b, what in COMPARISONS if a in rate and b in rate]
 
 
 def epoch_text(r) -> str:
     steps, batch = r.get("steps_per_epoch"), r["global_batch"]
     return f"{steps} x {batch:,} = {steps * batch:,}" if steps else "n/a"
+
+
+def spread_text(r, what: str = "") -> str:
+    """min-max of the timed epochs (ceilings: windows), or why there is none."""
+    low, high = r[f"min_{what}images_per_second"], r[f"max_{what}images_per_second"]
+    if r[f"median_{what}images_per_second"] is None:
+        return "n/a"
+    if r["timed_count"] == 1:
+        return f"one timed {r['timed_unit'][:-1]}" + (" (warm-up)" if r.get("warmup_included") else "")
+    return f"{low:,.0f}-{high:,.0f}"
 
 
 def write_markdown(path: str, report: dict):
@@ -865,7 +1025,7 @@ def write_markdown(path: str, report: dict):
         + (f", cuDNN {h['cudnn']}" if h["cudnn"] else "") + f", Python {h['python']}",
         f"- command: `{h['command']}`",
         f"- model {plan['model']}, dataset {plan['dataset']}, {plan['per_device_batch']} images per device and "
-        f"step unless the row says otherwise, {plan['epochs']} epochs per row (epoch 1 is warm-up: the medians "
+        f"step unless the row says otherwise, {plan['epochs']} epochs per row (epoch 1 is warm-up: the figures "
         f"are over epochs 2..{plan['epochs']}), loader workers per process {plan['workers']}"
         + (f" ({plan['workers_note']})" if plan.get("workers_note") else ""),
         f"- FLOPs per image: {report['flops']['forward_per_image'] / 1e9:.4g} GFLOP forward "
@@ -875,23 +1035,24 @@ def write_markdown(path: str, report: dict):
         "- peak: " + (f"{report['peak']['tflops']:g} TFLOP/s per device ({report['peak']['source']})"
                        if report["peak"]["tflops"] else f"n/a ({report['peak']['source']})"),
         "",
-        f"| row | what runs | processes | global batch | median img/s | epoch: steps x batch = images "
-        f"| s per epoch (measured) | peak MiB | % of peak per device | vs {BASELINE} |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| row | what runs | precision | processes | global batch | img/s after warm-up steps: median | min-max "
+        "| whole-epoch img/s: median | min-max | epoch: steps x batch = images | s per epoch (measured) "
+        f"| peak MiB | % of peak per device | vs {BASELINE} |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in report["rows"]:
+        start = f"| {r['name']} | {r['short_command']} | {r['precision']} | {r['processes']} | {r['global_batch']} "
         if r["status"] == "ok":
             share = r["share_of_peak"]
             lines.append(
-                f"| {r['name']} | {r['short_command']} | {r['processes']} | {r['global_batch']} "
-                f"| {fmt_rate(r['median_images_per_second'])} | {epoch_text(r)} "
-                f"| {fmt(r.get('median_epoch_seconds'), '.2f')} | {fmt(r['peak_memory_mb'], ',.0f')} "
-                f"| {fmt(share * 100 if share is not None else None, '.1f', '%')} "
+                start + f"| {fmt_rate(r['median_images_per_second'])} | {spread_text(r)} "
+                f"| {fmt_rate(r['median_whole_epoch_images_per_second'])} | {spread_text(r, 'whole_epoch_')} "
+                f"| {epoch_text(r)} | {fmt(r.get('median_epoch_seconds'), '.2f')} "
+                f"| {fmt(r['peak_memory_mb'], ',.0f')} | {fmt(share * 100 if share is not None else None, '.1f', '%')} "
                 f"| {fmt(r['vs_baseline'], '.2f', 'x')} |")
         else:
-            lines.append(f"| {r['name']} | {r['short_command']} | {r['processes']} | {r['global_batch']} "
-                         f"| {r['status']} | | | | | |")
-    lines += ["", "## Ratios measured in this run", "", "| rows | what the ratio tells | ratio |",
+            lines.append(start + f"| {r['status']} | | | | | | | | |")
+    lines += ["", "## Ratios measured in this run (images/s per device)", "", "| rows | what the ratio tells | ratio |",
               "| --- | --- | ---: |"]
     lines += [f"| {c['rows'][0]} / {c['rows'][1]} | {c['what']} | {c['ratio']:.2f}x |"
               for c in report["comparisons"]]
@@ -899,28 +1060,53 @@ def write_markdown(path: str, report: dict):
         lines.append("| (none: no pair of rows measured) | | |")
     notes = [f"- {r['name']}: {r['status']}: {r['reason']}" for r in report["rows"] if r["status"] != "ok"]
     notes += [f"- {r['name']}: {r['did_not_exit']}" for r in report["rows"] if r.get("did_not_exit")]
-    notes += [f"- {r['name']}: {r['about']}" for r in report["rows"] if "CPU:" in r.get("about", "")]
+    if plan.get("tf32_convolutions"):
+        precision_note = ("- precision: fp32 rows run their convolutions in TF32, cuDNN's default "
+                          "(torch.backends.cudnn.allow_tf32 is True) on this GPU; distributed_apex.py and the "
+                          "ceilings also let float32 matmuls use TF32 (torch.backends.cuda.matmul.allow_tf32, "
+                          "False by default). bf16 and fp16 rows autocast; FSDP2's bf16 row computes in bf16 by "
+                          "its MixedPrecisionPolicy and reduces gradients in fp32.")
+    else:
+        precision_note = ("- precision: fp32 rows compute in float32 (no TF32 on this device); bf16 and fp16 rows "
+                          "autocast; FSDP2's bf16 row computes in bf16 by its MixedPrecisionPolicy and reduces "
+                          "gradients in fp32.")
     lines += ["", "## Notes", ""] + notes + [
-        "- images/s are the scripts' own figures (their --metrics records): the first min(10, steps/4) steps "
-        "of each epoch are left out; the rest of the epoch is timed. s per epoch is the whole epoch's "
-        "measured training time (evaluation runs after the clock stops).",
+        "- img/s after warm-up steps: the scripts' own figure (their --metrics records), which leaves out the "
+        "first min(10, steps/4) steps of each epoch; median and min-max over the timed epochs (ceilings: "
+        "windows). With one timed epoch there is no spread to show.",
+        "- whole-epoch img/s: steps x global batch / the measured epoch, its first steps (loader start, cudnn "
+        "autotuning, torch.compile) included: what a training run gets per epoch. s per epoch is that "
+        "epoch's measured training time (evaluation runs after the clock stops).",
+        precision_note,
         "- one-process rows (ddp-1proc, ddp-1proc-noddp, fast-bf16-cudagraphs) run one device's batch, "
-        "the same work per device as the all-device rows; with one process the scripts wrap no DDP.",
-        "- ceiling rows time the training step in a process of their own on random tensors already "
-        "on the device (no loading, no DDP, no communication), median of timed windows after warm-up; "
-        "with several devices, one device's figure times their number.",
+        "the same work per device as the all-device rows. Under a launcher the scripts wrap the model in "
+        "DDP at any world size, one process included (ddp-1proc); under plain python in nothing "
+        "(ddp-1proc-noddp, fast-bf16-cudagraphs).",
+        "- ceiling rows time the training step alone in a process of their own on random tensors already "
+        "on the device (no loader, no DDP, no communication), timed windows after untimed warm-up steps; "
+        "with several devices, one device's figure times their number. They have no epochs: no whole-epoch "
+        "figure.",
         "- % of peak: images/s per device x FLOPs per training step per image / the device's peak FLOP/s; "
         "fp32 rows are measured against the same (bf16 tensor-core) peak.",
         f"- the benchmark took {report['header']['total_seconds']:.0f} s"
         + (f" of a {report['settings']['time_budget_s']:.0f} s budget" if report['settings']['time_budget_s']
            else "") + ".",
         "",
-        "## Per-epoch images/s (epoch 1 is warm-up)",
+        "## What each row runs",
+        "",
+    ]
+    for r in report["rows"]:
+        how = f"{r['precision']}; " + (r["wrapper"] if r["kind"] == "script" else f"the step of {r['mirrors']}")
+        lines.append(f"- {r['name']} ({how}): {r['about']}")
+    lines += [
+        "",
+        "## Per-epoch images/s (epoch 1 is warm-up): after warm-up steps / whole epoch (seconds)",
         "",
     ]
     for r in report["rows"]:
         if r["status"] == "ok" and r["kind"] == "script":
-            samples = ", ".join(f"{e['epoch']}: {fmt_rate(e['images_per_second'])} ({e['epoch_seconds']:.2f} s)"
+            samples = ", ".join(f"{e['epoch']}: {fmt_rate(e['images_per_second'])} / "
+                                f"{fmt_rate(e['whole_epoch_images_per_second'])} ({e['epoch_seconds']:.2f} s)"
                                 for e in r["epochs"])
             lines.append(f"- {r['name']}: {samples}")
         elif r["status"] == "ok":
@@ -951,18 +1137,24 @@ def write_chart(path: str, report: dict) -> bool:
         return False
     names = [r["name"] for r in rows][::-1]  # barh draws bottom-up: keep the table's order top-down
     rates = [r["median_images_per_second"] for r in rows][::-1]
+    # The timed epochs' (windows') min-max as a line across each bar; none where only one was timed.
+    low = [r["median_images_per_second"] - (r["min_images_per_second"] or r["median_images_per_second"])
+           for r in rows][::-1]
+    high = [(r["max_images_per_second"] or r["median_images_per_second"]) - r["median_images_per_second"]
+            for r in rows][::-1]
     colours = ["#9aa7b4" if r["kind"] == "ceiling" else "#2f6db5" for r in rows][::-1]
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.8))
-    ax.barh(names, rates, color=colours)
-    for y, rate in enumerate(rates):
-        ax.text(rate, y, f" {rate:,.0f}", va="center", fontsize=8)
+    ax.barh(names, rates, color=colours, xerr=[low, high], error_kw={"elinewidth": 1, "capsize": 2})
+    for y, (rate, above) in enumerate(zip(rates, high)):
+        ax.text(rate + above, y, f" {rate:,.0f}", va="center", fontsize=8)  # past the min-max line
     base = next((r for r in rows if r["name"] == BASELINE), None)
     if base:
         ax.axvline(base["median_images_per_second"], color="#c0392b", linestyle="--", linewidth=1,
                    label=f"{BASELINE} (baseline)")
         ax.legend(loc="lower right", fontsize=8)
-    ax.set_xlabel("images per second (median over epochs after warm-up)")
-    ax.set_xlim(0, max(rates) * 1.18)
+    ax.set_xlabel("images per second after each epoch's warm-up steps: median and min-max over the epochs after "
+                  "the first (ceilings: timed windows)", fontsize=8)
+    ax.set_xlim(0, max(r["max_images_per_second"] or r["median_images_per_second"] for r in rows) * 1.18)
     s = report["settings"]
     ax.set_title(f"{s['model']}, {s['per_device_batch']} images per device, PyTorch {report['header']['torch']}\n"
                  f"{report['header']['hardware'][:100]}", fontsize=9)
@@ -975,19 +1167,24 @@ def write_chart(path: str, report: dict) -> bool:
 
 
 def print_summary(report: dict):
+    width = max(len("row"), *(len(r["name"]) for r in report["rows"]))
     print()
-    print(f"{'row':24s} {'img/s':>10s} {'s/epoch':>8s} {'peak MiB':>9s} {'% peak':>7s} {'vs ' + BASELINE:>7s}  status")
+    print(f"{'row':{width}s} {'img/s':>8s} {'min-max':>17s} {'whole-ep':>8s} {'min-max':>17s} {'s/epoch':>8s} "
+          f"{'peak MiB':>9s} {'% peak':>7s} {'vs ' + BASELINE:>7s}  precision; status")
     for r in report["rows"]:
         if r["status"] == "ok":
             share = r["share_of_peak"]
-            print(f"{r['name']:24s} {fmt_rate(r['median_images_per_second']):>10s} "
-                  f"{fmt(r.get('median_epoch_seconds'), '.2f'):>8s} {fmt(r['peak_memory_mb'], ',.0f'):>9s} "
+            print(f"{r['name']:{width}s} {fmt_rate(r['median_images_per_second']):>8s} {spread_text(r):>17s} "
+                  f"{fmt_rate(r['median_whole_epoch_images_per_second']):>8s} "
+                  f"{spread_text(r, 'whole_epoch_'):>17s} {fmt(r.get('median_epoch_seconds'), '.2f'):>8s} "
+                  f"{fmt(r['peak_memory_mb'], ',.0f'):>9s} "
                   f"{fmt(share * 100 if share is not None else None, '.1f'):>7s} "
-                  f"{fmt(r['vs_baseline'], '.2f', 'x'):>7s}  ok")
+                  f"{fmt(r['vs_baseline'], '.2f', 'x'):>7s}  {r['precision']}; ok")
         else:
-            print(f"{r['name']:24s} {'':>10s} {'':>8s} {'':>9s} {'':>7s} {'':>7s}  {r['status']}: {r['reason']}")
+            print(f"{r['name']:{width}s} {'':>8s} {'':>17s} {'':>8s} {'':>17s} {'':>8s} {'':>9s} {'':>7s} {'':>7s}  "
+                  f"{r['precision']}; {r['status']}: {r['reason']}")
     for c in report["comparisons"]:
-        print(f"  {c['rows'][0]} / {c['rows'][1]}: {c['ratio']:.2f}x ({c['what']})")
+        print(f"  {c['rows'][0]} / {c['rows'][1]}: {c['ratio']:.2f}x per device ({c['what']})")
 
 
 # --- main -----------------------------------------------------------------------------
@@ -999,7 +1196,8 @@ def build_parser():
     g = parser.add_argument_group("what to run")
     g.add_argument("--rows", default=None,
                    help=f"comma-separated rows, run in this order (default: {','.join(DEFAULT_NAMES)}; "
-                        f"with --quick: {','.join(QUICK_ROWS)}); choose from {', '.join(ALL_NAMES)}")
+                        f"with --quick: {','.join(QUICK_ROWS)}); choose from {', '.join(ALL_NAMES)} "
+                        f"(former names: {', '.join(f'{old} = {new}' for old, new in RENAMED.items())})")
     g.add_argument("--quick", action="store_true",
                    help=f"a quick check of the harness: {quick.model}, {quick.per_device_batch} images per process, "
                         f"{quick.epochs} epochs of {quick.steps} steps, a few rows")
@@ -1046,7 +1244,7 @@ def build_parser():
                         "default: no limit)")
     g = parser.add_argument_group("ceiling and peak")
     g.add_argument("--compile-ceiling", action=argparse.BooleanOptionalAction, default=None,
-                   help="also time the ceiling with torch.compile (default: on with CUDA)")
+                   help="also time the compiled ceilings (torch.compile, CUDA graphs) (default: on with CUDA)")
     g.add_argument("--ceiling-warmup", type=cli.positive_int, default=None,
                    help=f"untimed steps first (default {full.ceiling_warmup}; --quick: {quick.ceiling_warmup})")
     g.add_argument("--ceiling-steps", type=cli.positive_int, default=None,
@@ -1104,6 +1302,7 @@ class Report:
                          "warmup_epochs": WARMUP_EPOCHS, "workers": plan.workers,
                          "workers_note": plan.workers_note,
                          "device": "cuda" if plan.use_cuda else "cpu", "row_timeout_s": plan.timeout,
+                         "tf32_convolutions": plan.tf32,
                          "time_budget_s": plan.time_budget, "ceiling_warmup": plan.ceiling_warmup,
                          "ceiling_steps": plan.ceiling_steps, "ceiling_windows": plan.ceiling_windows,
                          "epoch_images": EPOCH_IMAGES, "rows_requested": plan.names, "log_dir": plan.log_dir,
@@ -1254,7 +1453,11 @@ def main(argv=None):
                 r.update(status="cut short", reason=f"--time-budget had {timeout:.0f} s left for it, and it "
                                                     f"needed more; its processes were ended")
             current = None
-            detail = f"{fmt_rate(r['median_images_per_second'])} img/s" if r["status"] == "ok" else r["reason"]
+            detail = r["reason"]
+            if r["status"] == "ok":
+                detail = f"{fmt_rate(r['median_images_per_second'])} img/s ({spread_text(r)})"
+                if r["median_whole_epoch_images_per_second"] is not None:
+                    detail += f", whole epoch {fmt_rate(r['median_whole_epoch_images_per_second'])}"
             if r.get("did_not_exit"):
                 detail += f"; {r['did_not_exit']}"
             print(f"    {r['status']}: {detail}" + (f" ({r['wall_seconds']:.0f} s)" if "wall_seconds" in r else ""),

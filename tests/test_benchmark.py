@@ -16,11 +16,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT, run_script, subprocess_env
+from conftest import ROOT, gpu_subprocess_env, run_script, subprocess_env
 
 TOOL = ROOT / "scripts" / "benchmark.py"
 QUICK_SCRIPT_ROWS = ["ddp-1proc-noddp", "ddp-1proc", "ddp", "ddp-bf16", "fast-fp32"]
-QUICK_CEILINGS = ["ceiling-fp32", "ceiling-bf16"]
+QUICK_CEILINGS = ["ceiling-bf16-nchw", "ceiling-bf16-channels-last"]
+QUICK_GPU_ONLY = ["ceiling-bf16-cudagraphs"]  # in --quick's rows, skipped on the CPU
 PEAK_TFLOPS = 0.5  # given on the command line, so that the CPU run fills the % of peak column too
 
 
@@ -78,7 +79,7 @@ def test_header_names_the_machine_and_the_command(quick_run):
 def test_every_quick_row_ran_and_its_figures_follow_from_its_epochs(quick_run):
     _, _, report = quick_run
     rows = rows_by_name(report)
-    assert list(rows) == QUICK_SCRIPT_ROWS + QUICK_CEILINGS
+    assert list(rows) == QUICK_SCRIPT_ROWS + QUICK_CEILINGS + QUICK_GPU_ONLY
     assert report["state"] == "complete"
     train_flops = report["flops"]["train_step_per_image"]
     for name in QUICK_SCRIPT_ROWS:
@@ -94,6 +95,18 @@ def test_every_quick_row_ran_and_its_figures_follow_from_its_epochs(quick_run):
         # The epoch figure is the scripts' measured epoch, not 50,000 images divided by a rate.
         assert row["median_epoch_seconds"] == pytest.approx(statistics.median(e["epoch_seconds"] for e in steady))
         assert (row["steps_per_epoch"], row["epoch_images"]) == (4, 4 * row["global_batch"])
+        # The spread of the same epochs, and the whole epoch's rate: every step over the measured epoch.
+        rates = [e["images_per_second"] for e in steady]
+        assert (row["min_images_per_second"], row["max_images_per_second"]) == (min(rates), max(rates))
+        assert row["min_images_per_second"] <= row["median_images_per_second"] <= row["max_images_per_second"]
+        assert (row["timed_count"], row["timed_unit"]) == (2, "epochs")
+        for e in row["epochs"]:
+            assert e["steps"] == 4
+            assert e["whole_epoch_images_per_second"] == pytest.approx(4 * row["global_batch"] / e["epoch_seconds"])
+        whole = [e["whole_epoch_images_per_second"] for e in steady]
+        assert row["median_whole_epoch_images_per_second"] == pytest.approx(statistics.median(whole))
+        assert (row["min_whole_epoch_images_per_second"], row["max_whole_epoch_images_per_second"]) == (
+            min(whole), max(whole))
         per_device = row["median_images_per_second"] / row["devices"]
         assert row["share_of_peak"] == pytest.approx(per_device * train_flops / (PEAK_TFLOPS * 1e12))
         assert row["vs_baseline"] == pytest.approx(row["median_images_per_second"]
@@ -109,29 +122,66 @@ def test_every_quick_row_ran_and_its_figures_follow_from_its_epochs(quick_run):
     assert rows["ddp-bf16"]["amp"] == "bf16" and rows["ddp"]["amp"] == "fp32"
 
 
-def test_ceiling_rows(quick_run):
-    _, _, report = quick_run
+def test_each_row_names_what_it_runs(quick_run):
+    """On the CPU fp32 is fp32 (no TF32); the one-process rows say which of them is wrapped
+    in DDP; no row carries the template script's own "ddp-torchrun" label, which it writes
+    under plain python too."""
+    _, out, report = quick_run
     rows = rows_by_name(report)
-    for name in QUICK_CEILINGS:
+    assert report["settings"]["tf32_convolutions"] is False
+    for name in ("ddp-1proc-noddp", "ddp-1proc", "ddp", "fast-fp32"):
+        assert (rows[name]["amp"], rows[name]["precision"]) == ("fp32", "fp32"), rows[name]
+    for name in ("ddp-bf16", *QUICK_CEILINGS, *QUICK_GPU_ONLY):
+        assert (rows[name]["amp"], rows[name]["precision"]) == ("bf16", "bf16 autocast"), rows[name]
+    assert rows["ddp-1proc-noddp"]["wrapper"] == "no wrapper, no process group (plain python)"
+    assert rows["ddp-1proc"]["wrapper"] == rows["ddp"]["wrapper"] == "DDP"
+    assert "DDP's own cost" in rows["ddp-1proc"]["about"]
+    assert "ddp-torchrun" not in json.dumps(rows["ddp-1proc-noddp"])
+    md = (out / "benchmark.md").read_text()
+    assert "| ddp-bf16 | torchrun x2 distributed_apex.py --amp bf16 | bf16 autocast | 2 | 32 |" in md
+    assert ("- ddp-1proc-noddp (fp32; no wrapper, no process group (plain python)): distributed.py under plain "
+            "python: one process, no process group, no DDP wrapper") in md
+    assert "fp32 rows compute in float32 (no TF32 on this device)" in md
+
+
+def test_ceiling_rows(quick_run):
+    """The step alone in NCHW and in channels_last runs in --quick on the CPU; the CUDA-graphed
+    one is reported as skipped, with its reason, in the json, the markdown and the console."""
+    proc, out, report = quick_run
+    rows = rows_by_name(report)
+    for name, channels_last in zip(QUICK_CEILINGS, (False, True)):
         row = rows[name]
         assert row["status"] == "ok", row
+        assert (row["channels_last"], row["compile_mode"]) == (channels_last, None)
         assert len(row["window_seconds"]) == 3
         # one device's rate (16 images per step) times the 2 devices of the multi-process rows
         per_device = [4 * 16 / s for s in row["window_seconds"]]
         assert row["median_images_per_second"] == pytest.approx(2 * statistics.median(per_device))
+        assert row["min_images_per_second"] == pytest.approx(2 * min(per_device))
+        assert row["max_images_per_second"] == pytest.approx(2 * max(per_device))
+        assert row["min_images_per_second"] <= row["median_images_per_second"] <= row["max_images_per_second"]
+        assert (row["timed_count"], row["timed_unit"]) == (3, "windows")
+        assert row["median_whole_epoch_images_per_second"] is None  # no epochs, no whole-epoch figure
         assert row["median_images_per_second"] > 0 and row["global_batch"] == 32
+    assert "the step alone: NCHW, eager, 16 random images on cpu" in rows["ceiling-bf16-nchw"]["short_command"]
+    graphs = rows["ceiling-bf16-cudagraphs"]
+    assert (graphs["status"], graphs["reason"]) == ("skipped", "CUDA graphs need a GPU")
+    assert graphs["compile_mode"] == "reduce-overhead" and graphs["mirrors"] == "fast-bf16-cudagraphs"
+    assert "- ceiling-bf16-cudagraphs: skipped: CUDA graphs need a GPU" in (out / "benchmark.md").read_text()
+    console = next(line for line in proc.stdout.splitlines() if line.startswith("ceiling-bf16-cudagraphs "))
+    assert console.endswith("bf16 autocast; skipped: CUDA graphs need a GPU"), console
 
 
 def test_ratios_are_computed_from_rows_of_the_same_run(quick_run):
     _, out, report = quick_run
     rows = rows_by_name(report)
-    rate = {name: rows[name]["median_images_per_second"] for name in rows}
+    # Per device: the one-process rows do one device's share of the all-device rows' work.
+    rate = {name: rows[name]["median_images_per_second"] / rows[name]["devices"]
+            for name in rows if rows[name]["status"] == "ok"}
     ratios = {tuple(c["rows"]): c["ratio"] for c in report["comparisons"]}
-    assert ratios == {
-        ("ddp-1proc", "ddp-1proc-noddp"): pytest.approx(rate["ddp-1proc"] / rate["ddp-1proc-noddp"]),
-        ("ddp", "ddp-1proc"): pytest.approx(rate["ddp"] / rate["ddp-1proc"]),
-        ("ddp-bf16", "ddp"): pytest.approx(rate["ddp-bf16"] / rate["ddp"]),
-    }
+    pairs = [("ddp-1proc", "ddp-1proc-noddp"), ("ddp", "ddp-1proc"), ("ddp-bf16", "ddp"),
+             ("ceiling-bf16-channels-last", "ceiling-bf16-nchw"), ("ddp-bf16", "ceiling-bf16-nchw")]
+    assert ratios == {(a, b): pytest.approx(rate[a] / rate[b]) for a, b in pairs}
     # Measured figures and ratios only: no goal typed into the report, no verdict on it.
     text = (out / "benchmark.md").read_text() + (out / "benchmark.json").read_text()
     for word in ("PASS", "FAIL", "target", "70,000"):
@@ -147,9 +197,14 @@ def test_markdown_table_has_every_row(quick_run):
     for name in QUICK_SCRIPT_ROWS + QUICK_CEILINGS:
         line = next((line for line in text.splitlines() if line.startswith(f"| {name} |")), None)
         assert line is not None, f"no table line for {name}"
-        assert f"| {rows[name]['median_images_per_second']:,.0f} |" in line, line
-    assert "| ddp | torchrun x2 distributed.py | 2 | 32 |" in text
-    assert f"| 4 x 32 = 128 | {rows['ddp']['median_epoch_seconds']:.2f} |" in text
+        row = rows[name]
+        spread = f"{row['min_images_per_second']:,.0f}-{row['max_images_per_second']:,.0f}"
+        assert f"| {row['median_images_per_second']:,.0f} | {spread} |" in line, line
+    ddp = rows["ddp"]
+    whole = (f"| {ddp['median_whole_epoch_images_per_second']:,.0f} | {ddp['min_whole_epoch_images_per_second']:,.0f}"
+             f"-{ddp['max_whole_epoch_images_per_second']:,.0f} |")
+    assert f"| ddp | torchrun x2 distributed.py | fp32 | 2 | 32 | {ddp['median_images_per_second']:,.0f} |" in text
+    assert f"{whole} 4 x 32 = 128 | {ddp['median_epoch_seconds']:.2f} |" in text
     assert "| ddp-bf16 / ddp | bf16 autocast against fp32, template path |" in text
 
 
@@ -169,6 +224,25 @@ def test_flops_per_image_are_flop_counter_s_own_count(quick_run):
     assert report["flops"]["forward_per_image"] == counter.get_total_flops()
 
 
+@pytest.mark.gpu
+def test_the_ceilings_on_a_gpu(tmp_path):
+    """The three ceilings of the bf16 step on one GPU, the CUDA-graphed one included (it fails
+    if torch.compile ran any graph without CUDA graphs), and fp32's label there."""
+    if torch.cuda.get_device_capability(0) < (8, 0):
+        pytest.skip("the bf16 ceilings need bfloat16 hardware (Ampere or newer)")
+    names = ["ceiling-bf16-nchw", "ceiling-bf16-channels-last", "ceiling-bf16-cudagraphs", "ceiling-fp32"]
+    run_script([TOOL, "--quick", "--device", "cuda", "--nproc", "1", "--rows", ",".join(names),
+                "--row-timeout", "120", "--out", tmp_path], timeout=140, env=gpu_subprocess_env())
+    report = json.loads((tmp_path / "benchmark.json").read_text())
+    rows = rows_by_name(report)
+    assert list(rows) == names
+    for name in names:
+        assert rows[name]["status"] == "ok", rows[name]
+        assert rows[name]["min_images_per_second"] <= rows[name]["max_images_per_second"]
+    assert report["settings"]["tf32_convolutions"] is True  # Ampere or newer, cuDNN's default
+    assert rows["ceiling-fp32"]["precision"] == "fp32 (TF32 convolutions and matmuls)"
+
+
 # --- the arithmetic, on hand-made records ----------------------------------------------------
 
 def test_medians_and_share_of_peak(tool):
@@ -179,8 +253,15 @@ def test_medians_and_share_of_peak(tool):
         {"event": "epoch", "epoch": 4, "images_per_second": 200.0, "epoch_seconds": 2.5, "peak_memory_mb": 115.0},
         {"event": "end", "epoch": 4, "images_per_second": 999.0, "epoch_seconds": 1.0, "peak_memory_mb": 500.0},
     ]
+    for step, r in enumerate(records[:4], 1):  # 8 steps of 50 images per epoch
+        r.update(step=8 * step, global_batch=50)
     summary = tool.summarize_epochs(records)
     assert summary["median_images_per_second"] == 200.0  # epochs 2..4; the warm-up's 10 and the end record left out
+    assert (summary["min_images_per_second"], summary["max_images_per_second"]) == (100.0, 300.0)
+    # Whole epochs: 8 x 50 = 400 images over 2.0, 3.0 and 2.5 s.
+    assert summary["median_whole_epoch_images_per_second"] == 160.0
+    assert (summary["min_whole_epoch_images_per_second"], summary["max_whole_epoch_images_per_second"]) == (
+        pytest.approx(400 / 3), 200.0)
     assert summary["median_epoch_seconds"] == 2.5
     assert summary["counted_epochs"] == [2, 3, 4] and not summary["warmup_included"]
     assert summary["peak_memory_mb"] == 120.0
@@ -193,6 +274,136 @@ def test_medians_and_share_of_peak(tool):
     alone = tool.summarize_epochs([dict(records[0], peak_memory_mb=None)])
     assert alone["median_images_per_second"] == 10.0 and alone["warmup_included"]
     assert alone["peak_memory_mb"] is None
+
+
+def test_whole_epochs_and_the_spread_on_hand_made_records(tool):
+    """Epochs of 20 steps of 64 images, the first 5 left out of the steady rate (min(10, 20/4)).
+    When those first steps are slower than the rest, the whole epoch's rate is below the
+    steady one; with one epoch after warm-up there is a median and no spread, and the report
+    says so instead of printing a min-max of one value."""
+    def epoch(n, first_seconds, rest_seconds):
+        return {"event": "epoch", "epoch": n, "step": 20 * n, "global_batch": 64,
+                "images_per_second": 15 * 64 / rest_seconds, "epoch_seconds": first_seconds + rest_seconds}
+
+    records = [epoch(1, 3.0, 1.5), epoch(2, 0.9, 1.2), epoch(3, 0.6, 1.0), epoch(4, 0.8, 1.1)]
+    summary = tool.summarize_epochs(records)
+    for e in summary["epochs"]:
+        assert e["steps"] == 20
+        assert e["whole_epoch_images_per_second"] == pytest.approx(20 * 64 / e["epoch_seconds"])
+        assert e["whole_epoch_images_per_second"] < e["images_per_second"]  # the slow first steps count
+    for what in ("", "whole_epoch_"):
+        low, median, high = (summary[f"{k}_{what}images_per_second"] for k in ("min", "median", "max"))
+        assert low < median < high
+    assert summary["median_whole_epoch_images_per_second"] < summary["median_images_per_second"]
+    assert summary["median_whole_epoch_images_per_second"] == pytest.approx(20 * 64 / 1.9)  # epoch 4's 1.9 s
+    assert (summary["timed_count"], summary["timed_unit"]) == (3, "epochs")
+    assert tool.spread_text(summary) == f"{15 * 64 / 1.2:,.0f}-{15 * 64 / 1.0:,.0f}"
+
+    one = tool.summarize_epochs(records[:2])
+    assert one["timed_count"] == 1 and one["median_images_per_second"] == pytest.approx(15 * 64 / 1.2)
+    assert one["min_images_per_second"] is None and one["max_images_per_second"] is None
+    assert one["min_whole_epoch_images_per_second"] is None
+    assert tool.spread_text(one) == tool.spread_text(one, "whole_epoch_") == "one timed epoch"
+    assert tool.spread_text(tool.summarize_epochs(records[:1])) == "one timed epoch (warm-up)"
+
+
+def test_precision_labels_follow_the_flags_and_the_device(tool, monkeypatch):
+    """fp32 on a CUDA GPU from Ampere on runs its convolutions in TF32: cuDNN's default, which no
+    script turns off; distributed_apex.py (and the ceilings' process) also turn it on for
+    matmuls. The CPU has no TF32. FSDP2's bf16 row has no --amp: its precision is its policy."""
+    assert torch.backends.cudnn.allow_tf32 is True  # the default the label rests on
+    rows = {r.name: r for r in [*tool.ROWS, *tool.CEILINGS]}
+    on_gpu, on_cpu = gpu_plan(tool, procs=1), gpu_plan(tool, procs=1)
+    on_gpu.tf32, on_cpu.use_cuda = True, False
+    expected = {
+        "dp": ("fp32", "fp32 (TF32 convolutions)"),
+        "ddp": ("fp32", "fp32 (TF32 convolutions)"),
+        "ddp-1proc-noddp": ("fp32", "fp32 (TF32 convolutions)"),
+        "fsdp2": ("fp32", "fp32 (TF32 convolutions)"),
+        "fast-fp32": ("fp32", "fp32 (TF32 convolutions and matmuls)"),
+        "ceiling-fp32": ("fp32", "fp32 (TF32 convolutions and matmuls)"),
+        "ddp-bf16": ("bf16", "bf16 autocast"),
+        "ddp-fp16": ("fp16", "fp16 autocast + GradScaler"),
+        "fsdp2-bf16": ("bf16", "bf16 (FSDP2 MixedPrecisionPolicy: bf16 compute, fp32 gradient reduction)"),
+        "ceiling-bf16-nchw": ("bf16", "bf16 autocast"),
+        "ceiling-bf16-cudagraphs": ("bf16", "bf16 autocast"),
+    }
+    for name, (amp, label) in expected.items():
+        assert tool.row_precision(rows[name], on_gpu) == (amp, label), name
+        assert tool.base_result(rows[name], on_gpu)["precision"] == label
+        cpu_label = "fp32" if amp == "fp32" else label
+        assert tool.row_precision(rows[name], on_cpu) == (amp, cpu_label), name
+    assert tool.base_result(rows["fsdp2-bf16"], on_gpu)["amp"] == "bf16"
+    # Which GPUs have TF32: Ampere (8.0) and newer.
+    monkeypatch.setattr(tool.torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    assert tool.tf32_convolutions(True) is False
+    monkeypatch.setattr(tool.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert tool.tf32_convolutions(True) is True and tool.tf32_convolutions(False) is False
+
+
+def test_every_row_says_what_wraps_its_model(tool):
+    """Under a launcher the scripts wrap the model at every world size, one process included;
+    under plain python in nothing. No `about` claims otherwise."""
+    rows = {r.name: r for r in tool.ROWS}
+    plan = gpu_plan(tool, procs=1)
+    assert tool.row_wrapper(rows["ddp-1proc-noddp"]) == "no wrapper, no process group (plain python)"
+    assert tool.row_wrapper(rows["fast-bf16-cudagraphs"]) == "no wrapper, no process group (plain python)"
+    assert tool.row_wrapper(rows["ddp-1proc"]) == tool.row_wrapper(rows["ddp-spawn"]) == "DDP"
+    assert tool.row_wrapper(rows["fsdp2-bf16"]) == "FSDP2 fully_shard"
+    assert tool.row_wrapper(rows["dp"]) == "nn.DataParallel"
+    assert tool.base_result(rows["ddp-1proc"], plan)["wrapper"] == "DDP"
+    assert "DDP's own cost" in rows["ddp-1proc"].about and "no DDP" in rows["ddp-1proc-noddp"].about
+    plan.tf32 = True
+    for row in tool.ROWS:  # precision is the report's own column, derived from the flags
+        assert "TF32" not in row.about and (tool.row_precision(row, plan)[0] != "fp32" or "fp32" not in row.about), row
+
+
+def test_the_ceiling_rows_and_their_skips(tool):
+    """Three ceilings of the same bf16 step: NCHW, channels_last, CUDA graphs (GPU only, and
+    only when the compiled ceilings are on); the former name of the channels_last one still
+    selects it."""
+    ceilings = {c.name: c for c in tool.CEILINGS}
+    nchw, channels_last, graphs = (ceilings[f"ceiling-bf16-{n}"] for n in ("nchw", "channels-last", "cudagraphs"))
+    assert (nchw.channels_last, nchw.compile_mode) == (False, "")
+    assert (channels_last.channels_last, channels_last.compile_mode) == (True, "")
+    assert (graphs.channels_last, graphs.compile_mode) == (True, "reduce-overhead")
+    assert {nchw.dtype, channels_last.dtype, graphs.dtype} == {"bf16"}
+    assert tool.ceiling_setup(graphs) == "channels_last, torch.compile reduce-overhead (CUDA graphs)"
+    gpu = gpu_plan(tool, procs=2)
+    cpu = tool.Plan(use_cuda=False, gpus=0, procs=2, global_batch=32, per_device_batch=16, steps=4, epochs=3,
+                    workers=0, model="resnet_tiny", dataset="synthetic", data_dir="./data", timeout=60, bf16=True)
+    assert [tool.skip_reason(c, gpu) for c in (nchw, channels_last, graphs)] == ["", "", ""]
+    assert [tool.skip_reason(c, cpu) for c in (nchw, channels_last)] == ["", ""]
+    assert tool.skip_reason(graphs, cpu) == "CUDA graphs need a GPU"
+    gpu.compile_ceiling = False
+    assert tool.skip_reason(graphs, gpu).startswith("torch.compile is off for the ceiling")
+    gpu.compile_ceiling, gpu.bf16 = True, False
+    assert tool.skip_reason(graphs, gpu) == "this GPU has no bfloat16 hardware (Ampere or newer needed)"
+    args = tool.build_parser().parse_args(["--quick", "--device", "cpu", "--rows", "ceiling-bf16,ceiling-bf16-nchw"])
+    assert tool.resolve_plan(args).names == ["ceiling-bf16-channels-last", "ceiling-bf16-nchw"]
+
+
+def test_a_cuda_graphed_ceiling_that_ran_without_graphs_fails(tool, tmp_path, monkeypatch):
+    """If torch.compile falls back to running the step without CUDA graphs, the row measures
+    something else than its name: failed, with the reason from its log."""
+    plan = gpu_plan(tool, procs=1)
+    plan.ceiling_steps, plan.ceiling_windows = 4, 2
+
+    def measured(cmd, env, timeout, log_path, finished=None):
+        spec = json.loads(cmd[cmd.index("--measure-ceiling") + 1])
+        assert (spec["compile_mode"], spec["channels_last"], spec["dtype"]) == ("reduce-overhead", True, "bf16")
+        with open(cmd[cmd.index("--out") + 1], "w") as f:
+            json.dump({"window_seconds": [0.5, 0.25], "warmup_steps": 20, "peak_memory_mb": 1.0,
+                       "cudagraph_skips": 1}, f)
+        return 0, "W1127 [__perf_hints] skipping cudagraphs due to mutated inputs (1 instances)\n"
+
+    monkeypatch.setattr(tool, "run_process", measured)
+    result = tool.run_ceiling(next(c for c in tool.CEILINGS if c.name == "ceiling-bf16-cudagraphs"), plan,
+                              str(tmp_path))
+    assert result["status"] == "failed", result
+    assert result["reason"] == ("torch.compile ran 1 graph(s) without CUDA graphs: W1127 [__perf_hints] "
+                                "skipping cudagraphs due to mutated inputs (1 instances)")
+    assert (result["min_images_per_second"], result["max_images_per_second"]) == (4 * 512 / 0.5, 4 * 512 / 0.25)
 
 
 def test_an_epoch_is_the_whole_batches_of_cifar(tool):
@@ -227,6 +438,7 @@ def test_loader_workers_on_a_gpu_fit_in_shared_memory(tool, monkeypatch):
     monkeypatch.setattr(tool.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(tool.torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(tool.precision, "cuda_bf16_native", lambda *a: True)
+    monkeypatch.setattr(tool.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(tool.os, "cpu_count", lambda: 16)
     args = tool.build_parser().parse_args(["--rows", "ddp"])
 
@@ -257,7 +469,8 @@ def gpu_plan(tool, procs):
 
 
 def test_ratios_against_the_baseline_on_hand_made_rows(tool):
-    rates = {"ddp": 10_000, "ddp-bf16": 17_000, "fast-bf16": 40_000, "ceiling-bf16": 50_000, "dp": 5_000}
+    rates = {"ddp": 10_000, "ddp-bf16": 17_000, "fast-bf16": 40_000, "ceiling-bf16-channels-last": 50_000,
+             "dp": 5_000}
     rows = [{"name": n, "status": "ok", "median_images_per_second": r, "devices": 1} for n, r in rates.items()]
     rows.append({"name": "fast-bf16-compile", "status": "failed", "devices": 1})
     tool.add_derived(rows, {"train_step_per_image": 3e9}, 1000.0)
@@ -267,7 +480,7 @@ def test_ratios_against_the_baseline_on_hand_made_rows(tool):
     assert by_name["fast-bf16"]["share_of_peak"] == pytest.approx(40_000 * 3e9 / 1e15)
     ratios = {tuple(c["rows"]): c["ratio"] for c in tool.comparisons(rows)}
     assert ratios == {("ddp-bf16", "ddp"): pytest.approx(1.7), ("fast-bf16", "ddp-bf16"): pytest.approx(40 / 17),
-                      ("fast-bf16", "ceiling-bf16"): pytest.approx(0.8)}  # nothing with the failed row
+                      ("fast-bf16", "ceiling-bf16-channels-last"): pytest.approx(0.8)}  # nothing with the failed row
     # Without the baseline row there is no ratio to it.
     rows = [r for r in rows if r["name"] != "ddp"]
     tool.add_derived(rows, {"train_step_per_image": 3e9}, None)
@@ -460,7 +673,8 @@ def test_sigterm_mid_row_keeps_finished_rows_and_ends_the_running_one(tmp_path):
     assert rows["ddp"]["status"] == "interrupted"
     assert rows["ddp-1proc-noddp"]["status"] == "not run"
     md = (out / "benchmark.md").read_text()
-    assert "- state: interrupted by SIGTERM" in md and "| ddp | torchrun x2 distributed.py | 2 | 32 | interrupted |" in md
+    assert "- state: interrupted by SIGTERM" in md
+    assert "| ddp | torchrun x2 distributed.py | fp32 | 2 | 32 | interrupted |" in md
     assert (logs / "ceiling-fp32.log").stat().st_size > 0
     assert_no_process_outlives(logs, "the interrupted row")
 
