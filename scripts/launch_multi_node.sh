@@ -7,9 +7,9 @@
 #   node1$ bash scripts/launch_multi_node.sh            # same command, same settings
 #   node1$ RDZV_HOST=10.0.0.1 bash scripts/launch_multi_node.sh --epochs 10   # overrides
 #
-# No --node_rank: the c10d rendezvous numbers the nodes in the order they join (torchrun
-# ignores --node_rank with it). Global rank 0, the process that prints and writes the
-# checkpoint, can therefore land on any node, and after a restart on another one:
+# No --node_rank: the c10d rendezvous numbers the nodes itself, sorting them by address
+# (torchrun ignores --node_rank with it). Global rank 0, the process that prints and writes
+# the checkpoint, can therefore land on any node, and after a restart on another one:
 # --checkpoint-dir must be on a file system that every node sees.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,8 +38,9 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 # again; the new workers resume from --checkpoint-dir by themselves.
 # scripts/torchrun_bounded.py is torchrun, plus what this node decides for itself: whether it
 # hosts the rendezvous (RDZV_HOST's name may resolve to 127.0.1.1 here, and torchrun would
-# not know itself), the interface that reaches RDZV_HOST (for gloo and NCCL), and an end to
-# the wait for a store it cannot reach once its workers are gone (a partition).
+# not know itself), its own address toward RDZV_HOST as --local_addr (node 0's becomes every
+# rank's MASTER_ADDR) and as gloo's interface, and an end to the wait for a store it cannot
+# reach once its workers are gone (a partition). NCCL chooses its own interfaces.
 set -x
 exec "$PYTHON" scripts/torchrun_bounded.py --nnodes="$NNODES" --nproc_per_node="$NPROC_PER_NODE" \
   --rdzv-backend=c10d --rdzv-endpoint="$RDZV_HOST:$RDZV_PORT" --rdzv-id="$JOB_ID" \

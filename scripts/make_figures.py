@@ -225,11 +225,11 @@ def draw_stop_resume(out: Path):
         _arrow(ax, signal_step, 2.95, signal_step, y + 0.2, color="#c00000")
     ax.text(signal_step + 0.1, 2.6, "forwarded to every worker: the handler sets a flag, training goes on",
             fontsize=6.5, color="#c00000")
-    # The agreement: a MAX all-reduce of the flags every check_every steps, on a CPU group.
+    # The agreement: every check_every steps, through the job's store (utils/distributed.py, any_rank).
     x = stop_step + 0.05
     ax.annotate("", xy=(x, 1.2), xytext=(x, 1.8), arrowprops=dict(arrowstyle="<|-|>", color=COMM, lw=1.5))
-    ax.text(x + 0.15, 1.5, f"step {stop_step}: all_reduce(flag, MAX)\nevery rank agrees to stop", fontsize=6.5,
-            color=COMM, va="center")
+    ax.text(x + 0.15, 1.5, f"step {stop_step}: has any rank a flag? (the job's store)\nevery rank agrees to stop",
+            fontsize=6.5, color=COMM, va="center")
     ax.text(stop_step / 2, 1.5, f"flags compared every {check_every} steps", fontsize=6.5, color=COMM,
             ha="center", va="center")
     _arrow(ax, stop_step - 0.4, 1.82, stop_step - 0.4, 0.12, color=ACCENT)

@@ -325,7 +325,8 @@ def network_facts(role: Role, args, device) -> dict:
     name = socket.gethostname()
     known = network.interfaces()
     gloo_address, gloo_why = network.gloo_listens_on(known)
-    gloo_interface = next((i for i, a in known.items() if a == gloo_address), None)
+    gloo_interface = next((i for i, a in known.items() if a == gloo_address),
+                          "lo" if gloo_address and network.is_loopback(gloo_address) else None)
     out = {"hostname": name, "resolves": network.resolve(name), "interfaces": known,
            "gloo": {"address": gloo_address, "interface": gloo_interface, "why": gloo_why},
            "nccl": os.environ.get("NCCL_SOCKET_IFNAME"), "peer": None, "findings": []}
