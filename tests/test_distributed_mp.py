@@ -51,6 +51,7 @@ def _run_in_process(argv, capsys, monkeypatch, gpus=0):
     def no_spawn(*args, **kwargs):
         raise AssertionError("a process was started")
     monkeypatch.setattr(distributed_mp.mp, "spawn", no_spawn)
+    monkeypatch.setattr(distributed_mp.lifecycle, "_job", None)  # where a refusal goes: this run's, undone after
     fake_accelerator(monkeypatch, "cuda" if gpus else None, gpus)
     with pytest.raises(SystemExit) as exit_info:
         distributed_mp.lifecycle.run_main(distributed_mp.main, argv)

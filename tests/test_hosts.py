@@ -540,3 +540,56 @@ def test_the_wrong_interface_is_named_by_preflight_and_the_variable_fixes_it(mak
                     GLOO_SOCKET_IFNAME="eth1")
     fixed.wait(180)
     assert "done: 8 steps" in fixed.log("fixed-nodea") + fixed.log("fixed-nodeb")
+
+
+# --- h. a partition while the ranks agree through the store -------------------------------------
+
+AGREE_ACROSS_A_CUT = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+import torch
+from utils import distributed as dist_utils, lifecycle
+
+def main(argv):
+    job = dist_utils.job_from_env()
+    env = dist_utils.setup(job, dist_utils.check_job(job, "cpu"), timeout_s=5)
+    try:
+        assert dist_utils.all_ranks_ok(True, "before the cut")
+        open({marker!r} + f".{{env.rank}}", "w").close()
+        while not os.path.exists({marker!r} + ".cut"):
+            time.sleep(0.05)
+        dist_utils.any_rank(False, "the agreement across the cut")
+    finally:
+        dist_utils.cleanup()
+
+lifecycle.run_main(main)
+"""
+
+
+def test_a_rank_cut_off_from_the_store_ends_within_its_timeout(make_hosts, tmp_path):
+    """A TCPStore call across a cut link keeps no timeout (it waits for the kernel, about 15
+    minutes): the agreement's own deadline ends the rank cut off from rank 0's store, --dist-timeout
+    (5 s) + 10 s after it began, with a line that says why; rank 0 times out in the agreement."""
+    hosts = make_hosts()
+    program, marker = tmp_path / "agree.py", tmp_path / "at"
+    program.write_text(AGREE_ACROSS_A_CUT.format(root=str(ROOT), marker=str(marker)))
+    job = Job(hosts, tmp_path)
+    for rank, name in enumerate(hosts.names):
+        job.start(name, name, [program], RANK=rank, WORLD_SIZE=2, LOCAL_RANK=0, LOCAL_WORLD_SIZE=1,
+                  MASTER_ADDR=hosts.address("nodea"), MASTER_PORT=PORT)
+    deadline = time.monotonic() + 60
+    while not all(Path(f"{marker}.{rank}").exists() for rank in (0, 1)):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in job.procs.values()), \
+            job.log("nodea") + job.log("nodeb")
+        time.sleep(0.05)
+    hosts.cut("nodeb")
+    cut = time.monotonic()
+    Path(f"{marker}.cut").touch()
+    codes = job.wait(40, expect=None)
+    elapsed = time.monotonic() - cut
+    assert codes == {"nodea": 1, "nodeb": 1}, codes
+    assert "waited in the agreement across the cut, and the job's store gave no answer within --dist-timeout 5 s" \
+        in job.log("nodeb"), job.log("nodeb")
+    assert "waited in the agreement across the cut" in job.log("nodea"), job.log("nodea")
+    print(f"both ranks ended {elapsed:.1f} s after the cut (bound: 5 + 10 s and the checks' second)")
+    assert elapsed < 25, elapsed

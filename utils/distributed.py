@@ -105,14 +105,15 @@ def check_job(job: DistEnv, device_choice: str = "auto", check_only: bool = Fals
         if job.init_method.startswith("env://") and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
             raise UsageError("WORLD_SIZE is set but MASTER_ADDR or MASTER_PORT is not: the launcher "
                              "(torchrun) sets them; where they meet is node 0's address and a free port")
-        _tell_refusals_to(job)
+        tell_refusals_to(job)
     device = pick_device(job.local_rank, job.local_world_size, device_choice, distributed=job.world_size > 1)
     if job.several_nodes:
         check_network(job.meets_at, device, announce=job.local_rank == 0)
     return device
 
 
-def _tell_refusals_to(job: DistEnv):
+def tell_refusals_to(job: DistEnv):
+    """From here on, a refusal of this process reaches the job's other ranks (lifecycle.tell_the_job)."""
     # Several nodes meeting at a loopback address (not this host's own name, which the others may
     # resolve to its network address) reach no rank of another node there: nothing to tell.
     host = job.meets_at
@@ -192,6 +193,7 @@ def pick_device(local_rank: int, local_world_size: int, choice: str = "auto",
 # full-mesh connect ignored its timeout (still waiting 150 s into 30 s; two hosts, PyTorch 2.14).
 JOIN_GRACE_S = 10.0
 _store = None  # the job's store for the agreements (setup)
+_timeout_s = 1800.0  # --dist-timeout, as setup() had it
 _agreements = 0  # how many agreements this rank has made: the same count on every rank
 
 
@@ -203,8 +205,8 @@ def setup(job: DistEnv, device: torch.device, timeout_s: float = 1800.0) -> Dist
         torch.accelerator.set_device_index(device.index)
     if not job.distributed:
         return dataclasses.replace(job, device=device)
-    global _store, _agreements
-    _tell_refusals_to(job)
+    global _store, _agreements, _timeout_s
+    tell_refusals_to(job)
     lifecycle.watch_launcher()
     backend, timeout = dist.get_default_backend_for_device(device), datetime.timedelta(seconds=timeout_s)
     with joining(job, timeout_s, backend):
@@ -215,7 +217,7 @@ def setup(job: DistEnv, device: torch.device, timeout_s: float = 1800.0) -> Dist
         dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=job.rank,
                                 world_size=job.world_size, timeout=timeout,
                                 device_id=device if device.type != "cpu" else None)
-    _store, _agreements = dist.PrefixStore(f"{lifecycle.attempt_prefix()}/agreements", store), 0
+    _store, _agreements, _timeout_s = dist.PrefixStore(f"{lifecycle.attempt_prefix()}/agreements", store), 0, timeout_s
     lifecycle.joined_a_group()  # the process now ends through lifecycle.leave (see there)
     return dataclasses.replace(job, device=device)
 
@@ -227,15 +229,9 @@ def joining(job: DistEnv, timeout_s: float, backend: str):
     line and status 2; on several nodes a failure to join is one line, not a trace from gloo."""
     joined = threading.Event()
 
-    def watch():
-        deadline, store = time.monotonic() + timeout_s + JOIN_GRACE_S, [None]
-        while not joined.wait(min(1.0, max(0.0, deadline - time.monotonic()))):
-            if time.monotonic() >= deadline:
-                print_line(error_line(f"rank {job.rank} did not join the {backend} process group within "
-                                      f"--dist-timeout {timeout_s:g} s: a rank did not come (it failed before "
-                                      f"joining, or cannot reach {job.meets_at or 'the rendezvous'}), or cannot "
-                                      "be reached by the others; scripts/preflight.py checks each node's network"))
-                os._exit(1)
+    def watch():  # another rank's refusal, every second
+        store = [None]
+        while not joined.wait(1.0):
             refused = lifecycle.refusal_of_a_peer(job.rendezvous, store)
             if refused is not None and not joined.is_set():
                 # The job's bad input, met on another rank: exit status 2, its line once per node.
@@ -246,10 +242,15 @@ def joining(job: DistEnv, timeout_s: float, backend: str):
                 lifecycle.record_for_torchrun(line)
                 os._exit(2)
 
+    late = error_line(f"rank {job.rank} did not join the {backend} process group within --dist-timeout "
+                      f"{timeout_s:g} s: a rank did not come (it failed before joining, or cannot reach "
+                      f"{job.meets_at or 'the rendezvous'}), or cannot be reached by the others; "
+                      "scripts/preflight.py checks each node's network")
     watcher = threading.Thread(target=watch, name="joining", daemon=True)
     watcher.start()
     try:
-        yield
+        with lifecycle.deadline(timeout_s + JOIN_GRACE_S, late):
+            yield
     except RuntimeError as err:  # torch's DistError and its kinds are RuntimeErrors
         if not job.several_nodes:
             raise
@@ -271,7 +272,8 @@ def cleanup():
     failure = sys.exc_info()[1]  # what is propagating through the script's `finally`, if anything
     if _store is not None and dist.is_initialized() and (failure is None or isinstance(failure, SystemExit)
                                                          and not failure.code):
-        with contextlib.suppress(Exception):  # a store already gone: nobody left to wait for
+        # The work is done: a store that stops answering (lifecycle.deadline) ends this process with 0.
+        with contextlib.suppress(Exception), lifecycle.deadline(5.0, code=0):  # a store already gone
             _store.set_timeout(datetime.timedelta(seconds=2))
             _store.add("left", 1)
             deadline = time.monotonic() + 2.0
@@ -338,7 +340,11 @@ def _votes(vote: bool, call: str) -> int:
     the others wait for (get: up to --dist-timeout), and deletes the agreement before, read by all."""
     global _agreements
     world, _agreements = dist.get_world_size(), _agreements + 1
-    with meeting(call):
+    # A store across a partition keeps no timeout (lifecycle.deadline): this rank ends by its own.
+    silent = error_line(f"rank {dist.get_rank()} waited in {call}, and the job's store gave no answer within "
+                        f"--dist-timeout {_timeout_s:g} s + {JOIN_GRACE_S:g}: a network partition, or its node "
+                        "lost; once the nodes reach each other again, continue with --resume")
+    with meeting(call), lifecycle.deadline(_timeout_s + JOIN_GRACE_S, silent):
         total = _store.add(f"{_agreements}", 1 + (world + 1 if vote else 0))
         if total % (world + 1) == world:
             _store.set(f"{_agreements}/total", str(total))

@@ -34,6 +34,8 @@ _joined_a_group = False
 _stopping = False  # a stop signal is being handled (stop_under_way)
 _loader_workers = weakref.WeakSet()  # the worker processes our loaders started
 _kill_at_exit_registered = False
+_deadlines = {}  # what `deadline` watches: {key: (time.monotonic() to end at, line, exit status)}
+_watchdog = None
 
 
 def joined_a_group():
@@ -143,6 +145,37 @@ def watch_launcher(grace_s: float = 30.0, poll_s: float = 1.0):
     threading.Thread(target=watch, name="watch-launcher", daemon=True).start()
 
 
+@contextlib.contextmanager
+def deadline(seconds: float, line: str = None, code: int = 1):
+    """Inside, this process ends (with `line` on stderr and in torchrun's error file, and exit status
+    `code`) once `seconds` have passed: for waits that do not keep their own timeout. A TCPStore
+    call across a network partition waits until the kernel gives up on the connection, about 15
+    minutes with Linux's tcp_retries2 (measured on two namespace hosts with a cut link: get, add and
+    check all still waiting 45 s into a 5 s timeout, PyTorch 2.14); gloo's full-mesh connect, 150 s
+    into 30. One watchdog thread checks every deadline; it does no I/O, so nothing holds it up."""
+    global _watchdog
+    key = object()
+    _deadlines[key] = (time.monotonic() + seconds, line, code)
+    if _watchdog is None:
+        _watchdog = threading.Thread(target=_watch_deadlines, name="deadlines", daemon=True)
+        _watchdog.start()
+    try:
+        yield
+    finally:
+        _deadlines.pop(key, None)
+
+
+def _watch_deadlines():
+    while True:
+        time.sleep(0.5)
+        for when, line, code in list(_deadlines.values()):
+            if time.monotonic() >= when:
+                if line:
+                    print_line(line)
+                    record_for_torchrun(line)
+                os._exit(code)
+
+
 # --- bad input ------------------------------------------------------------------------------
 
 def refuse(message: str, prints: bool):
@@ -223,15 +256,14 @@ def tell_the_job(refusal: str):
     rendezvous, rank, world_size, hosts_store = _job
     if rendezvous.startswith("file://"):
         return _write_whole(refusal_file(rendezvous[len("file://"):]), f"{rank}\n{refusal}")
-    deadline, key = time.monotonic() + DELIVERY_S, f"{attempt_prefix()}/refused"
-    try:
+    until, key = time.monotonic() + DELIVERY_S, f"{attempt_prefix()}/refused"
+    # Exit status 2 all the same if the store stops answering (its line is on this node's stderr).
+    with deadline(DELIVERY_S + 5, code=2), contextlib.suppress(Exception):  # not reachable in time
         store = store_client(rendezvous, DELIVERY_S, host_it=hosts_store)
         store.set(key, f"{rank}\n{refusal}")
         store.add(key + "/read", 1)
-        while hosts_store and store.add(key + "/read", 0) < world_size and time.monotonic() < deadline:
+        while hosts_store and store.add(key + "/read", 0) < world_size and time.monotonic() < until:
             time.sleep(0.2)
-    except Exception:  # noqa: BLE001 - not reachable in time: the line is on this node's stderr
-        pass
 
 
 def refusal_of_a_peer(rendezvous: str, store: list):

@@ -64,8 +64,8 @@ def check_launch(args) -> int:
     elif url.netloc or not url.path.startswith("/"):
         raise cli.UsageError(f"--init-method {args.init_method}: expected file:///ABSOLUTE/PATH")
     if args.nodes > 1:  # from here on the other nodes hear of a refusal (rank 0 is node 0's)
-        lifecycle.meets_at(args.init_method, args.node_rank * args.nproc_per_node, world_size,
-                           hosts_store=args.node_rank == 0)
+        dist_utils.tell_refusals_to(dist_utils.DistEnv(args.node_rank * args.nproc_per_node, 0, world_size,
+                                                       args.nproc_per_node, True, init_method=args.init_method))
     if gpus and args.nproc_per_node > gpus:
         raise cli.UsageError(f"--nproc-per-node {args.nproc_per_node} but only {gpus} GPU{'s' if gpus != 1 else ''} "
                              f"visible: use {gpus} or fewer (one process per GPU), or --device cpu", met_by="node")
