@@ -29,8 +29,8 @@ def add_flags(parser):
 
 def check_flags(args, device_type: str):
     """The refusals of these flags that need no process group (the scripts' check)."""
-    if args.sync_bn and device_type not in ("cuda", "xpu"):  # where SyncBatchNorm's kernels exist
-        raise UsageError(f"--sync-bn needs GPUs: PyTorch's SyncBatchNorm runs only on CUDA and XPU "
+    if args.sync_bn and device_type not in ("cuda", "xpu"):  # PyTorch's also takes HPU and out-of-tree devices
+        raise UsageError(f"--sync-bn needs GPUs: these scripts use PyTorch's SyncBatchNorm on CUDA and XPU "
                          f"devices, and this run trains on {device_type} (leave --sync-bn out)")
 
 
