@@ -192,8 +192,7 @@ def pick_device(local_rank: int, local_world_size: int, choice: str = "auto",
 # How much longer than --dist-timeout a rank may take to join before it gives up by itself: gloo's
 # full-mesh connect ignored its timeout (still waiting 150 s into 30 s; two hosts, PyTorch 2.14).
 JOIN_GRACE_S = 10.0
-_store = None  # the job's store for the agreements (setup)
-_timeout_s = 1800.0  # --dist-timeout, as setup() had it
+_store = None  # the job's store for the agreements (setup); its timeout is --dist-timeout
 _agreements = 0  # how many agreements this rank has made: the same count on every rank
 
 
@@ -205,7 +204,7 @@ def setup(job: DistEnv, device: torch.device, timeout_s: float = 1800.0) -> Dist
         torch.accelerator.set_device_index(device.index)
     if not job.distributed:
         return dataclasses.replace(job, device=device)
-    global _store, _agreements, _timeout_s
+    global _store, _agreements
     tell_refusals_to(job)
     lifecycle.watch_launcher()
     backend, timeout = dist.get_default_backend_for_device(device), datetime.timedelta(seconds=timeout_s)
@@ -217,7 +216,7 @@ def setup(job: DistEnv, device: torch.device, timeout_s: float = 1800.0) -> Dist
         dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=job.rank,
                                 world_size=job.world_size, timeout=timeout,
                                 device_id=device if device.type != "cpu" else None)
-    _store, _agreements, _timeout_s = dist.PrefixStore(f"{lifecycle.attempt_prefix()}/agreements", store), 0, timeout_s
+    _store, _agreements = dist.PrefixStore(f"{lifecycle.attempt_prefix()}/agreements", store), 0
     lifecycle.joined_a_group()  # the process now ends through lifecycle.leave (see there)
     return dataclasses.replace(job, device=device)
 
@@ -339,12 +338,12 @@ def _votes(vote: bool, call: str) -> int:
     store: each adds 1, plus world_size + 1 for yes, to a counter; the last posts the total, which
     the others wait for (get: up to --dist-timeout), and deletes the agreement before, read by all."""
     global _agreements
-    world, _agreements = dist.get_world_size(), _agreements + 1
+    world, _agreements, timeout_s = dist.get_world_size(), _agreements + 1, _store.timeout.total_seconds()
     # A store across a partition keeps no timeout (lifecycle.deadline): this rank ends by its own.
     silent = error_line(f"rank {dist.get_rank()} waited in {call}, and the job's store gave no answer within "
-                        f"--dist-timeout {_timeout_s:g} s + {JOIN_GRACE_S:g}: a network partition, or its node "
+                        f"--dist-timeout {timeout_s:g} s + {JOIN_GRACE_S:g}: a network partition, or its node "
                         "lost; once the nodes reach each other again, continue with --resume")
-    with meeting(call), lifecycle.deadline(_timeout_s + JOIN_GRACE_S, silent):
+    with meeting(call), lifecycle.deadline(timeout_s + JOIN_GRACE_S, silent):
         total = _store.add(f"{_agreements}", 1 + (world + 1 if vote else 0))
         if total % (world + 1) == world:
             _store.set(f"{_agreements}/total", str(total))
