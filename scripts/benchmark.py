@@ -663,10 +663,7 @@ def end_group(proc, grace: float = 15.0):
         break
     proc.poll()
     for pid in under:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        _signal(pid, signal.SIGKILL)
 
 
 def _descendants(pid: int) -> list:
@@ -687,16 +684,31 @@ def dump_stacks(proc, log, why: str):
     what is left."""
     log.write(f"\n--- benchmark: {why}; the Python stacks of its processes follow (SIGABRT) ---\n")
     log.flush()
-    # The launcher last (it may forward signals); each waited for until it is gone, at most 3 s.
-    for pid in [*live_children(proc.pid), proc.pid]:
-        try:
-            os.kill(pid, signal.SIGABRT)
-        except (ProcessLookupError, PermissionError):
+    # All stopped first (SIGSTOP), then each one asked and let go in turn: otherwise a launcher
+    # that sees its worker die of the first SIGABRT moves on (torchrun to its shutdown) before
+    # its own turn, and its stack no longer shows where the row hung. The launcher last (it may
+    # forward signals); each waited for until it is gone, at most 3 s.
+    pids = [*live_children(proc.pid), proc.pid]
+    for pid in pids:
+        _signal(pid, signal.SIGSTOP)
+    for pid in pids:
+        if not _signal(pid, signal.SIGABRT):
             continue
+        _signal(pid, signal.SIGCONT)  # the pending SIGABRT is handled before any other code runs
         deadline = time.monotonic() + 3
         while time.monotonic() < deadline and (pid in live_children(proc.pid) if pid != proc.pid
                                                else proc.poll() is None):
             time.sleep(0.05)
+    for pid in pids:  # one that did not die stays stopped no longer: end_group's SIGTERM must reach it
+        _signal(pid, signal.SIGCONT)
+
+
+def _signal(pid: int, sig) -> bool:
+    try:
+        os.kill(pid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
 
 
 def _group_alive(pgid: int) -> bool:
