@@ -2,6 +2,7 @@
 N processes train the same problem as one process on the global batch, and
 evaluation counts every test sample exactly once whatever the world size."""
 import os
+import re
 import time
 
 import pytest
@@ -205,3 +206,77 @@ def test_rank_0s_buffers_reach_every_rank_once_when_wrapped_and_never_before_a_f
     assert all(torch.equal(rank0["after_wrap"][name], fresh[name] + 1) for name in means)  # rank 0's
     # Each rank's training forward moved its own statistics, and nothing made them equal again.
     assert all(not torch.equal(rank0["after_forwards"][name], rank1["after_forwards"][name]) for name in means)
+
+
+
+def _grad_layout_worker(rank, world_size, port, out_dir, device, channels_last):
+    """A DDP model compiled as the scripts compile it (bf16 autocast on a GPU), trained 2 steps:
+    the layout of every gradient as autograd hands it over, and DDP's "Grad strides" warning."""
+    import warnings
+    if device == "cpu":
+        env = join_group(rank, world_size, port)
+    else:  # NCCL on one GPU
+        job = DistEnv(rank, rank, world_size, world_size, distributed=True, init_method=f"tcp://127.0.0.1:{port}")
+        env = dist_utils.setup(job, torch.device("cuda", rank), timeout_s=120)
+    try:
+        memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        torch.manual_seed(0)
+        model = build_model("resnet_tiny", 10).to(env.device, memory_format=memory_format)
+        arrived = []
+
+        def record(grad, name, param):
+            arrived.append((name, tuple(grad.shape), grad.stride(), param.stride()))
+
+        for name, param in model.named_parameters():
+            param.register_hook(lambda grad, name=name, param=param: record(grad, name, param))
+        ddp_model = torch.compile(nn.parallel.DistributedDataParallel(model, device_ids=env.device_ids,
+                                                                      gradient_as_bucket_view=True))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for images, targets in global_batches()[:2]:
+                images = images.to(env.device, memory_format=memory_format)
+                with torch.autocast(env.device.type, torch.bfloat16, enabled=device == "cuda"):
+                    loss = F.cross_entropy(ddp_model(images), targets.to(env.device) % 10)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+        torch.save({"arrived": arrived, "params": len(list(model.parameters())),
+                    "warnings": [str(w.message) for w in caught if "Grad strides" in str(w.message)]},
+                   os.path.join(out_dir, "layouts.pt"))
+    finally:
+        dist_utils.cleanup()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels-last"])
+def test_compiled_ddp_gradients_and_the_grad_strides_warning(tmp_path, record_property, device, channels_last):
+    """--compile computes convolutions in channels_last (Inductor's layout optimization: on the
+    CPU always, on GPUs by a heuristic). For an NCHW model its weight gradients then come back
+    in another memory order than their parameters', and autograd copies each into the
+    parameter's layout on every step (grad_layout_contract.h); a 1x1 kernel's gradient is the
+    same memory order with other strides on its size-1 dimensions, which autograd's contract
+    ignores and DDP's check does not: its "Grad strides do not match bucket view strides",
+    a warning about no copy of its own. With --channels-last nothing is copied or warned."""
+    spawn(_grad_layout_worker, 1, (1, free_port(), str(tmp_path), device, channels_last), timeout=600)
+    result = torch.load(tmp_path / "layouts.pt", weights_only=True)
+    assert len(result["arrived"]) == 2 * result["params"]  # every gradient of both steps was seen
+    copied, renamed = set(), set()  # other memory order; same order, other strides on size-1 dims
+    for name, shape, grad_stride, param_stride in result["arrived"]:
+        differ = [d for d in range(len(shape)) if grad_stride[d] != param_stride[d]]
+        if any(shape[d] != 1 or grad_stride[d] == 0 for d in differ):
+            copied.add(name)
+        elif differ:
+            renamed.add(name)
+    record_property("copied_by_autograd", sorted(copied))
+    record_property("grad_strides_warning", result["warnings"])
+    for message in result["warnings"]:  # what DDP printed: only size-1 dimensions differ
+        sizes, grad_stride, _, view_stride = ([int(n) for n in m.split(",")]
+                                              for m in re.findall(r"= \[([\d, ]+)\]", message))
+        assert all(sizes[d] == 1 for d in range(len(sizes)) if grad_stride[d] != view_stride[d]), message
+    shortcuts = {name for name, shape, *_ in result["arrived"] if len(shape) == 4 and shape[2:] == (1, 1)}
+    if channels_last:
+        assert not copied and not renamed and not result["warnings"]
+    elif device == "cpu":  # what lesson 03 says, seen here: every kernel larger than 1x1 copied
+        kernels = {name for name, shape, *_ in result["arrived"] if len(shape) == 4 and shape[2:] != (1, 1)}
+        assert copied == kernels and renamed == shortcuts and result["warnings"], (copied, renamed)
