@@ -211,7 +211,9 @@ def test_rank_0s_buffers_reach_every_rank_once_when_wrapped_and_never_before_a_f
 
 def _grad_layout_worker(rank, world_size, port, out_dir, device, channels_last):
     """A DDP model compiled as the scripts compile it (bf16 autocast on a GPU), trained 2 steps:
-    the layout of every gradient as autograd hands it over, and DDP's "Grad strides" warning."""
+    the layout of every gradient as it reaches AccumulateGrad (a hook on each parameter), and
+    DDP's "Grad strides" warning. On a GPU ResNet-18 itself: Inductor's GPU heuristic leaves a
+    model of at most 64 channels (resnet_tiny) in NCHW."""
     import warnings
     if device == "cpu":
         env = join_group(rank, world_size, port)
@@ -221,7 +223,8 @@ def _grad_layout_worker(rank, world_size, port, out_dir, device, channels_last):
     try:
         memory_format = torch.channels_last if channels_last else torch.contiguous_format
         torch.manual_seed(0)
-        model = build_model("resnet_tiny", 10).to(env.device, memory_format=memory_format)
+        model = build_model("resnet_tiny" if device == "cpu" else "resnet18", 10)
+        model = model.to(env.device, memory_format=memory_format)
         arrived = []
 
         def record(grad, name, param):
@@ -254,10 +257,12 @@ def test_compiled_ddp_gradients_and_the_grad_strides_warning(tmp_path, record_pr
     """--compile computes convolutions in channels_last (Inductor's layout optimization: on the
     CPU always, on GPUs by a heuristic). For an NCHW model its weight gradients then come back
     in another memory order than their parameters', and autograd copies each into the
-    parameter's layout on every step (grad_layout_contract.h); a 1x1 kernel's gradient is the
-    same memory order with other strides on its size-1 dimensions, which autograd's contract
+    parameter's layout on every step (grad_layout_contract.h, whose rule decides the copy
+    that this test infers from each gradient's strides); a 1x1 kernel's gradient is the same
+    memory order with other strides on its size-1 dimensions, which autograd's contract
     ignores and DDP's check does not: its "Grad strides do not match bucket view strides",
-    a warning about no copy of its own. With --channels-last nothing is copied or warned."""
+    a warning about no copy of its own. With --channels-last nothing is copied or warned.
+    On a GPU what the heuristic chose is recorded, and only the rules are asserted."""
     spawn(_grad_layout_worker, 1, (1, free_port(), str(tmp_path), device, channels_last), timeout=600)
     result = torch.load(tmp_path / "layouts.pt", weights_only=True)
     assert len(result["arrived"]) == 2 * result["params"]  # every gradient of both steps was seen
@@ -275,8 +280,10 @@ def test_compiled_ddp_gradients_and_the_grad_strides_warning(tmp_path, record_pr
                                               for m in re.findall(r"= \[([\d, ]+)\]", message))
         assert all(sizes[d] == 1 for d in range(len(sizes)) if grad_stride[d] != view_stride[d]), message
     shortcuts = {name for name, shape, *_ in result["arrived"] if len(shape) == 4 and shape[2:] == (1, 1)}
+    kernels = {name for name, shape, *_ in result["arrived"] if len(shape) == 4 and shape[2:] != (1, 1)}
     if channels_last:
-        assert not copied and not renamed and not result["warnings"]
+        assert not copied and not renamed and not result["warnings"], (copied, renamed)
     elif device == "cpu":  # what lesson 03 says, seen here: every kernel larger than 1x1 copied
-        kernels = {name for name, shape, *_ in result["arrived"] if len(shape) == 4 and shape[2:] != (1, 1)}
         assert copied == kernels and renamed == shortcuts and result["warnings"], (copied, renamed)
+    else:  # only convolution weights may arrive in another layout
+        assert copied <= kernels and renamed <= shortcuts, (copied, renamed)
