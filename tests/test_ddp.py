@@ -208,7 +208,6 @@ def test_rank_0s_buffers_reach_every_rank_once_when_wrapped_and_never_before_a_f
     assert all(not torch.equal(rank0["after_forwards"][name], rank1["after_forwards"][name]) for name in means)
 
 
-
 def _grad_layout_worker(rank, world_size, port, out_dir, device, channels_last):
     """A DDP model compiled as the scripts compile it (bf16 autocast on a GPU), trained 2 steps:
     the layout of every gradient as it reaches AccumulateGrad (a hook on each parameter), and
@@ -225,13 +224,10 @@ def _grad_layout_worker(rank, world_size, port, out_dir, device, channels_last):
         torch.manual_seed(0)
         model = build_model("resnet_tiny" if device == "cpu" else "resnet18", 10)
         model = model.to(env.device, memory_format=memory_format)
-        arrived = []
-
-        def record(grad, name, param):
-            arrived.append((name, tuple(grad.shape), grad.stride(), param.stride()))
-
+        arrived = []  # a hook that returns None leaves the gradient as it is
         for name, param in model.named_parameters():
-            param.register_hook(lambda grad, name=name, param=param: record(grad, name, param))
+            param.register_hook(lambda grad, name=name, param=param:
+                                arrived.append((name, tuple(grad.shape), grad.stride(), param.stride())))
         ddp_model = torch.compile(nn.parallel.DistributedDataParallel(model, device_ids=env.device_ids,
                                                                       gradient_as_bucket_view=True))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
