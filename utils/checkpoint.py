@@ -1,7 +1,6 @@
-"""Full-state checkpoints, written atomically, read with weights_only=True: model, optimizer,
-scheduler, GradScaler, the epoch and the steps taken in it, its partial training sums and the
-RNG states, all that continuing with the exact next batch needs. Only tensors and plain values
-go in, so `torch.load(path, weights_only=True)` reads it without running pickled code.
+"""Full-state checkpoints (TrainingRun.save, utils/run.py: all that continuing with the exact next batch
+needs), written atomically. Only tensors and plain values go in, so `torch.load(path, weights_only=True)`
+reads it without running pickled code.
 """
 import contextlib
 import errno

@@ -1,11 +1,9 @@
 """The command line the scripts share: the parser, its checks, and the one-line error.
 
 A script builds its parser with `build_parser`, adds a group of its own, calls `parse_args`, then
-`validated(args, check)`: `check` makes every refusal that needs no process group (a batch that does
-not split, a device this machine lacks, a network on which the groups cannot form, contradicting
-flags), and --check-args stops right after it, so a batch script's check and the run refuse the same
-things in the same words. Bad input raises `UsageError`, which utils/lifecycle.py's `run_main` turns
-into one line on stderr and exit status 2. The ground floor: it imports nothing of the package.
+`validated(args, check)`, after which --check-args stops: a batch script's check and the run refuse the
+same things in the same words. Bad input raises `UsageError` (one line, exit status 2: utils/lifecycle.py's
+`run_main`). The ground floor: it imports nothing of the package.
 """
 import argparse
 import importlib.util
@@ -87,10 +85,9 @@ port = _number(int, lambda v: 0 < v <= 65535, "a TCP port is 1 .. 65535")
 
 
 def build_parser(doc: str, model_names, own_data: bool = False, images: bool = True) -> argparse.ArgumentParser:
-    """The command line every script shares, grouped; each script adds its own group. model_names: the
-    choices of --model. own_data: the script trains on a data set of its own (data.own_datasets): no
-    --dataset nor --data-on-gpu, and the data flags say nothing of CIFAR. images: its inputs are images
-    (N x C x H x W), for which --channels-last is offered (add_fast_path_flags)."""
+    """The command line every script shares, grouped; each script adds its own group. model_names: the choices
+    of --model. own_data: the script trains on a data set of its own (data.own_datasets): no --dataset nor
+    --data-on-gpu, nor CIFAR in the data flags' help. images: its inputs are N x C x H x W (--channels-last)."""
     first_line = doc.strip().splitlines()[0] if doc else None
     # allow_abbrev=False: the launchers read some flags from the extra arguments themselves
     # (scripts/slurm.sbatch: --checkpoint-dir), which an abbreviation (--checkpoint-d) would pass unseen.
@@ -118,9 +115,8 @@ def build_parser(doc: str, model_names, own_data: bool = False, images: bool = T
     g = parser.add_argument_group("model")
     g.add_argument("--model", choices=model_names, default=model_names[0])
 
-    # Defaults follow weiaicunzai/pytorch-cifar100, itself after the Cutout paper (DeVries &
-    # Taylor, 2017): 200 epochs, batch 128, SGD lr 0.1 with Nesterov momentum 0.9, weight decay
-    # 5e-4, 1 warm-up epoch, lr x0.2 at epochs 60/120/160; ResNet-18 top-1 error 24.39% there.
+    # Defaults follow weiaicunzai/pytorch-cifar100, itself after the Cutout paper (DeVries & Taylor, 2017),
+    # with the schedule of utils/schedule.py: ResNet-18 top-1 error 24.39% there.
     g = parser.add_argument_group("recipe")
     g.add_argument("--epochs", type=positive_int, default=200)
     g.add_argument("--batch-size", "--batch_size", type=positive_int, default=128,
@@ -196,9 +192,6 @@ def add_fast_path_flags(parser, data_on_gpu: bool = False):
                    help="evaluate after every N-th epoch and after the last one (the others record NaN)")
 
 
-_NOT_GIVEN = object()
-
-
 def given(args, name: str) -> bool:
     """Whether the flag of destination `name` was on the command line (refused only if asked for)."""
     return name in getattr(args, "_given", ())
@@ -209,9 +202,10 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
     args = parser.parse_args(argv)
     # Which flags were given: parsed again into a namespace that already holds a marker for
     # every destination (argparse fills in a default only where the namespace has none).
+    marker = object()
     marked = parser.parse_args(argv, argparse.Namespace(**{
-        action.dest: _NOT_GIVEN for action in parser._actions if action.dest != argparse.SUPPRESS}))
-    args._given = frozenset(name for name, value in vars(marked).items() if value is not _NOT_GIVEN)
+        action.dest: marker for action in parser._actions if action.dest != argparse.SUPPRESS}))
+    args._given = frozenset(name for name, value in vars(marked).items() if value is not marker)
     if args.local_rank is not None and "LOCAL_RANK" not in os.environ:
         os.environ["LOCAL_RANK"] = str(args.local_rank)
     if args.checkpoint_dir is not None and not args.checkpoint_dir.strip():
@@ -237,8 +231,9 @@ class Plan(types.SimpleNamespace):
 
 
 def validated(args, check) -> Plan:
-    """check(args) -> Plan, or a UsageError: the run's every refusal before anything starts.
-    --check-args (what scripts/slurm.sbatch runs before srun) stops right after it."""
+    """check(args) -> Plan, or a UsageError: the run's every refusal that needs no process group (a batch
+    that does not split, a device this machine lacks, a network on which the groups cannot form,
+    contradicting flags). --check-args (what scripts/slurm.sbatch runs before srun) stops right after it."""
     plan = check(args)
     if args.check_args:
         n = plan.world_size

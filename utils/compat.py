@@ -17,12 +17,9 @@ _DDP_HAS_FORWARD_SYNC_BUFFERS = "forward_sync_buffers" in inspect.signature(
 
 
 def buffers_synced_once(model: torch.nn.Module) -> dict:
-    """DDP keyword arguments that broadcast rank 0's buffers to every rank once, when DDP wraps
-    the model, and never again before a forward: forward_sync_buffers=False from PyTorch 2.13
-    on. Before 2.13 (broadcast_buffers=False, which skips the wrap's broadcast of buffers too)
-    the buffers are broadcast here instead.
-
-    Call it on every rank, just before DDP(...): before 2.13 it is a collective."""
+    """DDP keyword arguments that broadcast rank 0's buffers to every rank once, when DDP wraps the
+    model, and never again before a forward; before 2.13 that broadcast is made here instead. Call
+    it on every rank, just before DDP(...): before 2.13 it is a collective."""
     if _DDP_HAS_FORWARD_SYNC_BUFFERS:
         return {"forward_sync_buffers": False}
     if dist.is_available() and dist.is_initialized():
@@ -32,13 +29,11 @@ def buffers_synced_once(model: torch.nn.Module) -> dict:
 
 
 def kill_loader_workers_first_at_exit(kill):
-    """PyTorch 2.11 registers an exit handler for every worker of a loader with persistent
-    workers that pins memory (`_clean_up_worker`, torch/utils/data/dataloader.py): it joins a
-    worker that was never told to stop, for 5 s, then sends SIGTERM, which ours ignore; 5 s for
-    every worker still alive at exit (on an H200, a run's 15 evaluation workers kept it from
-    ending for more than 30 s). `kill` registered again runs before them, and they find the
-    workers gone. 2.13 and 2.14 have one handler that stops the iterators properly instead
-    (`_clean_up_persistent_workers_atexit`), which is left to run first."""
+    """PyTorch 2.11 registers an exit handler for every worker of a loader with persistent workers that pins
+    memory (`_clean_up_worker`, torch/utils/data/dataloader.py): it joins a worker never told to stop, for 5 s,
+    then sends SIGTERM, which ours ignore (on an H200, a run's 15 evaluation workers kept it from ending for
+    more than 30 s). `kill` registered again runs before them, and they find the workers gone. 2.13 and
+    2.14's one handler stops the iterators properly (`_clean_up_persistent_workers_atexit`): it runs first."""
     from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
     if not hasattr(_MultiProcessingDataLoaderIter, "_clean_up_persistent_workers_atexit"):
         atexit.unregister(kill)

@@ -1,8 +1,5 @@
-"""Joining the job, and the few helpers every rank needs.
-
-Devices: this machine's accelerator if it has one (torch.accelerator: NVIDIA or AMD GPUs with nccl,
-Intel's with xccl), else the CPU with gloo. The launcher says who each process is (torchrun: RANK,
-LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT); plain python runs one, no group.
+"""Joining the job (the launcher's variables say who each process is; plain python runs one, no group), the
+device (the accelerator's, else the CPU with gloo), and the few helpers every rank needs.
 
 Agreements (`all_ranks_ok`, `any_rank`: may the run go on, has any rank a stop signal) go through the
 job's rendezvous store, not a collective: beside NCCL they need no second network stack and never wait
@@ -98,9 +95,8 @@ def _env_int(name, default):
 
 
 def check_job(job: DistEnv, device_choice: str = "auto", check_only: bool = False) -> torch.device:
-    """This rank's device, and this node's refusals that need no process group: a device this machine
-    lacks, more processes than devices, on several nodes a network on which the groups cannot form
-    (utils/network.py). From here on a refusal reaches every rank (lifecycle.tell_the_job)."""
+    """This rank's device, and this node's refusals that need no process group: a device this machine lacks, more
+    processes than devices, on several nodes a network on which the groups cannot form (utils/network.py)."""
     if job.distributed and not check_only:
         if job.init_method.startswith("env://") and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
             raise UsageError("WORLD_SIZE is set but MASTER_ADDR or MASTER_PORT is not: the launcher "
@@ -233,7 +229,6 @@ def joining(job: DistEnv, timeout_s: float, backend: str):
         while not joined.wait(1.0):
             refused = lifecycle.refusal_of_a_peer(job.rendezvous, store)
             if refused is not None and not joined.is_set():
-                # The job's bad input, met on another rank: exit status 2, its line once per node.
                 peer, line = refused.split("\n", 1)
                 line = error_line(f"rank {job.rank} could not join: rank {peer} refused to start: {line}")
                 if job.local_rank == 0:

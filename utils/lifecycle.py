@@ -1,12 +1,6 @@
-"""A training process's life: how it ends, the signals it takes, and its loader workers.
-
-- `run_main(main)`: the scripts' entry point. Bad input (cli.UsageError) is one line and exit status 2,
-  told also to the ranks that would wait for it (`tell_the_job`); a process in a group ends by `leave`.
-- Stop signals (SIGTERM, SIGINT, SIGUSR1: Ctrl-C, `scancel --signal`, preemption) reach the whole
-  process group, DataLoader workers included. The workers ignore them (`ignore_stop_signals`) and
-  leave the decision to their rank, which stops at a step all ranks agree on (utils/run.py).
-- A loader worker killed by a bus error (/dev/shm full) ends the run with one line that says so.
-- A training process does not outlive its launcher (`watch_launcher`).
+"""A training process's life: how it ends (`run_main`, `leave`), its loader workers, and the stop signals
+(Ctrl-C, `scancel --signal`, preemption), which reach the whole process group, workers included: these leave
+them to their rank (`ignore_stop_signals`), which stops at a step all ranks agree on (utils/run.py).
 """
 import atexit
 import contextlib
@@ -147,12 +141,11 @@ def watch_launcher(grace_s: float = 30.0, poll_s: float = 1.0):
 
 @contextlib.contextmanager
 def deadline(seconds: float, line: str = None, code: int = 1):
-    """Inside, this process ends (with `line` on stderr and in torchrun's error file, and exit status
-    `code`) once `seconds` have passed: for waits that do not keep their own timeout. A TCPStore
-    call across a network partition waits until the kernel gives up on the connection, about 15
-    minutes with Linux's tcp_retries2 (measured on two namespace hosts with a cut link: get, add and
-    check all still waiting 45 s into a 5 s timeout, PyTorch 2.14); gloo's full-mesh connect, 150 s
-    into 30. One watchdog thread checks every deadline; it does no I/O, so nothing holds it up."""
+    """Inside, this process ends (with `line` on stderr and in torchrun's error file, and exit status `code`)
+    once `seconds` have passed: for waits that keep no timeout of their own. A TCPStore call across a network
+    partition waits until the kernel drops the connection, about 15 minutes with Linux's tcp_retries2 (two
+    hosts, a cut link: get, add and check still waiting 45 s into a 5 s timeout, PyTorch 2.14); gloo's
+    full-mesh connect, 150 s into 30. One watchdog thread checks every deadline; it does no I/O."""
     global _watchdog
     key = object()
     _deadlines[key] = (time.monotonic() + seconds, line, code)
@@ -228,9 +221,8 @@ def meets_at(rendezvous: str, rank: int, world_size: int, hosts_store: bool = Fa
 
 
 def attempt_prefix() -> str:
-    """This attempt's keys in the job's store. Only torchrun's shared (agent) store outlives an
-    attempt; the nodes' restart counts may differ (a healthy node's does not count a restart), so
-    they number the keys there alone."""
+    """This attempt's keys in the job's store. Only torchrun's shared (agent) store outlives an attempt;
+    the nodes' restart counts may differ (a healthy node's counts no restart): they number keys there alone."""
     shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     return f"utils/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0') if shared else 0}"
 
@@ -294,36 +286,26 @@ def ignore_stop_signals():
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
 
 
-@contextlib.contextmanager
-def stop_signals_blocked():
-    """The stop signals blocked while loader workers start: a child inherits the mask, so a signal to
-    the group waits in the worker until `ignore_stop_signals` ran there, and comes here after."""
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS) if main else None
-    try:
-        yield
-    finally:
-        if main:
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
 def start_loader_workers(start):
-    """`start()`, a DataLoader iterator whose worker processes start now, with the stop signals blocked.
-    At exit the workers still alive are killed: they ignore the SIGTERM of multiprocessing's exit handler,
-    which would wait for them forever. Registered before the first workers start, the kill runs after the
-    handler PyTorch 2.13 and 2.14 register for persistent pinned workers, which stops those iterators
-    properly. The workers share this process's multiprocessing folder ("pymp-" in /tmp: the sockets that
-    hand batches over), made here first: each would make its own, which a killed worker leaves behind."""
+    """`start()`, a DataLoader iterator whose worker processes start now, with the stop signals blocked: a child
+    inherits the mask, so a signal to the group waits in the worker until `ignore_stop_signals` ran there, and comes
+    here after. At exit the workers still alive are killed: they ignore the SIGTERM of multiprocessing's exit
+    handler, which would wait for them forever (registered before the first workers start, this runs after PyTorch's
+    own: utils/compat.py). The workers share this process's multiprocessing folder ("pymp-" in /tmp: the sockets
+    that hand batches over), made here first, not one each, which a killed worker would leave behind."""
     global _kill_at_exit_registered
     import multiprocessing.util
     if not _kill_at_exit_registered:
         atexit.register(_kill_loader_workers)
         _kill_at_exit_registered = True
     multiprocessing.util.get_temp_dir()
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS) if main else None
     try:
-        with stop_signals_blocked():
-            iterator = start()
+        iterator = start()
     finally:  # also when starting them failed part-way
+        if main:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         compat.kill_loader_workers_first_at_exit(_kill_loader_workers)
     _loader_workers.update(getattr(iterator, "_workers", ()))  # none for --workers 0
     return iterator
@@ -378,12 +360,12 @@ def bus_error_message(err: BaseException):
 
 
 def _a_loader_worker_died_of_sigbus(wait_s: float = 0.0) -> bool:
-    bus, deadline = getattr(signal, "SIGBUS", None), time.monotonic() + wait_s
+    deadline = time.monotonic() + wait_s
     try:
-        while bus is not None:
+        while True:
             for worker in list(_loader_workers):
                 with contextlib.suppress(AssertionError, OSError, ValueError):  # not ours to poll
-                    if worker.exitcode == -bus:
+                    if worker.exitcode == -signal.SIGBUS:
                         return True
             if time.monotonic() >= deadline:
                 return False
@@ -392,4 +374,3 @@ def _a_loader_worker_died_of_sigbus(wait_s: float = 0.0) -> bool:
         if "DataLoader worker" in str(err) and "Bus error" in str(err):
             return True
         raise
-    return False

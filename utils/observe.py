@@ -1,16 +1,14 @@
 """--profile and --tensorboard: looking inside a run beyond its metrics file.
 
---profile DIR: a torch.profiler trace of a few optimizer steps once the run is warm, in
-DIR/trace-rank{rank}.json, for https://ui.perfetto.dev or chrome://tracing (each ProfilerStep#N is
-one optimizer step). DDP's gradient hooks launch the all-reduces during the backward pass, which
-they overlap (on a CUDA stream of their own, on gloo's threads on the CPU): that makes DDP fast. A
-run ending inside the window writes what it recorded; one ending before it says what it needs.
+--profile DIR: a torch.profiler trace of a few optimizer steps once the run is warm, in DIR/trace-rank{rank}.json,
+for https://ui.perfetto.dev or chrome://tracing (each ProfilerStep#N is one optimizer step). DDP's gradient hooks
+launch the all-reduces during the backward pass, which they overlap (on a CUDA stream of their own, on gloo's
+threads on the CPU): that makes DDP fast. A run ending inside the window writes what it recorded.
 
 --tensorboard DIR: rank 0 writes each epoch record's scalars at its global step, flushed for a live
 `tensorboard --logdir DIR`; the optional tensorboard package is imported only then.
 
-TrainingRun (utils/run.py) makes every call on every rank: Observers(args, env, start_step),
-.step(global_step), .epoch(record), .close(). None of them communicates.
+TrainingRun (utils/run.py) makes every call (Observers(...), step, epoch, close) on every rank; none communicates.
 """
 import math
 import os

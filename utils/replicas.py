@@ -1,8 +1,7 @@
 """Keeping DDP's replicas in agreement: --sync-bn and an end-of-run check, --verify-sync.
 
-DDP keeps parameters identical by averaging gradients; batch-norm running statistics are
-updated from each rank's own slice of the batch and drift apart, unless SyncBatchNorm computes
-the batch statistics over the global batch.
+DDP keeps parameters identical by averaging gradients; batch-norm running statistics are updated from
+each rank's own slice of the batch and drift apart, unless SyncBatchNorm computes them over the global batch.
 """
 import torch
 import torch.distributed as dist
@@ -14,12 +13,11 @@ from .distributed import print0
 
 def add_flags(parser):
     g = parser.add_argument_group("replicas")
-    # What --sync-bn costs besides its all-gather: with several processes in training,
-    # SyncBatchNorm's forward (torch/nn/modules/_functions.py, SyncBatchNorm.forward) drops
-    # the statistics of ranks that had no samples with a boolean mask, count_all[mask]; the
-    # result's shape depends on the mask's values, so the CPU waits there for the GPU once per
-    # batch-norm layer and step: 20 times per step for ResNet-18. It also keeps the step out
-    # of CUDA graphs (PyTorch skips the mask while one is being captured).
+    # What --sync-bn costs besides its all-gather: with several processes in training, SyncBatchNorm's
+    # forward (torch/nn/modules/_functions.py, SyncBatchNorm.forward) drops the statistics of ranks that
+    # had no samples with a boolean mask, count_all[mask]; the result's shape depends on the mask's values,
+    # so the CPU waits there for the GPU once per batch-norm layer and step: 20 times per step for
+    # ResNet-18. It also keeps the step out of CUDA graphs (PyTorch skips the mask while one is captured).
     g.add_argument("--sync-bn", "--sync_bn", action="store_true",
                    help="SyncBatchNorm: batch statistics over the global batch (CUDA and XPU GPUs only); "
                         "costs an all-gather and a GPU-to-CPU sync per batch-norm layer and step")
@@ -34,8 +32,12 @@ def check_flags(args, device_type: str):
                          f"devices, and this run trains on {device_type} (leave --sync-bn out)")
 
 
-def mismatched_tensors(module: nn.Module) -> list:
-    """Names of parameters and buffers that differ from rank 0's (a collective)."""
+def verify_sync(module: nn.Module) -> list:
+    """Report on rank 0 whether the replicas agree (a collective); returns the names of the parameters
+    and buffers that differ from rank 0's."""
+    if not (dist.is_available() and dist.is_initialized()):
+        print0("verify-sync: a single process has nothing to compare")
+        return []
     names = []
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
         reference = tensor.detach().clone()
@@ -44,15 +46,6 @@ def mismatched_tensors(module: nn.Module) -> list:
         dist.all_reduce(differs, op=dist.ReduceOp.MAX)
         if differs.item():
             names.append(name)
-    return names
-
-
-def verify_sync(module: nn.Module) -> list:
-    """Report on rank 0 whether the replicas agree; returns the names that differ."""
-    if not (dist.is_available() and dist.is_initialized()):
-        print0("verify-sync: a single process has nothing to compare")
-        return []
-    names = mismatched_tensors(module)
     world = dist.get_world_size()
     if not names:
         print0(f"verify-sync: all parameters and buffers agree across {world} ranks")

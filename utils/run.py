@@ -14,9 +14,8 @@ the model is wrapped, how a step is taken) and hand this object the rest:
     run.finish()
 
 Where the ranks meet: every rank must make each of these calls, at the same points and in the same
-order, or the others wait in it until --dist-timeout, then fail with an error that names the call (each
-runs inside `meeting(...)`, utils/distributed.py). So no rank may skip a `step_done()` or leave the loop
-on its own (a rank-dependent `continue` or `break`).
+order, or the others wait in it until --dist-timeout and fail with an error that names the call
+(`meeting(...)`, utils/distributed.py): no rank may skip a `step_done()` or leave the loop on its own.
 
 - `TrainingRun(...)`: agreements (`all_ranks_ok`, through the job's store) on the output files, on
   whether a checkpoint exists, on whether this is a launcher's restart and, with --resume, on whether
@@ -63,8 +62,7 @@ class TrainingRun:
                                  f"leave {flag} out, or give the optimizer {name}")
         self.args, self.env, self.steps_per_epoch, self.strategy = args, env, steps_per_epoch, strategy
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
-        # How model and optimizer go into a checkpoint: whole, or sharded across ranks (utils/sharded.py).
-        self.state = state or checkpoint.WholeState(model, optimizer)
+        self.state = state or checkpoint.WholeState(model, optimizer)  # or sharded across ranks (utils/sharded.py)
         self.extra_record = dict(extra_record or {})
         # The epoch in progress (0-based), the optimizer steps already taken in it and in the whole run.
         self.epoch = self.step_in_epoch = self.global_step = 0
@@ -283,7 +281,7 @@ class TrainingRun:
             self.stop_signal.announce(self.global_step, self.checkpoint_path)
             self.stop_signal.close()
             self.observers.close()
-            raise Preempted()  # exit status 0; the script's `finally` still tears down
+            raise Preempted(0)  # exit status 0; the script's `finally` still tears down
         return self.done()
 
     def end_epoch(self, eval_metrics: dict):
@@ -337,10 +335,7 @@ class TrainingRun:
 # --- stop signals --------------------------------------------------------------------------------
 
 class Preempted(SystemExit):
-    """Raised after the stop checkpoint is saved: the process exits with status 0."""
-
-    def __init__(self):
-        super().__init__(0)
+    """Raised, as Preempted(0), after the stop checkpoint is saved: the process exits with status 0."""
 
 
 class StopSignal:
