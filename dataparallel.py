@@ -93,6 +93,8 @@ def train(args, env, per_process_batch, device_ids, amp_dtype):
 
     # --- model ------------------------------------------------------------------------
     model = build_model(args.model, data.num_classes(train_set)).to(env.device)
+    # Our CIFAR bytes are normalised on the device (the first GPU, before the scatter).
+    to_model = data.model_inputs(train_set, env.device)
     forward_model = AutocastForward(model, env.device.type, amp_dtype) if amp_dtype else model
     if device_ids:
         # Every forward: scatter the batch over device_ids, copy the model to each GPU,
@@ -126,7 +128,7 @@ def train(args, env, per_process_batch, device_ids, amp_dtype):
         train_loader.sampler.set_epoch(epoch, start_step=run.step_in_epoch)
         dp_model.train()
         for images, targets in run.progress(train_loader):
-            images = images.to(env.device, non_blocking=True)
+            images = to_model(images)  # to the device (non-blocking: from pinned memory)
             targets = targets.to(env.device, non_blocking=True)
             logits = dp_model(images)  # gathered on the first GPU
             loss = F.cross_entropy(logits.float(), targets)  # float32 loss, as autocast would
@@ -142,7 +144,7 @@ def train(args, env, per_process_batch, device_ids, amp_dtype):
             if run.step_done():  # counts the step, checkpoints when due; True at --max-steps
                 break
         # Evaluate the unwrapped model on the first GPU: exact, see metrics.evaluate.
-        run.end_epoch(metrics.evaluate(model, test_loader, env.device, autocast=eval_autocast))
+        run.end_epoch(metrics.evaluate(model, test_loader, env.device, autocast=eval_autocast, inputs=to_model))
     run.finish()
 
 

@@ -69,6 +69,9 @@ def train(args, env, per_device_batch):
     # channels_last (NHWC) is the layout tensor-core convolutions want: no transposes.
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     model = build_model(args.model, data.num_classes(train_set)).to(env.device, memory_format=memory_format)
+    # Our CIFAR batches come as bytes (a quarter of float32's, through the workers' shared memory
+    # and to the device) and are normalised there; your own data's go there as loaded.
+    to_model = data.model_inputs(train_set, env.device, memory_format)
     if args.sync_bn:  # batch statistics over the global batch instead of each GPU's slice
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if env.distributed:  # under a launcher, a group of one too: DDP's own cost is then measured
@@ -105,7 +108,7 @@ def train(args, env, per_device_batch):
         train_loader.sampler.set_epoch(epoch, start_step=run.step_in_epoch)
         ddp_model.train()
         for images, targets in run.progress(train_loader):
-            images = images.to(env.device, non_blocking=True, memory_format=memory_format)
+            images = to_model(images)  # to the device (non-blocking: from pinned memory), in the model's layout
             targets = targets.to(env.device, non_blocking=True)
             logits = ddp_model(images)
             loss = F.cross_entropy(logits, targets)
@@ -120,7 +123,7 @@ def train(args, env, per_device_batch):
         # Evaluate the unwrapped model: exact over all ranks, see metrics.evaluate.
         # All ranks: evaluate and end_epoch communicate (utils/run.py lists every collective).
         if metrics.evaluation_due(epoch, args, last=run.done()):  # --eval-every
-            run.end_epoch(metrics.evaluate(model, test_loader, env.device, memory_format=memory_format))
+            run.end_epoch(metrics.evaluate(model, test_loader, env.device, inputs=to_model))
         else:
             run.end_epoch(metrics.NOT_EVALUATED)
     run.finish()

@@ -106,11 +106,9 @@ def train(args, env, per_device_batch, precision):
 
     # --- data -------------------------------------------------------------------------
     train_set, test_set = data.build_datasets(args, env)
-    if args.data_on_gpu:  # fast path: the data in device memory, augmented and normalised there
-        # Handed over in the autocast dtype: autocast would cast them at the first convolution anyway.
-        train_loader = DeviceTrainLoader(train_set, per_device_batch, args.batch_size, env, args,
-                                         dtype=precision.dtype)
-        test_loader = DeviceEvalLoader(test_set, 2 * per_device_batch, env, args, dtype=precision.dtype)
+    if args.data_on_gpu:  # fast path: the data in device memory, augmented there
+        train_loader = DeviceTrainLoader(train_set, per_device_batch, args.batch_size, env, args)
+        test_loader = DeviceEvalLoader(test_set, 2 * per_device_batch, env)
     else:
         train_loader = data.train_loader(train_set, per_device_batch, args.batch_size, env, args)
         test_loader = data.eval_loader(test_set, 2 * per_device_batch, env, args)
@@ -120,6 +118,9 @@ def train(args, env, per_device_batch, precision):
     # channels_last (NHWC) is the layout tensor-core convolutions want: no transposes.
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     model = build_model(args.model, data.num_classes(train_set)).to(env.device, memory_format=memory_format)
+    # Our CIFAR bytes (from either path) are normalised on the device, and handed over in the
+    # autocast dtype: autocast would cast them at the first convolution anyway.
+    to_model = data.model_inputs(train_set, env.device, memory_format, dtype=precision.dtype)
     if args.sync_bn:  # batch statistics over the global batch instead of each GPU's slice
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
@@ -185,7 +186,7 @@ def train(args, env, per_device_batch, precision):
         train_loader.sampler.set_epoch(epoch, start_step=run.step_in_epoch)
         ddp_model.train()
         for images, targets in run.progress(train_loader):
-            images = images.to(env.device, non_blocking=True, memory_format=memory_format)
+            images = to_model(images)  # to the device (non-blocking: from pinned memory), in the model's layout
             targets = targets.to(env.device, non_blocking=True)
             with autocast():  # forward and loss only: backward follows the forward's dtypes
                 logits = ddp_model(images)
@@ -211,8 +212,7 @@ def train(args, env, per_device_batch, precision):
         # Evaluate the unwrapped model, in the same precision: exact over all ranks, see metrics.evaluate.
         # All ranks: evaluate and end_epoch communicate (utils/run.py lists every collective).
         if metrics.evaluation_due(epoch, args, last=run.done()):  # --eval-every
-            run.end_epoch(metrics.evaluate(model, test_loader, env.device, autocast=autocast,
-                                           memory_format=memory_format))
+            run.end_epoch(metrics.evaluate(model, test_loader, env.device, autocast=autocast, inputs=to_model))
         else:
             run.end_epoch(metrics.NOT_EVALUATED)
     run.finish()

@@ -187,9 +187,9 @@ def train(args, env, per_device_batch):
 
     # --- data -------------------------------------------------------------------------
     train_set, test_set = data.build_datasets(args, env)
-    if args.data_on_gpu:  # fast path: the data in device memory, augmented and normalised there
+    if args.data_on_gpu:  # fast path: the data in device memory, augmented there
         train_loader = DeviceTrainLoader(train_set, per_device_batch, args.batch_size, env, args)
-        test_loader = DeviceEvalLoader(test_set, 2 * per_device_batch, env, args)
+        test_loader = DeviceEvalLoader(test_set, 2 * per_device_batch, env)
     else:
         train_loader = data.train_loader(train_set, per_device_batch, args.batch_size, env, args)
         test_loader = data.eval_loader(test_set, 2 * per_device_batch, env, args)
@@ -204,6 +204,8 @@ def train(args, env, per_device_batch):
     # on the way in; the activations, the large part, never need a transpose.
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     model = build_model(args.model, data.num_classes(train_set)).to(env.device)
+    # Our CIFAR bytes (from either path) are normalised on the device; your own data as loaded.
+    to_model = data.model_inputs(train_set, env.device, memory_format)
     shard(model, env, args.reshard_after_forward, args.mp_policy)  # all ranks: fully_shard (shard() above)
 
     # --- optimizer --------------------------------------------------------------------
@@ -226,7 +228,7 @@ def train(args, env, per_device_batch):
         train_loader.sampler.set_epoch(epoch, start_step=run.step_in_epoch)
         model.train()
         for images, targets in run.progress(train_loader):
-            images = images.to(env.device, non_blocking=True, memory_format=memory_format)
+            images = to_model(images)  # to the device (non-blocking: from pinned memory), in NHWC with --channels-last
             targets = targets.to(env.device, non_blocking=True)
             logits = model(images)  # all-gathers each stage's parameters as it comes
             loss = F.cross_entropy(logits.float(), targets)  # bf16 logits under --mp-policy bf16
@@ -242,7 +244,7 @@ def train(args, env, per_device_batch):
         # same number of batches (even_eval_batches). Exact over all ranks, see metrics.evaluate.
         # All ranks: evaluate and end_epoch communicate (utils/run.py lists every collective).
         if metrics.evaluation_due(epoch, args, last=run.done()):  # --eval-every
-            run.end_epoch(metrics.evaluate(model, test_loader, env.device, memory_format=memory_format))
+            run.end_epoch(metrics.evaluate(model, test_loader, env.device, inputs=to_model))
         else:
             run.end_epoch(metrics.NOT_EVALUATED)
     run.finish()

@@ -80,6 +80,8 @@ def train(args, env, micro_batch):
 
     # --- model ------------------------------------------------------------------------
     model = build_model(args.model, data.num_classes(train_set)).to(env.device)
+    # Our CIFAR bytes are normalised on the device, one micro-batch at a time.
+    to_model = data.model_inputs(train_set, env.device)
     if args.sync_bn:  # batch statistics over the global batch instead of each GPU's slice
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if env.distributed:  # under a launcher, a group of one too
@@ -115,7 +117,7 @@ def train(args, env, micro_batch):
         train_loader.sampler.set_epoch(epoch, start_step=run.step_in_epoch)
         ddp_model.train()
         for micro_step, (images, targets) in enumerate(run.progress(train_loader)):
-            images = images.to(env.device, non_blocking=True)
+            images = to_model(images)  # to the device (non-blocking: from pinned memory)
             targets = targets.to(env.device, non_blocking=True)
             last_micro_batch = (micro_step + 1) % accum_steps == 0
             # The gradients only need averaging over the ranks once they are complete, after
@@ -142,7 +144,7 @@ def train(args, env, micro_batch):
                 break
         # Evaluate the unwrapped model: exact over all ranks, see metrics.evaluate.
         # All ranks: evaluate and end_epoch communicate (utils/run.py lists every collective).
-        run.end_epoch(metrics.evaluate(model, test_loader, env.device))
+        run.end_epoch(metrics.evaluate(model, test_loader, env.device, inputs=to_model))
     run.finish()
     if args.verify_sync:
         replicas.verify_sync(model)

@@ -65,6 +65,9 @@ GiB = 2**30
 
 # --- arguments ------------------------------------------------------------------------
 
+VALUE_BYTES = {"uint8": 1, "float32": 4}
+
+
 def sample_shape(text):
     try:
         shape = tuple(int(part) for part in text.split(","))
@@ -102,7 +105,10 @@ def build_parser():
     g.add_argument("--prefetch-factor", type=cli.positive_int, default=2,
                    help="batches each loader worker keeps ready (DataLoader's prefetch_factor)")
     g.add_argument("--sample-shape", type=sample_shape, default="3,32,32", metavar="C,H,W",
-                   help="shape of one float32 training sample as the loader yields it (CIFAR's by default)")
+                   help="shape of one training sample as the loader yields it (CIFAR's by default)")
+    g.add_argument("--sample-dtype", choices=sorted(VALUE_BYTES), default="uint8",
+                   help="its values: uint8 as our CIFAR data hands them over (normalised later, on the "
+                        "device), float32 as torchvision's ToTensor makes them")
     g.add_argument("--model", choices=MODEL_NAMES, default="resnet18",
                    help="the all-reduce moves this model's gradient")
     g = parser.add_argument_group("the check")
@@ -859,7 +865,7 @@ class Report:
     def shared_memory(self):
         print("\nshared memory (what the DataLoader workers hold: workers x prefetch x batch bytes per process)")
         args, world = self.args, self.world
-        sample_bytes = math.prod(args.sample_shape) * 4 + 8  # float32 sample + int64 label
+        sample_bytes = math.prod(args.sample_shape) * VALUE_BYTES[args.sample_dtype] + 8  # + an int64 label
         per_process_batch = math.ceil(args.batch_size / world)
         eval_batch = 2 * per_process_batch  # the training scripts evaluate with twice the batch
         # The training and the evaluation loader, as the training scripts count them (data.shm_estimate).

@@ -114,9 +114,11 @@ def test_build_datasets_reads_cifar100_from_disk(small_cifar):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a clean read: no warning on the user's terminal
         test_items = [test_set[i] for i in range(12)]
+    # The stored pixels, as bytes; normalised for the model by model_inputs (on the device).
+    to_model = data.model_inputs(test_set, torch.device("cpu"))
     for i, (image, label) in enumerate(test_items):
-        assert image.shape == (3, 32, 32) and image.dtype == torch.float32
-        assert torch.allclose(image, normalized(split["test_images"][i]), atol=1e-6)
+        assert image.dtype == torch.uint8 and torch.equal(image, torch.from_numpy(split["test_images"][i]))
+        assert torch.allclose(to_model(image[None])[0], normalized(split["test_images"][i]), atol=1e-6)
         assert label == split["test_labels"][i]  # the fine label, not the coarse one
 
     # Training images are the stored pixels, cropped and flipped as the epoch's plan says.
@@ -127,7 +129,7 @@ def test_build_datasets_reads_cifar100_from_disk(small_cifar):
             image, label = train_set[(i, epoch)]
             dy, dx, flip = plan[i].tolist()
             expected = data.crop_flip(torch.from_numpy(split["train_images"][i]), dy, dx, flip)
-            assert torch.allclose(image, normalized(expected.numpy()), atol=1e-6)
+            assert torch.equal(image, expected)
             assert label == split["train_labels"][i]
 
 
@@ -137,7 +139,7 @@ def test_sample_limits_take_the_first_images(small_cifar):
     train_set, test_set = data.build_datasets(args, ONE_CPU_PROCESS)
     assert (len(train_set), len(test_set)) == (8, 5)
     assert [test_set[i][1] for i in range(5)] == split["test_labels"][:5].tolist()
-    assert torch.allclose(test_set[4][0], normalized(split["test_images"][4]), atol=1e-6)
+    assert torch.equal(test_set[4][0], torch.from_numpy(split["test_images"][4]))
 
 
 def test_corrupt_dataset_file_is_a_usage_error(tmp_path, small_cifar):
@@ -351,8 +353,7 @@ def test_build_datasets_synthetic_with_limits():
     assert (len(train_set), len(test_set)) == (256, 100)
     image, label = test_set[3]
     assert image.shape == (3, 32, 32) and label == 3
-    assert torch.allclose(image, normalized(data.SyntheticCIFAR(False, 100)[3][0].transpose(2, 0, 1)),
-                          atol=1e-6)
+    assert torch.equal(image, torch.from_numpy(data.SyntheticCIFAR(False, 100)[3][0].transpose(2, 0, 1)))
 
 
 def _report_loader_workers(rank, out):

@@ -104,7 +104,7 @@ def test_ddp_two_processes_equal_one_process_on_the_global_batch(tmp_path):
 def exemplar_classifier(test_set) -> nn.Module:
     """A linear classifier whose row c is the test image of class c for c < 50: about
     half the test set is classified right, so accuracy equality is not 0 == 0."""
-    images = torch.stack([test_set[i][0] for i in range(50)]).flatten(1)
+    images = torch.stack([data._normalize(test_set[i][0]) for i in range(50)]).flatten(1)
     linear = nn.Linear(images.shape[1], 100)
     with torch.no_grad():
         linear.weight.zero_()
@@ -129,7 +129,7 @@ def evaluate_all(env):
         if name.endswith("running_mean"):
             buffer.add_(0.5 * env.rank + 0.1)
             own[name] = buffer.clone()
-    results = [metrics.evaluate(model, loader, env.device)
+    results = [metrics.evaluate(model, loader, env.device, inputs=data.model_inputs(test_set, env.device))
                for model in (resnet, exemplar_classifier(test_set), drifted)]
     for name, buffer in drifted.named_buffers():  # evaluation left the rank's own buffers alone
         if name in own:

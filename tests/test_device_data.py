@@ -45,7 +45,7 @@ def test_data_on_device_trains_bitwise_like_the_loader(tmp_path, run_in_process)
         assert torch.equal(tensor, b["model"][name]), name
 
 
-# --- normalisation by table: the loader's values, in the layout and dtype the model wants ----
+# --- normalisation by table: the values of _normalize, in the layout and dtype the model wants ----
 
 def small_sets(train=96, test=10):
     args = argparse.Namespace(dataset="synthetic", train_samples=train, test_samples=test, seed=3, workers=0,
@@ -55,29 +55,50 @@ def small_sets(train=96, test=10):
     return args, env, train_set, test_set
 
 
-def test_table_holds_the_loaders_value_of_every_byte():
+def test_table_holds_the_normalised_value_of_every_byte():
     every_byte = torch.arange(256, dtype=torch.uint8).view(1, 16, 16).expand(3, 16, 16)
     expected = data._normalize(every_byte).reshape(3, 256)
-    assert torch.equal(device_data.normalization_table(), expected)
-    # The lookup gives bitwise the loader's image, in either layout; bf16 is the float32
+    assert torch.equal(data.normalization_table(), expected)
+    # The lookup gives bitwise _normalize's image, in either layout; bf16 is the float32
     # value rounded once, which is what autocast's cast at the first convolution gives.
     pixels = torch.randint(0, 256, (4, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
-    loader_batch = torch.stack([data._normalize(p) for p in pixels])
-    plain = device_data.Normalize("cpu")(pixels)
-    assert plain.dtype == torch.float32 and plain.is_contiguous() and torch.equal(plain, loader_batch)
-    nhwc = device_data.Normalize("cpu", channels_last=True)(pixels)
-    assert nhwc.is_contiguous(memory_format=torch.channels_last) and torch.equal(nhwc, loader_batch)
-    bf16 = device_data.Normalize("cpu", torch.bfloat16, channels_last=True)(pixels)
+    per_image = torch.stack([data._normalize(p) for p in pixels])
+    plain = data.Normalize("cpu")(pixels)
+    assert plain.dtype == torch.float32 and plain.is_contiguous() and torch.equal(plain, per_image)
+    nhwc = data.Normalize("cpu", memory_format=torch.channels_last)(pixels)
+    assert nhwc.is_contiguous(memory_format=torch.channels_last) and torch.equal(nhwc, per_image)
+    bf16 = data.Normalize("cpu", torch.bfloat16, torch.channels_last)(pixels)
     assert bf16.dtype == torch.bfloat16 and bf16.is_contiguous(memory_format=torch.channels_last)
-    assert torch.equal(bf16, loader_batch.to(torch.bfloat16))
+    assert torch.equal(bf16, per_image.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("channels_last, dtype", [(False, None), (True, torch.bfloat16)])
-def test_device_batches_are_the_loaders(channels_last, dtype):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_loader_hands_over_bytes_and_the_model_gets_normalised_images(workers):
+    args, env, train_set, test_set = small_sets(train=64, test=10)
+    args.workers = workers  # 2: the bytes cross the workers' shared memory
+    for dataset, loader in ((train_set, data.train_loader(train_set, 16, 16, env, args)),
+                            (test_set, data.eval_loader(test_set, 4, env, args))):
+        if dataset is train_set:
+            loader.sampler.set_epoch(1)
+        keys = list(loader.sampler)
+        images, targets = next(iter(loader))
+        assert images.dtype == torch.uint8 and data.batch_sample_bytes((images, targets)) == 3 * 32 * 32 + 8
+        # What the model sees: each sample's crop and flip, normalised as _normalize defines it.
+        expected = torch.stack([data._normalize(dataset[key][0]) for key in keys[:len(images)]])
+        for memory_format in (torch.contiguous_format, torch.channels_last):
+            model_input = data.model_inputs(dataset, env.device, memory_format)(images)
+            assert model_input.dtype == torch.float32 and torch.equal(model_input, expected)
+            assert model_input.is_contiguous(memory_format=memory_format)
+    # Any other data set: its batches as loaded, in the layout asked for.
+    own = data.model_inputs(torch.utils.data.TensorDataset(torch.zeros(2, 3, 4, 4)), env.device, torch.channels_last)
+    floats = torch.rand(2, 3, 4, 4)
+    assert torch.equal(own(floats), floats) and own(floats).is_contiguous(memory_format=torch.channels_last)
+
+
+def test_device_batches_are_the_loaders():
     args, env, train_set, _ = small_sets()
-    args.channels_last = channels_last
     loader = data.train_loader(train_set, 32, 32, env, args)
-    on_device = device_data.DeviceTrainLoader(train_set, 32, 32, env, args, dtype=dtype)
+    on_device = device_data.DeviceTrainLoader(train_set, 32, 32, env, args)
     for epoch, start_step in ((0, 0), (1, 1)):  # a resumed epoch skips the same steps
         loader.sampler.set_epoch(epoch, start_step)
         on_device.sampler.set_epoch(epoch, start_step)
@@ -85,8 +106,7 @@ def test_device_batches_are_the_loaders(channels_last, dtype):
         assert len(pairs) == 3 - start_step
         for (images, targets), (device_images, device_targets) in pairs:
             assert torch.equal(targets, device_targets)
-            assert device_images.is_contiguous(memory_format=torch.channels_last) == channels_last
-            assert torch.equal(device_images, images.to(dtype or torch.float32))
+            assert device_images.dtype == torch.uint8 and torch.equal(device_images, images)
 
 
 def test_device_evaluation_counts_every_sample_once():
@@ -94,7 +114,7 @@ def test_device_evaluation_counts_every_sample_once():
     shards = []
     for rank in range(3):  # 11 samples over 3 ranks: 4, 4 and 3, in batches of 3 (the last one filled up)
         env = DistEnv(rank, rank, 3, 3, torch.device("cpu"), distributed=False)
-        batches = list(device_data.DeviceEvalLoader(test_set, 3, env, args))
+        batches = list(device_data.DeviceEvalLoader(test_set, 3, env))
         assert all(images.shape == (3, 3, 32, 32) for images, _ in batches)
         targets = torch.cat([t for _, t in batches])
         shards.append(targets[targets != metrics.PAD_TARGET])
@@ -103,8 +123,9 @@ def test_device_evaluation_counts_every_sample_once():
     # evaluate() leaves the filling out: the same figures as the loader's variable-size batches.
     model = build_model("resnet_tiny", data.NUM_CLASSES).eval()
     env = DistEnv(0, 0, 1, 1, torch.device("cpu"), distributed=False)
-    on_device = metrics.evaluate(model, device_data.DeviceEvalLoader(test_set, 4, env, args), env.device)
-    reference = metrics.evaluate(model, data.eval_loader(test_set, 4, env, args), env.device)
+    inputs = data.model_inputs(test_set, env.device)
+    on_device = metrics.evaluate(model, device_data.DeviceEvalLoader(test_set, 4, env), env.device, inputs=inputs)
+    reference = metrics.evaluate(model, data.eval_loader(test_set, 4, env, args), env.device, inputs=inputs)
     assert on_device["test_samples"] == reference["test_samples"] == 11
     assert (on_device["test_acc1"], on_device["test_acc5"]) == (reference["test_acc1"], reference["test_acc5"])
     # Different batch shapes may take different convolution kernels: equal to float32 rounding.

@@ -174,8 +174,8 @@ def rank_facts(rank, node, torch_version="2.11.0", local=None, gpu=True):
 
 
 def args_for(**overrides):
-    values = dict(workers=4, batch_size=256, prefetch_factor=2, sample_shape=(3, 224, 224), model="resnet18",
-                  timeout=30.0, iters=10, port=None, nproc=None, shm_dir="/dev/shm")
+    values = dict(workers=4, batch_size=256, prefetch_factor=2, sample_shape=(3, 224, 224), sample_dtype="float32",
+                  model="resnet18", timeout=30.0, iters=10, port=None, nproc=None, shm_dir="/dev/shm")
     values.update(overrides)
     return argparse.Namespace(**values)
 
@@ -235,7 +235,7 @@ def test_shared_memory_figure_is_what_the_training_scripts_warn_with(capsys):
     ok = {"status": "ok", "value": None}
     results = {r: {"backend": "nccl", "join": ok,
                    "all_reduce": {"status": "ok", "value": {"seconds": 0.002, "correct": True}}} for r in (0, 1)}
-    preflight.report(facts, results, args_for(sample_shape=(3, 32, 32), batch_size=128), role)
+    preflight.report(facts, results, args_for(sample_shape=(3, 32, 32), sample_dtype="uint8", batch_size=128), role)
     out = capsys.readouterr().out
     args = argparse.Namespace(dataset="synthetic", train_samples=256, test_samples=100, seed=0, workers=4)
     env = DistEnv(0, 0, 2, 2, torch.device("cpu"), True)

@@ -15,8 +15,9 @@ from conftest import ROOT, SMALL, subprocess_env, torchrun
 from utils import data
 from utils.distributed import DistEnv
 
-SAMPLE_BYTES = 3 * 32 * 32 * 4 + 8  # a normalised float32 CIFAR image and its int64 label
-RUN = ["distributed.py", *SMALL, "--workers", "1", "--max-steps", "2"]  # per-process batch 32, evaluation 64
+SAMPLE_BYTES = 3 * 32 * 32 + 8  # a uint8 CIFAR image (normalised later, on the device) and its int64 label
+# Per-process batch 128, evaluation 256: their uint8 samples need more than the 1 MiB folder holds.
+RUN = ["distributed.py", *SMALL, "--batch-size", "128", "--workers", "1", "--max-steps", "2"]
 
 
 def cpu_env(rank=0, world_size=1):
@@ -139,11 +140,11 @@ def test_a_run_with_too_little_shared_memory_warns_once_before_training_and_trai
     out = run_in_order(RUN, small_shm, shm_runner)
     warnings = [line for line in out.splitlines() if "warning:" in line]
     assert len(warnings) == 1, out
-    need = (1 * 2 * 32 + 1 * 2 * 64) * SAMPLE_BYTES
+    need = (1 * 2 * 128 + 1 * 2 * 256) * SAMPLE_BYTES
     assert warnings[0] == (
         f"distributed.py: warning: {small_shm} has 1.0 MiB free, less than the {need / 2**20:,.1f} MiB that "
         "the DataLoader workers of this node may hold there at once: (training 1 worker x 2 prefetched batches "
-        f"x 32 samples x {SAMPLE_BYTES:,} B + evaluation 1 worker x 2 prefetched batches x 64 samples x "
+        f"x 128 samples x {SAMPLE_BYTES:,} B + evaluation 1 worker x 2 prefetched batches x 256 samples x "
         f"{SAMPLE_BYTES:,} B) x 1 process on this node. A worker that finds it full dies of a bus error. "
         "In Docker: docker run --ipc=host (or --shm-size=1g); otherwise lower --workers or --batch-size. "
         "Training goes on: the estimate is an upper bound, the run may still fit.")
@@ -160,7 +161,7 @@ def test_no_warning_with_room_enough_or_without_workers(room, workers, small_shm
 def test_under_torchrun_one_warning_per_node_counting_both_processes(small_shm, shm_runner):
     proc = torchrun(2, shm_runner, [small_shm, *RUN])
     assert proc.stdout.count("warning:") + proc.stderr.count("warning:") == 1, proc.stderr
-    need = (1 * 2 * 16 + 1 * 2 * 32) * SAMPLE_BYTES * 2  # per-process batch 16, evaluation 32
+    need = (1 * 2 * 64 + 1 * 2 * 128) * SAMPLE_BYTES * 2  # per-process batch 64, evaluation 128
     assert f"less than the {need / 2**20:,.1f} MiB" in proc.stderr, proc.stderr
-    assert "16 samples" in proc.stderr and "x 2 processes on this node" in proc.stderr, proc.stderr
+    assert "64 samples" in proc.stderr and "x 2 processes on this node" in proc.stderr, proc.stderr
     assert "done: 2 steps" in proc.stdout

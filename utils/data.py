@@ -223,8 +223,40 @@ def _to_uint8_chw(image) -> torch.Tensor:
 
 
 def _normalize(pixels: torch.Tensor) -> torch.Tensor:
+    """What our normalised values are, computed on the CPU (Normalize looks them up)."""
     mean, std = (torch.tensor(stats).view(3, 1, 1) for stats in (CIFAR100_MEAN, CIFAR100_STD))
     return (pixels.float() / 255 - mean) / std
+
+
+def normalization_table() -> torch.Tensor:
+    """3 x 256 float32: _normalize's value of every byte in every channel."""
+    return _normalize(torch.arange(256, dtype=torch.uint8).expand(3, 1, 256)).reshape(3, 256)
+
+
+class Normalize:
+    """uint8 N x 3 x H x W images -> on `device`, normalised by table lookup: bitwise _normalize's values
+    on any device (on a GPU the formula is not: CUDA divides by a constant as a multiply by its
+    reciprocal, one ulp off for about half the bytes). In `dtype` (autocast's, rounded once as its cast
+    at the first convolution would; None: float32) and `memory_format`: the lookup is laid out like
+    its index, made dense in that layout from bytes, so the model's input needs no copy afterwards."""
+
+    def __init__(self, device, dtype=None, memory_format=torch.contiguous_format):
+        self.device, self.memory_format = torch.device(device), memory_format
+        self.table = normalization_table().to(self.device, dtype or torch.float32).reshape(-1)
+        self.offsets = torch.arange(3, device=self.device).view(1, 3, 1, 1) * 256  # channel c's start
+
+    def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
+        pixels = pixels.to(self.device, non_blocking=True)  # from pinned memory: no wait for the copy
+        return self.table[pixels.contiguous(memory_format=self.memory_format).long() + self.offsets]
+
+
+def model_inputs(dataset, device, memory_format=torch.contiguous_format, dtype=None):
+    """What makes a batch of `dataset`'s images the model's input on `device`. Our CIFAR views hand over
+    uint8, a quarter of float32's bytes through the workers' shared memory and to the device, and leave
+    the float work to Normalize there; any other data set's batches go to the device as loaded."""
+    if isinstance(dataset, (TrainImages, TestImages)):
+        return Normalize(device, dtype, memory_format)
+    return lambda images: images.to(device, non_blocking=True, memory_format=memory_format)
 
 
 def crop_flip(pixels: torch.Tensor, dy: int, dx: int, flip: int) -> torch.Tensor:
@@ -252,7 +284,8 @@ class _View(Dataset):
 
 
 class TrainImages(_View):
-    """Training view of our CIFAR data: key (index, epoch) crops and flips as augmentation_plan says."""
+    """Training view of our CIFAR data: key (index, epoch) crops and flips as augmentation_plan says,
+    uint8 CHW (model_inputs normalises a batch on the device)."""
 
     takes_sample_keys = True  # train_loader hands it (index, epoch), not a bare index
     _plan_epoch = None
@@ -263,7 +296,7 @@ class TrainImages(_View):
             self._plan, self._plan_epoch = augmentation_plan(self.seed, epoch, len(self.base)), epoch
         dy, dx, flip = self._plan[index].tolist()
         image, target = self.base[index]
-        return _normalize(crop_flip(_to_uint8_chw(image), dy, dx, flip)), target
+        return crop_flip(_to_uint8_chw(image), dy, dx, flip), target  # normalised on the device: Normalize
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -298,11 +331,11 @@ class SeededSamples(_View):
 
 
 class TestImages(_View):
-    """Evaluation view: no augmentation."""
+    """Evaluation view: no augmentation; uint8 CHW, normalised on the device like TrainImages'."""
 
     def __getitem__(self, index):
         image, target = self.base[index]
-        return _normalize(_to_uint8_chw(image)), target
+        return _to_uint8_chw(image), target
 
 
 # --- samplers ----------------------------------------------------------------------

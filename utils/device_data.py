@@ -9,16 +9,8 @@ of a whole batch are a handful of GPU kernels.
 The samples and their augmentation are exactly those of the template path
 (utils/data.py): the same TrainSampler decides which indices each rank takes at
 each step and the same per-epoch table gives each sample its crop offset and
-flip. Normalisation looks each byte up in a 256-entry table per channel that the
-loader's own function computed on the CPU, so a float32 batch is bitwise the
-loader's batch on any device. (Computing (x / 255 - mean) / std on the GPU would
-not be: CUDA divides by a constant as a multiply by its reciprocal, one ulp off
-for about half the byte values.)
-
-The table also hands the model what it wants directly: in channels_last layout,
-and in the autocast dtype, rounded from the float32 value exactly as autocast
-would round it at the first convolution; so the training step needs no layout
-copy or cast of its input.
+flip. The batches are uint8, as the loader's are, and the training loop
+normalises both alike (data.model_inputs): bitwise the same model input.
 """
 import numpy as np
 import torch
@@ -49,41 +41,11 @@ def _uint8_images(dataset) -> tuple:
     return np.asarray(dataset.data), list(dataset.targets)  # torchvision's CIFAR100
 
 
-def normalization_table() -> torch.Tensor:
-    """3 x 256 float32: the loader's normalised value of every byte in every channel,
-    computed by the loader's own function (utils/data.py) on the CPU."""
-    every_byte = torch.arange(256, dtype=torch.uint8).view(1, 1, 256).expand(3, 1, 256)
-    return data._normalize(every_byte).reshape(3, 256)
-
-
-class Normalize:
-    """uint8 B x 3 x H x W batches on the device -> normalised images in `dtype` and
-    `memory_format`, by table lookup (bitwise the loader's values in float32)."""
-
-    def __init__(self, device, dtype=None, channels_last: bool = False):
-        # The float32 values rounded once to `dtype`: what autocast's cast would give.
-        self.table = normalization_table().to(dtype or torch.float32).reshape(-1).to(device)
-        self.offsets = torch.arange(3, device=device) * 256  # channel c's entries start at c x 256
-        self.channels_last = channels_last
-
-    def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
-        # The lookup's result is laid out like its index: the index is made dense in the
-        # layout wanted (a copy of bytes, a quarter of the floats' size).
-        if self.channels_last:
-            # B x H x W x C in memory is what torch.channels_last means for an NCHW tensor:
-            # looked up in that order, the result needs no layout copy afterwards.
-            index = pixels.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1).long() + self.offsets
-            return self.table[index].permute(0, 3, 1, 2)
-        return self.table[pixels.contiguous().long() + self.offsets.view(1, 3, 1, 1)]
-
-
 class DeviceTrainLoader:
-    """Iterates (images, targets) batches already on `device`, like the DataLoader
-    built by data.train_loader, with the same `sampler.set_epoch(epoch, start_step)`.
-    `dtype`: the autocast dtype to hand the model (None: float32, the loader's)."""
+    """Iterates (uint8 images, targets) batches already on `device`, like the DataLoader
+    built by data.train_loader, with the same `sampler.set_epoch(epoch, start_step)`."""
 
-    def __init__(self, train_set: data.TrainImages, per_device_batch: int, global_batch: int, env, args,
-                 dtype=None):
+    def __init__(self, train_set: data.TrainImages, per_device_batch: int, global_batch: int, env, args):
         images, targets = _uint8_images(train_set.base)
         self.device = env.device
         pixels = torch.from_numpy(images).to(env.device).permute(0, 3, 1, 2)
@@ -93,7 +55,6 @@ class DeviceTrainLoader:
         self.batch = per_device_batch
         self.sampler = data.TrainSampler(len(targets), global_batch, env.rank, env.world_size, args.seed)
         self.seed = args.seed
-        self.normalize = Normalize(env.device, dtype, getattr(args, "channels_last", False))
 
     def __len__(self):
         return len(self.sampler) // self.batch
@@ -107,7 +68,7 @@ class DeviceTrainLoader:
         for start in range(0, len(plan) - self.batch + 1, self.batch):
             index, dy, dx, flip = plan[start:start + self.batch].unbind(1)
             crops = crop_flip_batch(self.padded[index], dy, dx, flip)
-            yield self.normalize(crops), self.targets[index]
+            yield crops, self.targets[index]
 
 
 class DeviceEvalLoader:
@@ -119,13 +80,12 @@ class DeviceEvalLoader:
     cudnn's algorithm choice (or a compiled graph) never meets a second batch shape.
     """
 
-    def __init__(self, test_set: data.TestImages, batch_size: int, env, args, dtype=None):
+    def __init__(self, test_set: data.TestImages, batch_size: int, env):
         images, targets = _uint8_images(test_set.base)
         mine = slice(env.rank, len(targets), env.world_size)
         self.pixels = torch.from_numpy(images[mine]).to(env.device).permute(0, 3, 1, 2).contiguous()
         self.targets = torch.tensor(targets[mine], dtype=torch.long, device=env.device)
         self.batch = batch_size
-        self.normalize = Normalize(env.device, dtype, getattr(args, "channels_last", False))
 
     def __len__(self):
         return -(-len(self.targets) // self.batch)
@@ -137,4 +97,4 @@ class DeviceEvalLoader:
             if missing:
                 pixels = torch.cat([pixels, pixels.new_zeros((missing, *pixels.shape[1:]))])
                 targets = torch.cat([targets, targets.new_full((missing,), PAD_TARGET)])
-            yield self.normalize(pixels), targets
+            yield pixels, targets

@@ -74,7 +74,7 @@ def evaluation_due(epoch: int, args, last: bool) -> bool:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader, device, autocast=None, memory_format=None) -> dict:
+def evaluate(model: torch.nn.Module, loader, device, autocast=None, inputs=None) -> dict:
     """Exact evaluation over all ranks: each rank sums loss and hits over its shard, and one all-reduce
     gives the numbers of one process evaluating the whole test set. Pass the UNWRAPPED module: DDP's
     forward broadcasts buffers from rank 0, a collective that would hang on uneven shards.
@@ -82,7 +82,8 @@ def evaluate(model: torch.nn.Module, loader, device, autocast=None, memory_forma
     Every rank evaluates with rank 0's buffers: each rank's last training forward updated its batch-norm
     statistics from its own slice of the batch; with the copy every shard is scored by the model that
     rank 0 checkpoints. Each rank gets its own buffers back afterwards (--verify-sync still shows what
-    DDP left). memory_format: the training layout (channels_last). PAD_TARGET samples are not counted."""
+    DDP left). inputs: the training loop's data.model_inputs (default: the batch as loaded, to `device`).
+    PAD_TARGET samples are not counted."""
     distributed = dist.is_available() and dist.is_initialized()
     own_buffers = [b.detach().clone() for b in model.buffers()] if distributed else []
     with meeting("metrics.evaluate() (rank 0's buffers)"):  # all ranks, before any batch
@@ -92,7 +93,7 @@ def evaluate(model: torch.nn.Module, loader, device, autocast=None, memory_forma
     model.eval()
     sums, classes = torch.zeros(4, dtype=sum_dtype(device), device=device), None  # sums: loss, top1, top5, count
     for images, targets in loader:
-        images = images.to(device, non_blocking=True, memory_format=memory_format or torch.preserve_format)
+        images = inputs(images) if inputs is not None else images.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
         with autocast() if autocast is not None else contextlib.nullcontext():
             logits = model(images)
