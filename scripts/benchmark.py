@@ -12,9 +12,11 @@ torchrun, the script's own mp.spawn) with the same model, and reads the figures
 that the script itself measured (its --metrics records). An epoch is a real
 CIFAR-sized one: as many whole global batches as 50,000 images hold (97 steps of
 512 = 49,664 images), and a row's "s per epoch" is the median measured duration
-of such an epoch, training only (evaluation runs after the clock stops). Epoch 1
-is warm-up (loader start, cudnn autotuning, torch.compile) and is not counted: a
-row's figures are over epochs 2..E. The ceiling rows time the training step alone
+of such an epoch, training only (evaluation runs after the clock stops). The
+synthetic set is written once as CIFAR-100 files, which the rows read as they
+read the real data set (write_synthetic_files). Epoch 1 is warm-up (loader
+start, cudnn autotuning, torch.compile) and is not counted: a row's figures are
+over epochs 2..E. The ceiling rows time the training step alone
 in a process of their own, on random tensors already on the device (no loader, no
 DDP, no communication): in NCHW (ceiling-bf16-nchw), in channels_last
 (ceiling-bf16-channels-last) and CUDA-graphed (ceiling-bf16-cudagraphs, GPUs only).
@@ -50,14 +52,17 @@ import ctypes
 import datetime
 import json
 import os
+import pickle
 import platform
 import re
 import resource
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -65,6 +70,7 @@ from dataclasses import asdict, dataclass, field
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -155,9 +161,13 @@ ROWS = [
         "distributed.py under torchrun, one process: wrapped in DDP on a group of one, so that beside "
         "ddp-1proc-noddp it shows DDP's own cost (its hooks and buckets, no other rank to wait for)"),
     Row(BASELINE, "distributed.py", "torchrun", True, (), "DDP via torchrun, the template path: the baseline"),
+    Row("ddp-channels-last", "distributed.py", "torchrun", True, ("--channels-last",),
+        "the template path with --channels-last: the loader's batches in the layout tensor cores want"),
     Row("ddp-spawn", "distributed_mp.py", "spawn", True, (), "DDP, processes started by mp.spawn"),
     Row("ddp-bf16", "distributed_apex.py", "torchrun", True, ("--amp", "bf16"), "DDP + bf16 autocast, NCHW, the loader",
         needs_bf16=True),
+    Row("ddp-bf16-channels-last", "distributed_apex.py", "torchrun", True, ("--amp", "bf16", "--channels-last"),
+        "DDP + bf16 autocast, channels_last, the loader", needs_bf16=True),
     Row("ddp-fp16", "distributed_apex.py", "torchrun", True, ("--amp", "fp16"), "DDP + fp16 autocast + GradScaler",
         gpu_only="fp16 convolutions on the CPU are a slow fallback, not a measurement"),
     Row("ddp-accum2", "distributed_gradient_accumulation.py", "torchrun", True, ("--accum-steps", "2"),
@@ -225,15 +235,19 @@ COMPARISONS = [
                                      "(plain python)"),
     ("ddp", "ddp-1proc", "all devices against one, both under DDP (scaling efficiency; 1.00 is perfect)"),
     ("ddp-bf16", "ddp", "bf16 autocast against fp32, template path"),
+    ("ddp-channels-last", "ddp", "channels_last against NCHW through the loader, fp32 (TF32)"),
+    ("ddp-bf16-channels-last", "ddp-bf16", "channels_last against NCHW through the loader, bf16"),
     ("fsdp2", "ddp", "sharded (FSDP2) against replicated (DDP), fp32"),
     ("fsdp2-bf16", "ddp-bf16", "FSDP2 bf16 policy against DDP bf16 autocast"),
     ("fast-bf16", "ddp-bf16", "data on the device + channels_last against the loader, bf16"),
+    ("fast-bf16", "ddp-bf16-channels-last", "data on the device against the loader, both channels_last, bf16"),
     ("fast-bf16-compile", "fast-bf16", "torch.compile against eager"),
     ("fast-bf16-compile-1024", "fast-bf16-compile", "1024 against 512 images per device, compiled"),
     ("fast-bf16-cudagraphs", "fast-bf16-compile", "CUDA graphs (one process) against plain torch.compile"),
     ("ceiling-bf16-channels-last", "ceiling-bf16-nchw", "channels_last against NCHW, the step alone, bf16"),
     ("ceiling-bf16-cudagraphs", "ceiling-bf16-channels-last", "CUDA graphs against eager, the step alone, bf16"),
     ("ddp-bf16", "ceiling-bf16-nchw", "the template path against its ceiling, bf16 NCHW"),
+    ("ddp-bf16-channels-last", "ceiling-bf16-channels-last", "the loader path against its ceiling, bf16 channels_last"),
     ("fast-fp32", "ceiling-fp32", "fast path against its ceiling, fp32"),
     ("fast-bf16", "ceiling-bf16-channels-last", "fast path against its ceiling, eager"),
     ("fast-bf16-compile", "ceiling-bf16-compile", "fast path against its ceiling, compiled"),
@@ -432,6 +446,7 @@ class Plan:
     compile_ceiling: bool = True
     log_dir: str = ""
     workers_note: str = ""      # why fewer loader workers than the cores allow
+    synthetic_files: str = ""   # --dataset synthetic: the folder the rows read it from (write_synthetic_files)
 
 
 def resolve_plan(args) -> Plan:
@@ -493,8 +508,9 @@ def resolve_plan(args) -> Plan:
     return plan
 
 
-# The most shared memory one loader sample takes: a float32 3x32x32 image and an int64 label.
-LOADER_SAMPLE_BYTES = 3 * 32 * 32 * 4 + 8
+# The shared memory one loader sample takes: a uint8 3x32x32 image (normalised later, on the
+# device) and an int64 label.
+LOADER_SAMPLE_BYTES = 3 * 32 * 32 + 8
 
 
 def workers_that_fit(wanted: int, procs: int, per_device_batch: int, free) -> int:
@@ -547,16 +563,17 @@ def row_shape(row: Row, plan: Plan) -> tuple:
 
 def row_command(row: Row, plan: Plan, metrics_path: str) -> list:
     procs, batch, devices, steps = row_shape(row, plan)
+    dataset, data_dir = ("cifar100", plan.synthetic_files) if plan.synthetic_files else (plan.dataset, plan.data_dir)
     train_args = [
-        row.script, "--dataset", plan.dataset, "--model", plan.model, "--batch-size", str(batch),
+        row.script, "--dataset", dataset, "--model", plan.model, "--batch-size", str(batch),
         "--epochs", str(plan.epochs), "--train-samples", str(steps * batch),
         # Evaluation runs after each epoch's clock has stopped; one image per process keeps
         # the rows short while still running it.
         "--test-samples", str(procs),
         "--workers", str(0 if row.fast_loader else plan.workers), "--metrics", metrics_path, *row.flags,
     ]
-    if plan.dataset == "cifar100":
-        train_args += ["--data-dir", plan.data_dir]
+    if dataset == "cifar100":
+        train_args += ["--data-dir", data_dir]
     if row.script == "dataparallel.py" and plan.use_cuda:  # the GPUs that the other rows use
         train_args += ["--gpus", ",".join(str(i) for i in range(devices))]
     if row.launcher == "torchrun":
@@ -565,6 +582,29 @@ def row_command(row: Row, plan: Plan, metrics_path: str) -> list:
     if row.launcher == "spawn":
         return [sys.executable, *train_args, "--nproc-per-node", str(procs)]
     return [sys.executable, *train_args]
+
+
+def write_synthetic_files(plan: Plan):
+    """--dataset synthetic, image for image, written in CIFAR-100's file layout to a new folder
+    (plan.synthetic_files, removed after the run) for the rows to read with --dataset cifar100, as
+    the real data set is read: an array in memory that the loader workers index. Made image by
+    image in the workers instead, its generator would be most of what a loader row measures (one
+    worker on a 2-core CPU: 7,189 synthetic samples/s, 25,489 from CIFAR files;
+    results/cpu-loader-bytes-2026-11-28). As many images as the largest row trains on."""
+    rows = [row_shape(row, plan) for row in ROWS if row.name in plan.names]
+    if plan.dataset != "synthetic" or not rows:
+        return
+    plan.synthetic_files = tempfile.mkdtemp(prefix="benchmark-synthetic-")
+    folder = os.path.join(plan.synthetic_files, "cifar-100-python")
+    os.mkdir(folder)
+    for split, count in (("train", max(batch * steps for _, batch, _, steps in rows)),
+                         ("test", max(procs for procs, *_ in rows))):  # a row evaluates one image per process
+        images = data.SyntheticCIFAR(split == "train", count)
+        pixels = np.stack([images[i][0] for i in range(count)]).transpose(0, 3, 1, 2).reshape(count, -1)
+        with open(os.path.join(folder, split), "wb") as f:  # protocol 2, as the release's files
+            pickle.dump({"data": pixels, "fine_labels": images.targets}, f, protocol=2)
+    with open(os.path.join(folder, "meta"), "wb") as f:
+        pickle.dump({"fine_label_names": images.classes}, f, protocol=2)
 
 
 def ceiling_setup(ceiling: Ceiling) -> str:
@@ -1036,7 +1076,9 @@ def write_markdown(path: str, report: dict):
         f"- PyTorch {h['torch']}, CUDA {h['cuda'] or 'none'}" + ("" if h["cuda_used"] else " (not used)")
         + (f", cuDNN {h['cudnn']}" if h["cudnn"] else "") + f", Python {h['python']}",
         f"- command: `{h['command']}`",
-        f"- model {plan['model']}, dataset {plan['dataset']}, {plan['per_device_batch']} images per device and "
+        f"- model {plan['model']}, dataset {plan['dataset']}"
+        + (" (written as CIFAR-100 files, which the rows read as the real data set)" if plan.get("synthetic_files")
+           else "") + f", {plan['per_device_batch']} images per device and "
         f"step unless the row says otherwise, {plan['epochs']} epochs per row (epoch 1 is warm-up: the figures "
         f"are over epochs 2..{plan['epochs']}), loader workers per process {plan['workers']}"
         + (f" ({plan['workers_note']})" if plan.get("workers_note") else ""),
@@ -1308,7 +1350,8 @@ class Report:
         return {
             "state": state,
             "header": self.header,
-            "settings": {"model": plan.model, "dataset": plan.dataset, "global_batch": plan.global_batch,
+            "settings": {"model": plan.model, "dataset": plan.dataset, "synthetic_files": bool(plan.synthetic_files),
+                         "global_batch": plan.global_batch,
                          "per_device_batch": plan.per_device_batch, "processes": plan.procs,
                          "steps": plan.steps or "one CIFAR-sized epoch per row", "epochs": plan.epochs,
                          "warmup_epochs": WARMUP_EPOCHS, "workers": plan.workers,
@@ -1446,6 +1489,12 @@ def main(argv=None):
     current = None
     install_stop_handlers()  # from here on a stop signal ends the running row and keeps the rest
     try:
+        if plan.dataset == "synthetic":
+            started = time.monotonic()
+            write_synthetic_files(plan)
+            if plan.synthetic_files:
+                print(f"the synthetic set written as CIFAR-100 files in {time.monotonic() - started:.1f} s: "
+                      f"{plan.synthetic_files}", flush=True)
         for i, name in enumerate(plan.names, 1):
             row, current = by_name[name], name
             timeout = plan.timeout
@@ -1487,6 +1536,9 @@ def main(argv=None):
         print(f"\n{name}: the benchmark stopped; finished rows are in {report.paths['md']}", file=sys.stderr,
               flush=True)
         sys.exit(128 + stop.signum)
+    finally:
+        if plan.synthetic_files:
+            shutil.rmtree(plan.synthetic_files, ignore_errors=True)
 
     final = report.write("complete")
     print_summary(final)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -41,13 +42,15 @@ def tool():
 def quick_run(tmp_path_factory):
     """One --quick run on the CPU, as a user starts it (no PYTHONPATH)."""
     out = tmp_path_factory.mktemp("bench")
-    env = subprocess_env()
+    env = subprocess_env(TMPDIR=str(tmp_path_factory.mktemp("tmp")))  # where the synthetic files go
     env.pop("PYTHONPATH")
     started = time.perf_counter()
     proc = run_script([TOOL, "--quick", "--device", "cpu", "--peak-tflops", PEAK_TFLOPS, "--out", out],
                       timeout=420, check=False, env=env)
     print(f"benchmark --quick took {time.perf_counter() - started:.0f} s")
     assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+    assert "the synthetic set written as CIFAR-100 files" in proc.stdout
+    assert not [name for name in os.listdir(env["TMPDIR"]) if name.startswith("benchmark-synthetic-")]
     with open(out / "benchmark.json") as f:
         report = json.load(f)
     return proc, out, report
@@ -406,6 +409,33 @@ def test_a_cuda_graphed_ceiling_that_ran_without_graphs_fails(tool, tmp_path, mo
     assert (result["min_images_per_second"], result["max_images_per_second"]) == (4 * 512 / 0.5, 4 * 512 / 0.25)
 
 
+def test_the_rows_read_the_synthetic_set_from_cifar_files(tool, monkeypatch, tmp_path):
+    """Written image for image in CIFAR-100's layout, read back by the scripts' own reader as the
+    same images and labels; only a run with script rows writes them, and main removes them."""
+    import argparse
+    from utils import data
+    from utils.distributed import DistEnv
+    monkeypatch.setattr(tool.tempfile, "tempdir", str(tmp_path))
+    plan = tool.Plan(use_cuda=False, gpus=0, procs=2, global_batch=32, per_device_batch=16, steps=2, epochs=2,
+                     workers=0, model="resnet_tiny", dataset="synthetic", data_dir="./data", timeout=60, bf16=True,
+                     names=["ceiling-bf16-nchw"])
+    tool.write_synthetic_files(plan)
+    assert plan.synthetic_files == "" and os.listdir(tmp_path) == []  # the step alone reads no data
+    plan.names = ["ddp-1proc", "ddp", "ceiling-bf16-nchw"]
+    tool.write_synthetic_files(plan)
+    assert os.path.dirname(plan.synthetic_files) == str(tmp_path)
+    command = tool.row_command({r.name: r for r in tool.ROWS}["ddp"], plan, "m.jsonl")
+    assert command[command.index("--dataset") + 1] == "cifar100"
+    assert command[command.index("--data-dir") + 1] == plan.synthetic_files
+    args = argparse.Namespace(dataset="cifar100", data_dir=plan.synthetic_files, train_samples=None,
+                              test_samples=None, seed=0)
+    train, test = data.build_datasets(args, DistEnv(0, 0, 1, 1, torch.device("cpu"), distributed=False))
+    assert (len(train), len(test)) == (64, 2)  # ddp: 2 steps of 32; a row evaluates one image per process
+    for files, synthetic in ((train.base, data.SyntheticCIFAR(True, 64)), (test.base, data.SyntheticCIFAR(False, 2))):
+        assert files.targets == synthetic.targets and files.classes == synthetic.classes
+        assert all(np.array_equal(files[i][0], synthetic[i][0]) for i in range(len(synthetic)))
+
+
 def test_an_epoch_is_the_whole_batches_of_cifar(tool):
     assert tool.epoch_steps(512, 0) == 97 and 97 * 512 == 49_664
     assert tool.epoch_steps(1024, 0) == 48
@@ -431,8 +461,8 @@ def test_row_shapes_on_a_gpu(tool):
 
 def test_loader_workers_on_a_gpu_fit_in_shared_memory(tool, monkeypatch):
     """16 cores and one GPU: 15 workers by the cores. With Docker's 64 MB of /dev/shm they
-    would hold more than fits (a bus error); the benchmark starts as many as fit by
-    data.shm_estimate's own formula, and says why in the report."""
+    would hold more than fits (a bus error): 9.5 MB each, in uint8; the benchmark starts as
+    many as fit by data.shm_estimate's own formula, and says why in the report."""
     from types import SimpleNamespace
     from utils import data
     monkeypatch.setattr(tool.torch.cuda, "is_available", lambda: True)
@@ -447,7 +477,7 @@ def test_loader_workers_on_a_gpu_fit_in_shared_memory(tool, monkeypatch):
                    for purpose, batch in (("training", 512), ("evaluation", 1024))]
         return data.shm_estimate(loaders, 1, tool.LOADER_SAMPLE_BYTES)[0]
 
-    for free, expected in ((None, 15), (2**40, 15), (64 * 2**20, 1), (20 * 2**20, 0)):
+    for free, expected in ((None, 15), (2**40, 15), (64 * 2**20, 7), (20 * 2**20, 2), (8 * 2**20, 0)):
         monkeypatch.setattr(tool.lifecycle, "shm_free_bytes", lambda path=None: free)
         plan = tool.resolve_plan(args)
         assert plan.workers == expected, (free, plan.workers)
