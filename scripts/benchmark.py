@@ -50,6 +50,7 @@ hold its nodes after its work is done is a bug to see, not a slow row.
 import argparse
 import ctypes
 import datetime
+import glob
 import json
 import os
 import pickle
@@ -561,9 +562,11 @@ def row_shape(row: Row, plan: Plan) -> tuple:
     return procs, batch, devices, epoch_steps(batch, plan.steps)
 
 
-def row_command(row: Row, plan: Plan, metrics_path: str) -> list:
+def row_command(row: Row, plan: Plan, metrics_path: str, as_typed: bool = False) -> list:
+    """as_typed: as a reader would give it, --dataset synthetic (the same images as the files the row read)."""
     procs, batch, devices, steps = row_shape(row, plan)
-    dataset, data_dir = ("cifar100", plan.synthetic_files) if plan.synthetic_files else (plan.dataset, plan.data_dir)
+    files = plan.synthetic_files and not as_typed
+    dataset, data_dir = ("cifar100", plan.synthetic_files) if files else (plan.dataset, plan.data_dir)
     train_args = [
         row.script, "--dataset", dataset, "--model", plan.model, "--batch-size", str(batch),
         "--epochs", str(plan.epochs), "--train-samples", str(steps * batch),
@@ -588,13 +591,20 @@ def write_synthetic_files(plan: Plan):
     """--dataset synthetic, image for image, written in CIFAR-100's file layout to a new folder
     (plan.synthetic_files, removed after the run) for the rows to read with --dataset cifar100, as
     the real data set is read: an array in memory that the loader workers index. Made image by
-    image in the workers instead, its generator would be most of what a loader row measures (one
-    worker on a 2-core CPU: 7,189 synthetic samples/s, 25,489 from CIFAR files;
+    image in the workers instead, its generator takes most of a worker's time (one worker on a
+    2-core CPU: 7,189 synthetic samples/s, 25,489 from CIFAR files;
     results/cpu-loader-bytes-2026-11-28). As many images as the largest row trains on."""
     rows = [row_shape(row, plan) for row in ROWS if row.name in plan.names]
     if plan.dataset != "synthetic" or not rows:
         return
-    plan.synthetic_files = tempfile.mkdtemp(prefix="benchmark-synthetic-")
+    for stale in glob.glob(os.path.join(tempfile.gettempdir(), "benchmark-synthetic-*-*")):
+        try:  # its run's pid: gone, the run was killed before it could remove the folder
+            os.kill(int(os.path.basename(stale).split("-")[2]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(stale, ignore_errors=True)
+        except (ValueError, OSError):  # not a pid, or another user's process: not ours to judge
+            pass
+    plan.synthetic_files = tempfile.mkdtemp(prefix=f"benchmark-synthetic-{os.getpid()}-")
     folder = os.path.join(plan.synthetic_files, "cifar-100-python")
     os.mkdir(folder)
     for split, count in (("train", max(batch * steps for _, batch, _, steps in rows)),
@@ -866,7 +876,7 @@ def run_row(row: Row, plan: Plan, work_dir: str, timeout: float = None) -> dict:
     cmd = row_command(row, plan, metrics_path)
     result["command"] = shlex.join(cmd)
     # As a reader would type it: no interpreter path, no log directory.
-    result["display_command"] = shlex.join(["python", *row_command(row, plan, f"{row.name}.jsonl")[1:]])
+    result["display_command"] = shlex.join(["python", *row_command(row, plan, f"{row.name}.jsonl", True)[1:]])
     result["log"] = os.path.join(work_dir, f"{row.name}.log")
     started = time.perf_counter()
     try:

@@ -4,7 +4,7 @@ A few seconds before hours of training. One node, all its local devices (one
 process per GPU, or 2 CPU processes without a GPU), started by the script itself:
 
     python scripts/preflight.py
-    python scripts/preflight.py --workers 8 --batch-size 1024 --sample-shape 3,224,224
+    python scripts/preflight.py --workers 8 --batch-size 1024 --sample-shape 3,224,224 --sample-dtype float32
 
 Several nodes: first on each node, with the job's rendezvous endpoint (seconds, no
 other node needed): is this node's name resolvable to an address the others reach, would

@@ -421,12 +421,22 @@ def test_the_rows_read_the_synthetic_set_from_cifar_files(tool, monkeypatch, tmp
                      names=["ceiling-bf16-nchw"])
     tool.write_synthetic_files(plan)
     assert plan.synthetic_files == "" and os.listdir(tmp_path) == []  # the step alone reads no data
+    # A folder left by a run that was killed goes; one of a run still alive (this process) stays.
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / f"benchmark-synthetic-{dead.pid}-killed").mkdir()
+    (tmp_path / f"benchmark-synthetic-{os.getpid()}-running").mkdir()
     plan.names = ["ddp-1proc", "ddp", "ceiling-bf16-nchw"]
     tool.write_synthetic_files(plan)
     assert os.path.dirname(plan.synthetic_files) == str(tmp_path)
-    command = tool.row_command({r.name: r for r in tool.ROWS}["ddp"], plan, "m.jsonl")
+    assert sorted(os.listdir(tmp_path)) == sorted([f"benchmark-synthetic-{os.getpid()}-running",
+                                                   os.path.basename(plan.synthetic_files)])
+    ddp = {r.name: r for r in tool.ROWS}["ddp"]
+    command = tool.row_command(ddp, plan, "m.jsonl")
     assert command[command.index("--dataset") + 1] == "cifar100"
     assert command[command.index("--data-dir") + 1] == plan.synthetic_files
+    typed = tool.row_command(ddp, plan, "m.jsonl", as_typed=True)  # the report's: the same images
+    assert typed[typed.index("--dataset") + 1] == "synthetic" and "--data-dir" not in typed
     args = argparse.Namespace(dataset="cifar100", data_dir=plan.synthetic_files, train_samples=None,
                               test_samples=None, seed=0)
     train, test = data.build_datasets(args, DistEnv(0, 0, 1, 1, torch.device("cpu"), distributed=False))

@@ -10,7 +10,7 @@ the model is wrapped, how a step is taken) and hand this object the rest:
             run.meter.update(loss, logits, targets)
             if run.step_done():      # True at --max-steps
                 break
-        run.end_epoch(evaluate(model, test_loader, env.device))
+        run.end_epoch(evaluate(model, test_loader, env.device, inputs=to_model))
     run.finish()
 
 Where the ranks meet: every rank must make each of these calls, at the same points and in the same
