@@ -71,12 +71,11 @@ from dataclasses import asdict, dataclass, field
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from models import MODEL_NAMES, build_model  # noqa: E402
-from utils import cli, data, lifecycle, precision  # noqa: E402
+from utils import cli, data, device_data, lifecycle, precision  # noqa: E402
 from utils.data import NUM_CLASSES  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))  # also when this file is imported from elsewhere (tests)
@@ -609,12 +608,13 @@ def write_synthetic_files(plan: Plan):
     os.mkdir(folder)
     for split, count in (("train", max(batch * steps for _, batch, _, steps in rows)),
                          ("test", max(procs for procs, *_ in rows))):  # a row evaluates one image per process
-        images = data.SyntheticCIFAR(split == "train", count)
-        pixels = np.stack([images[i][0] for i in range(count)]).transpose(0, 3, 1, 2).reshape(count, -1)
+        synthetic = data.SyntheticCIFAR(split == "train", count)
+        pixels, labels = device_data.uint8_images(synthetic)  # N x H x W x C; a file row is C x H x W
         with open(os.path.join(folder, split), "wb") as f:  # protocol 2, as the release's files
-            pickle.dump({"data": pixels, "fine_labels": images.targets}, f, protocol=2)
+            pickle.dump({"data": pixels.transpose(0, 3, 1, 2).reshape(count, -1), "fine_labels": labels}, f,
+                        protocol=2)
     with open(os.path.join(folder, "meta"), "wb") as f:
-        pickle.dump({"fine_label_names": images.classes}, f, protocol=2)
+        pickle.dump({"fine_label_names": synthetic.classes}, f, protocol=2)
 
 
 def ceiling_setup(ceiling: Ceiling) -> str:
@@ -1499,12 +1499,11 @@ def main(argv=None):
     current = None
     install_stop_handlers()  # from here on a stop signal ends the running row and keeps the rest
     try:
-        if plan.dataset == "synthetic":
-            started = time.monotonic()
-            write_synthetic_files(plan)
-            if plan.synthetic_files:
-                print(f"the synthetic set written as CIFAR-100 files in {time.monotonic() - started:.1f} s: "
-                      f"{plan.synthetic_files}", flush=True)
+        started = time.monotonic()
+        write_synthetic_files(plan)
+        if plan.synthetic_files:
+            print(f"the synthetic set written as CIFAR-100 files in {time.monotonic() - started:.1f} s: "
+                  f"{plan.synthetic_files}", flush=True)
         for i, name in enumerate(plan.names, 1):
             row, current = by_name[name], name
             timeout = plan.timeout

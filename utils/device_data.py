@@ -30,10 +30,10 @@ def crop_flip_batch(padded: torch.Tensor, dy, dx, flip) -> torch.Tensor:
     return torch.where(flip.view(b, 1, 1, 1).bool(), out.flip(3), out)
 
 
-def _uint8_images(dataset) -> tuple:
+def uint8_images(dataset) -> tuple:
     """(N x 32 x 32 x 3 uint8 array, N labels) of a data set built by data.build_datasets."""
     if isinstance(dataset, Subset):
-        images, targets = _uint8_images(dataset.dataset)
+        images, targets = uint8_images(dataset.dataset)
         keep = np.asarray(dataset.indices)
         return images[keep], [targets[i] for i in keep]
     if isinstance(dataset, data.SyntheticCIFAR):
@@ -46,7 +46,7 @@ class DeviceTrainLoader:
     built by data.train_loader, with the same `sampler.set_epoch(epoch, start_step)`."""
 
     def __init__(self, train_set: data.TrainImages, per_device_batch: int, global_batch: int, env, args):
-        images, targets = _uint8_images(train_set.base)
+        images, targets = uint8_images(train_set.base)
         self.device = env.device
         pixels = torch.from_numpy(images).to(env.device).permute(0, 3, 1, 2)
         # Padded once for the whole run: each batch's crop is then a gather.
@@ -81,7 +81,7 @@ class DeviceEvalLoader:
     """
 
     def __init__(self, test_set: data.TestImages, batch_size: int, env):
-        images, targets = _uint8_images(test_set.base)
+        images, targets = uint8_images(test_set.base)
         mine = slice(env.rank, len(targets), env.world_size)
         self.pixels = torch.from_numpy(images[mine]).to(env.device).permute(0, 3, 1, 2).contiguous()
         self.targets = torch.tensor(targets[mine], dtype=torch.long, device=env.device)
