@@ -742,15 +742,30 @@ def dump_stacks(proc, log, why: str):
     for pid in pids:
         _signal(pid, signal.SIGSTOP)
     for pid in pids:
-        if not _signal(pid, signal.SIGABRT):
+        if not _abort_main_thread(pid):
             continue
-        _signal(pid, signal.SIGCONT)  # the pending SIGABRT is handled before any other code runs
+        _signal(pid, signal.SIGCONT)  # the main thread handles its pending SIGABRT before any other code
         deadline = time.monotonic() + 3
         while time.monotonic() < deadline and (pid in live_children(proc.pid) if pid != proc.pid
                                                else proc.poll() is None):
             time.sleep(0.05)
     for pid in pids:  # one that did not die stays stopped no longer: end_group's SIGTERM must reach it
         _signal(pid, signal.SIGCONT)
+
+
+def _abort_main_thread(pid: int) -> bool:
+    """SIGABRT to the main thread of process `pid` (whose thread id is its pid). The fault handler
+    prints the other threads' stacks without the GIL, while they run; only the stack of the thread
+    that took the signal stands still. Sent to the process, SIGABRT goes to whichever thread
+    wakes first from SIGCONT, often one of PyTorch's C++ threads (torchrun's TCPStore server): the
+    main thread then runs Python code while its stack is printed, and the print can read a frame
+    as it is freed and crash half-way (seen: a segmentation fault in the middle of torchrun's
+    stack). glibc's tgkill (2.30 and later); elsewhere, to the process."""
+    try:
+        tgkill = ctypes.CDLL(None, use_errno=True).tgkill
+    except (OSError, AttributeError):
+        return _signal(pid, signal.SIGABRT)
+    return tgkill(pid, pid, signal.SIGABRT) == 0
 
 
 def _signal(pid: int, sig) -> bool:

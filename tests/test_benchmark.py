@@ -611,11 +611,16 @@ def test_a_row_whose_processes_do_not_exit_keeps_its_figures_and_its_stacks(tool
     assert re.fullmatch(r"trained and wrote its figures, but its processes had not exited \d+ s later and were "
                         r"ended; their stacks are in its log", result["did_not_exit"]), result
     stacks = log.split("the Python stacks of its processes follow (SIGABRT) ---", 1)[1]
-    # Rank 1 (rank 0 has exited), then torchrun's agent: two whole dumps, in that order.
+    # Rank 1 (rank 0 has exited), then torchrun's agent: two whole dumps, in that order, each
+    # printed by the process's main thread (its "Current thread"), whose stack stands still while
+    # it prints; a dump printed by another thread can crash on the running main thread's frames.
     dumps = stacks.split("Fatal Python error: Aborted")[1:]
     assert len(dumps) == 2, stacks
-    assert re.search(r'File ".*fault_injection\.py", line \d+ in cleanup\n', dumps[0]), dumps[0]
-    assert "torch/distributed/elastic/agent" in dumps[1], dumps[1]
+    printer = [re.search(r"\nCurrent thread 0x[0-9a-f]+ \(most recent call first\):\n(.*?)\n\n", dump, re.S)
+               for dump in dumps]
+    assert all(printer), stacks
+    assert re.search(r'File ".*fault_injection\.py", line \d+ in cleanup\n', printer[0][1]), dumps[0]
+    assert "torch/distributed/elastic/agent" in printer[1][1], dumps[1]
     assert_no_process_outlives(str(tmp_path), "the row that did not exit")
 
 
