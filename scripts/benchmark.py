@@ -675,9 +675,16 @@ def _on_stop_signal(signum, frame):
     raise Interrupted(signum)
 
 
-def install_stop_handlers():
+def _record_stop_signal(signum, frame):
+    """Once only the report is left to write: the signal is kept for the exit status and cuts
+    nothing short (raised there, it would leave a traceback and the report half-written)."""
+    if not _stopping:
+        _stopping.append(signum)
+
+
+def install_stop_handlers(handler=_on_stop_signal):
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _on_stop_signal)
+        signal.signal(sig, handler)
 
 
 def _die_with_parent():
@@ -1456,6 +1463,7 @@ def memory_report(args, argv):
             else:
                 with open(out) as f:
                     results.append(json.load(f))
+        install_stop_handlers(_record_stop_signal)
     except Interrupted as stop:
         name = signal.Signals(stop.signum).name
         done = {r["world_size"] for r in results}
@@ -1548,6 +1556,7 @@ def main(argv=None):
             print(f"    {r['status']}: {detail}" + (f" ({r['wall_seconds']:.0f} s)" if "wall_seconds" in r else ""),
                   flush=True)
             report.write("partial: rows still to run")
+        install_stop_handlers(_record_stop_signal)  # every row has run
     except Interrupted as stop:
         name = signal.Signals(stop.signum).name
         if current is not None:
@@ -1575,6 +1584,9 @@ def main(argv=None):
     if stuck:
         print(f"rows whose processes did not exit after their work (stacks in their logs): {', '.join(stuck)}",
               file=sys.stderr)
+    if _stopping:
+        print(f"{signal.Signals(_stopping[0]).name} came after the last row; the report is whole", file=sys.stderr)
+        sys.exit(128 + _stopping[0])
     if failed or stuck:
         sys.exit(1)
 

@@ -6,10 +6,12 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -759,6 +761,38 @@ def row_commands(marker: str) -> str:
         if marker in cmdline and is_running(int(pid)):
             found.append(cmdline)
     return "\n".join(found)
+
+
+def test_a_stop_signal_after_the_last_row_leaves_the_report_whole(tmp_path, monkeypatch, capsys):
+    """SIGTERM while the benchmark removes its synthetic files, after every row has run (sent
+    from inside that removal, which takes well under a second, so that it lands there every
+    time): the files are gone, the report is complete, no traceback; exit status 128 + SIGTERM."""
+    tool = load_tool()  # its own module: main() keeps the signal it saw
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    real_rmtree = shutil.rmtree
+
+    def rmtree_under_a_signal(path, *args, **kwargs):
+        if os.path.basename(path).startswith(f"benchmark-synthetic-{os.getpid()}-"):
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs at once, in this thread
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree_under_a_signal)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    out = tmp_path / "out"
+    try:
+        with pytest.raises(SystemExit) as stop:
+            tool.main(["--quick", "--device", "cpu", "--rows", "ddp-1proc-noddp", "--out", str(out),
+                       "--log-dir", str(tmp_path / "logs")])
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    stderr = capsys.readouterr().err
+    assert stop.value.code == 128 + signal.SIGTERM, stderr
+    assert "SIGTERM came after the last row; the report is whole" in stderr, stderr
+    assert not [name for name in os.listdir(tmp_path) if name.startswith("benchmark-synthetic-")]
+    report = json.loads((out / "benchmark.json").read_text())
+    assert report["state"] == "complete"
+    assert [(r["name"], r["status"]) for r in report["rows"]] == [("ddp-1proc-noddp", "ok")]
 
 
 def test_sigterm_during_the_memory_table_ends_its_launch_and_writes_what_it_has(tmp_path):
