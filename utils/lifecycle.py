@@ -215,7 +215,8 @@ _job = None  # where this process's job meets: set by utils.distributed, see mee
 
 
 def meets_at(rendezvous: str, rank: int, world_size: int, hosts_store: bool = False):
-    """Where this process's job meets ("tcp://HOST:PORT" or "file:///PATH"), for `tell_the_job`."""
+    """Where this process's job meets ("tcp://HOST:PORT" or "file:///PATH"; None where no other node can be
+    told), for `tell_the_job`."""
     global _job
     _job = (rendezvous, rank, world_size, hosts_store)
 
@@ -242,10 +243,16 @@ def tell_the_job(refusal: str):
     """This process's refusal, before the group forms, where the other ranks waiting to form it look
     (utils.distributed.joining): the rendezvous store, or a file beside a file:// rendezvous. A rank
     that serves the store (rank 0, but under torchrun's agent store) serves it until every other rank
-    has read the line, or DELIVERY_S have passed. Best effort."""
+    has read the line or refused too, or DELIVERY_S have passed. Under torchrun's agent store every
+    rank holds on so: one node's agent serves the store of all, and it ends soon after its own ranks;
+    the other agents, their store lost, would end their ranks before these read the line or print
+    their own. Where no other node can be told (rendezvous None), for DELIVERY_S. Best effort."""
     if _job is None or _job[2] <= 1:
         return
     rendezvous, rank, world_size, hosts_store = _job
+    keep_up = hosts_store or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if rendezvous is None:
+        return time.sleep(DELIVERY_S if keep_up else 0)
     if rendezvous.startswith("file://"):
         return _write_whole(refusal_file(rendezvous[len("file://"):]), f"{rank}\n{refusal}")
     until, key = time.monotonic() + DELIVERY_S, f"{attempt_prefix()}/refused"
@@ -254,7 +261,7 @@ def tell_the_job(refusal: str):
         store = store_client(rendezvous, DELIVERY_S, host_it=hosts_store)
         store.set(key, f"{rank}\n{refusal}")
         store.add(key + "/read", 1)
-        while hosts_store and store.add(key + "/read", 0) < world_size and time.monotonic() < until:
+        while keep_up and store.add(key + "/read", 0) < world_size and time.monotonic() < until:
             time.sleep(0.2)
 
 
