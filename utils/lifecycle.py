@@ -243,14 +243,14 @@ def tell_the_job(refusal: str):
     """This process's refusal, before the group forms, where the other ranks waiting to form it look
     (utils.distributed.joining): the rendezvous store, or a file beside a file:// rendezvous. A rank
     that serves the store (rank 0, but under torchrun's agent store) serves it until every other rank
-    has read the line or refused too, or DELIVERY_S have passed. Under torchrun's agent store every
-    rank holds on so: one node's agent serves the store of all, and it ends soon after its own ranks;
-    the other agents, their store lost, would end their ranks before these read the line or print
-    their own. Where no other node can be told (rendezvous None), for DELIVERY_S. Best effort."""
+    has read the line or refused too, or DELIVERY_S have passed. Under torchrun every rank holds on
+    so: one node's agent serves the other agents' rendezvous store and ends soon after its own ranks;
+    the others, their store lost, would end their ranks before these read the line or print their
+    own. Where no other node can be told (rendezvous None), for DELIVERY_S. Best effort."""
     if _job is None or _job[2] <= 1:
         return
     rendezvous, rank, world_size, hosts_store = _job
-    keep_up = hosts_store or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    keep_up = hosts_store or bool(os.environ.get("TORCHELASTIC_ERROR_FILE"))  # torchrun sets it for its ranks
     if rendezvous is None:
         return time.sleep(DELIVERY_S if keep_up else 0)
     if rendezvous.startswith("file://"):
@@ -276,8 +276,9 @@ def refusal_of_a_peer(rendezvous: str, store: list):
         if store[0] is None:
             store[0] = store_client(rendezvous, 5.0)
         if store[0].check([key]):
-            store[0].add(key + "/read", 1)
-            return store[0].get(key).decode(errors="replace")
+            line = store[0].get(key).decode(errors="replace")
+            store[0].add(key + "/read", 1)  # after the get: the refusing rank may then end, its store with it
+            return line
     except Exception:  # noqa: BLE001 - no file yet; the store not up yet, or gone: look again later
         store[0] = None
     return None
