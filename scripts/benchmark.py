@@ -769,7 +769,7 @@ def _abort_main_thread(pid: int) -> bool:
     as it is freed and crash half-way (seen: a segmentation fault in the middle of torchrun's
     stack). glibc's tgkill (2.30 and later); elsewhere, to the process."""
     try:
-        tgkill = ctypes.CDLL(None, use_errno=True).tgkill
+        tgkill = ctypes.CDLL(None).tgkill
     except (OSError, AttributeError):
         return _signal(pid, signal.SIGABRT)
     return tgkill(pid, pid, signal.SIGABRT) == 0

@@ -215,8 +215,7 @@ _job = None  # where this process's job meets: set by utils.distributed, see mee
 
 
 def meets_at(rendezvous: str, rank: int, world_size: int, hosts_store: bool = False):
-    """Where this process's job meets ("tcp://HOST:PORT" or "file:///PATH"; None where no other node can be
-    told), for `tell_the_job`."""
+    """Where this process's job meets, for `tell_the_job`: "tcp://HOST:PORT", "file:///PATH", or None."""
     global _job
     _job = (rendezvous, rank, world_size, hosts_store)
 
@@ -241,12 +240,10 @@ def store_client(rendezvous: str, timeout_s: float, host_it: bool = False):
 
 def tell_the_job(refusal: str):
     """This process's refusal, before the group forms, where the other ranks waiting to form it look
-    (utils.distributed.joining): the rendezvous store, or a file beside a file:// rendezvous. A rank
-    that serves the store (rank 0, but under torchrun's agent store) serves it until every other rank
-    has read the line or refused too, or DELIVERY_S have passed. Under torchrun every rank holds on
-    so: one node's agent serves the other agents' rendezvous store and ends soon after its own ranks;
-    the others, their store lost, would end their ranks before these read the line or print their
-    own. Where no other node can be told (rendezvous None), for DELIVERY_S. Best effort."""
+    (utils.distributed.joining): the rendezvous store, or a file beside a file:// rendezvous. The
+    store's host (rank 0; under torchrun, any rank: one node's agent serves every agent's store, and
+    the others, that store lost, end their ranks before these print) holds on until every rank has
+    read the line or refused too, DELIVERY_S at most; as long where no node can be told (None)."""
     if _job is None or _job[2] <= 1:
         return
     rendezvous, rank, world_size, hosts_store = _job
