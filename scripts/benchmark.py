@@ -1444,7 +1444,7 @@ def memory_report(args, argv):
     log_dir = os.path.abspath(args.log_dir or os.path.join(args.out, "logs"))
     os.makedirs(log_dir, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    results = []
+    results, cut_short = [], False
     install_stop_handlers()  # a stop signal ends the running launch and its workers, as for a row
     try:
         for size in sizes:
@@ -1465,7 +1465,7 @@ def memory_report(args, argv):
                     results.append(json.load(f))
         install_stop_handlers(_record_stop_signal)
     except Interrupted as stop:
-        name = signal.Signals(stop.signum).name
+        name, cut_short = signal.Signals(stop.signum).name, True
         done = {r["world_size"] for r in results}
         results += [{"world_size": size, "error": f"not measured: {name} ended the benchmark"}
                     for size in sizes if size not in done]
@@ -1481,6 +1481,9 @@ def memory_report(args, argv):
         print(f.read())
     print(f"wrote {paths['md']}, {paths['json']}")
     if _stopping:
+        name = signal.Signals(_stopping[0]).name
+        print(f"{name}: the memory table stopped; what it measured is in {paths['md']}" if cut_short else
+              f"{name} came after the last launch; the memory table is whole", file=sys.stderr)
         sys.exit(128 + _stopping[0])
     failed = [r for r in report["rows"] if "error" in r or not r["matches_formula"]]
     if failed:

@@ -812,4 +812,33 @@ def test_sigterm_during_the_memory_table_ends_its_launch_and_writes_what_it_has(
     assert proc.returncode == 128 + signal.SIGTERM, stdout + stderr
     assert "Traceback" not in stderr, stderr
     assert "not measured: SIGTERM ended the benchmark" in (out / "memory.md").read_text()
+    assert f"SIGTERM: the memory table stopped; what it measured is in {out / 'memory.md'}" in stderr, stderr
     assert_no_process_outlives(logs, "the memory launch")
+
+
+def test_a_stop_signal_after_the_last_memory_launch_leaves_the_table_whole(tmp_path, monkeypatch, capsys):
+    """SIGTERM once every world size is measured (sent from inside the table's arithmetic, so
+    that it lands there every time): the table is written whole, with its one line; exit
+    status 128 + SIGTERM."""
+    tool = load_tool()
+    real_rows = tool.memory_table.table_rows
+
+    def rows_under_a_signal(results):
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs at once, in this thread
+        return real_rows(results)
+
+    monkeypatch.setattr(tool.memory_table, "table_rows", rows_under_a_signal)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    out = tmp_path / "out"
+    try:
+        with pytest.raises(SystemExit) as stop:
+            tool.main(["--memory", "--device", "cpu", "--model", "resnet_tiny", "--world-sizes", "1",
+                       "--out", str(out), "--log-dir", str(tmp_path / "logs")])
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    stderr = capsys.readouterr().err
+    assert stop.value.code == 128 + signal.SIGTERM, stderr
+    assert "SIGTERM came after the last launch; the memory table is whole" in stderr, stderr
+    report = json.loads((out / "memory.json").read_text())
+    assert [(r["world_size"], "error" in r) for r in report["measurements"]] == [(1, False)]
