@@ -763,6 +763,19 @@ def row_commands(marker: str) -> str:
     return "\n".join(found)
 
 
+def exit_status_of_main(tool, argv):
+    """The benchmark's main() in this process, which must end in sys.exit; the stop handlers it
+    installs are put back afterwards, so that the rest of the suite keeps pytest's own."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with pytest.raises(SystemExit) as stop:
+            tool.main(argv)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    return stop.value.code
+
+
 def test_a_stop_signal_after_the_last_row_leaves_the_report_whole(tmp_path, monkeypatch, capsys):
     """SIGTERM while the benchmark removes its synthetic files, after every row has run (sent
     from inside that removal, which takes well under a second, so that it lands there every
@@ -777,17 +790,11 @@ def test_a_stop_signal_after_the_last_row_leaves_the_report_whole(tmp_path, monk
         real_rmtree(path, *args, **kwargs)
 
     monkeypatch.setattr(shutil, "rmtree", rmtree_under_a_signal)
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     out = tmp_path / "out"
-    try:
-        with pytest.raises(SystemExit) as stop:
-            tool.main(["--quick", "--device", "cpu", "--rows", "ddp-1proc-noddp", "--out", str(out),
-                       "--log-dir", str(tmp_path / "logs")])
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+    status = exit_status_of_main(tool, ["--quick", "--device", "cpu", "--rows", "ddp-1proc-noddp", "--out", str(out),
+                                        "--log-dir", str(tmp_path / "logs")])
     stderr = capsys.readouterr().err
-    assert stop.value.code == 128 + signal.SIGTERM, stderr
+    assert status == 128 + signal.SIGTERM, stderr
     assert "SIGTERM came after the last row; the report is whole" in stderr, stderr
     assert not [name for name in os.listdir(tmp_path) if name.startswith("benchmark-synthetic-")]
     report = json.loads((out / "benchmark.json").read_text())
@@ -828,17 +835,11 @@ def test_a_stop_signal_after_the_last_memory_launch_leaves_the_table_whole(tmp_p
         return real_rows(results)
 
     monkeypatch.setattr(tool.memory_table, "table_rows", rows_under_a_signal)
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     out = tmp_path / "out"
-    try:
-        with pytest.raises(SystemExit) as stop:
-            tool.main(["--memory", "--device", "cpu", "--model", "resnet_tiny", "--world-sizes", "1",
-                       "--out", str(out), "--log-dir", str(tmp_path / "logs")])
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+    status = exit_status_of_main(tool, ["--memory", "--device", "cpu", "--model", "resnet_tiny", "--world-sizes",
+                                        "1", "--out", str(out), "--log-dir", str(tmp_path / "logs")])
     stderr = capsys.readouterr().err
-    assert stop.value.code == 128 + signal.SIGTERM, stderr
+    assert status == 128 + signal.SIGTERM, stderr
     assert "SIGTERM came after the last launch; the memory table is whole" in stderr, stderr
     report = json.loads((out / "memory.json").read_text())
     assert [(r["world_size"], "error" in r) for r in report["measurements"]] == [(1, False)]
