@@ -95,9 +95,12 @@ def test_a_stale_rendezvous_file_is_refused(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
-def test_port_in_use_is_one_line_and_exit_2(capsys, monkeypatch):
+@pytest.mark.parametrize("held_on", ["127.0.0.1", "127.0.0.2"])
+def test_port_in_use_is_one_line_and_exit_2(capsys, monkeypatch, held_on):
+    """Held on --ip's own address, or on another of this machine's: rank 0's store listens on
+    every address (TCPStore), so it could not start either way."""
     with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
+        held.bind((held_on, 0))
         held.listen()
         port = held.getsockname()[1]
         line = _run_in_process([*SMALL, "--port", str(port)], capsys, monkeypatch)  # no process may start

@@ -63,7 +63,7 @@ def check_launch(args) -> int:
         raise cli.UsageError(f"--init-method {args.init_method}: use tcp://HOST:PORT or file:///PATH")
     elif url.netloc or not url.path.startswith("/"):
         raise cli.UsageError(f"--init-method {args.init_method}: expected file:///ABSOLUTE/PATH")
-    if args.nodes > 1:  # from here on the other nodes hear of a refusal (rank 0 is node 0's)
+    if args.nodes > 1 and not args.check_args:  # from here on the other nodes hear of a refusal (rank 0 is node 0's)
         dist_utils.tell_refusals_to(dist_utils.DistEnv(args.node_rank * args.nproc_per_node, 0, world_size,
                                                        args.nproc_per_node, True, init_method=args.init_method))
     if gpus and args.nproc_per_node > gpus:
@@ -84,10 +84,15 @@ def check_launch(args) -> int:
 
 
 def _bind(host, port) -> int:
-    """Bind host:port as rank 0's store will (SO_REUSEADDR: a port in TIME_WAIT is free), let go."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+    """Bind `port` as rank 0's store will, on every address (TCPStore's server listens on all: a port that another
+    program holds on one address is taken), once `host` is known to be this machine's; let go. SO_REUSEADDR: a
+    port in TIME_WAIT is free."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.bind((host, 0))  # EADDRNOTAVAIL if host is not this machine's
+    with socket.socket(family) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((host, port))
+        s.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", port))
         return s.getsockname()[1]
 
 
