@@ -234,6 +234,7 @@ def joining(job: DistEnv, timeout_s: float, backend: str):
                 if job.local_rank == 0:
                     print_line(line)
                 lifecycle.record_for_torchrun(line)
+                lifecycle.refusal_said(store)  # the refusing rank may end now: nothing after this uses the store
                 os._exit(2)
 
     late = error_line(f"rank {job.rank} did not join the {backend} process group within --dist-timeout "

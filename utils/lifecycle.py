@@ -273,12 +273,17 @@ def refusal_of_a_peer(rendezvous: str, store: list):
         if store[0] is None:
             store[0] = store_client(rendezvous, 5.0)
         if store[0].check([key]):
-            line = store[0].get(key).decode(errors="replace")
-            store[0].add(key + "/read", 1)  # after the get: the refusing rank may then end, its store with it
-            return line
+            return store[0].get(key).decode(errors="replace")
     except Exception:  # noqa: BLE001 - no file yet; the store not up yet, or gone: look again later
         store[0] = None
     return None
+
+
+def refusal_said(store: list):
+    """Count a peer's refusal as read (refusal_of_a_peer's store), once this rank has said it and is about to
+    exit: the refusing rank may end then, its store with it, and this rank's own calls to the store fail."""
+    with contextlib.suppress(Exception):  # no store (file://), or gone already
+        store[0].add(f"{attempt_prefix()}/refused/read", 1)
 
 
 # --- loader workers -------------------------------------------------------------------------
