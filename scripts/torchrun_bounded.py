@@ -57,13 +57,14 @@ def node_settings(argv: list) -> tuple:
         return argv, {}, ""
     from utils import network
     host = args.rdzv_endpoint.rsplit(":", 1)[0].strip("[]") if ":" in args.rdzv_endpoint else args.rdzv_endpoint
-    decided, env = [], {}
-    if "is_host" not in (args.rdzv_conf or ""):
-        is_host = int(any(network.can_bind(address) for address in network.resolve(host)))
+    decided, env, addresses = [], {}, network.resolve(host)  # none: IPv6 or unknown, which the findings say
+    if "is_host" not in (args.rdzv_conf or "") and addresses:
+        is_host = int(any(network.can_bind(address) for address in addresses))
         conf = f"{args.rdzv_conf},is_host={is_host}" if args.rdzv_conf else f"is_host={is_host}"
         argv = [f"--rdzv-conf={conf}", *[a for i, a in enumerate(argv) if not _is_rdzv_conf(argv, i)]]
         decided.append(f"is_host={is_host}")
-    interface, address = network.route_toward(host)
+    # On node 0, whose name may resolve to a loopback address here, the way the others reach it.
+    interface, address = network.way_out(host) if addresses else (None, None)
     if address and not args.local_addr:
         argv = [f"--local_addr={address}", *argv]  # the spelling torchrun 2.11 knows too
         decided.append(f"--local_addr={address}")
@@ -72,13 +73,29 @@ def node_settings(argv: list) -> tuple:
         decided.append(f"GLOO_SOCKET_IFNAME={interface}")
     os.environ.update(env)
     # What is left is the run's own decision: the job meets at node 0's --local_addr, the
-    # endpoint's address as node 0 reaches itself (gloo's half: its backend on CPUs).
+    # endpoint's address as node 0 reaches itself, with the backend the script will use.
     several = str(args.nnodes).split(":")[-1] != "1"
-    for finding in network.findings(host, uses_gloo=True, flag="the rendezvous endpoint") if several else ():
+    for finding in network.findings(host, _uses_gloo(args.training_script_args), "the rendezvous endpoint") \
+            if several else ():
         if finding.certain:
             print_line(f"torchrun_bounded.py: error: {finding.line}")
             sys.exit(2)
     return argv, env, " ".join(decided)
+
+
+def _uses_gloo(script_args: list) -> bool:
+    """Whether the training processes will use gloo: the scripts' own choice from their --device."""
+    import argparse
+    import torch.distributed as dist
+    from utils.cli import UsageError
+    from utils.distributed import device_type
+    choice = argparse.ArgumentParser(add_help=False)
+    choice.add_argument("--device", default="auto")
+    try:
+        device = device_type(choice.parse_known_args(script_args)[0].device, distributed=True)
+    except UsageError:  # the script refuses it, in its own line
+        return False
+    return dist.get_default_backend_for_device(device) == "gloo"
 
 
 def _is_rdzv_conf(argv: list, i: int) -> bool:

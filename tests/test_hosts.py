@@ -211,8 +211,8 @@ def launch_multi_node(job, hosts, key_suffix, *args, **env):
     for name in hosts.names:
         job.procs[f"{name}{key_suffix}"] = hosts.popen(
             name, ["bash", "scripts/launch_multi_node.sh", *map(str, args)], cwd=ROOT,
-            env=subprocess_env(PYTHON=sys.executable, NNODES=len(hosts.names), NPROC_PER_NODE=1,
-                               RDZV_HOST=hosts.address(hosts.names[0]), RDZV_PORT=PORT, **env),
+            env=subprocess_env(**{"PYTHON": sys.executable, "NNODES": len(hosts.names), "NPROC_PER_NODE": 1,
+                                  "RDZV_HOST": hosts.address(hosts.names[0]), "RDZV_PORT": PORT, **env}),
             stdout=open(job.log_dir / f"{name}{key_suffix}.log", "w"), stderr=subprocess.STDOUT)
 
 
@@ -453,12 +453,13 @@ def test_a_host_name_on_a_loopback_line_is_refused_on_every_host_within_seconds(
     assert elapsed < bound, elapsed
 
 
-@pytest.mark.parametrize("form", ["loopback", "localhost"])
+@pytest.mark.parametrize("form, endpoint", [("loopback", "address"), ("localhost", "name")])
 def test_a_host_name_on_a_loopback_line_is_named_by_preflight_and_avoided_by_the_launcher(make_hosts, tmp_path,
-                                                                                         form):
+                                                                                         form, endpoint):
     """preflight, run on each node as README says, names the trap with its fixes, in seconds;
     scripts/launch_multi_node.sh does not fall into it (is_host, --local_addr, GLOO_SOCKET_IFNAME
-    from torchrun_bounded.py): it trains."""
+    from torchrun_bounded.py): it trains. RDZV_HOST is node A's address, or its name as
+    slurm.sbatch gives it (which node A resolves to a loopback address)."""
     hosts = make_hosts(own_name=form)
     a = hosts.address("nodea")
     job = Job(hosts, tmp_path)
@@ -474,7 +475,8 @@ def test_a_host_name_on_a_loopback_line_is_named_by_preflight_and_avoided_by_the
 
     launched = Job(hosts, tmp_path)
     launch_multi_node(launched, hosts, "-launcher", *QUICK, "--dist-timeout", "15",
-                      "--checkpoint-dir", tmp_path / "launched", JOB_ID=form)
+                      "--checkpoint-dir", tmp_path / "launched", JOB_ID=form,
+                      **({"RDZV_HOST": "nodea"} if endpoint == "name" else {}))
     launched.wait(180)
     logs = launched.log("nodea-launcher") + launched.log("nodeb-launcher")
     assert "done: 8 steps" in logs and f"--local_addr={a}" in logs, logs
@@ -549,6 +551,80 @@ def test_the_wrong_interface_is_named_by_preflight_and_the_variable_fixes_it(mak
                     GLOO_SOCKET_IFNAME="eth1")
     fixed.wait(180)
     assert "done: 8 steps" in fixed.log("fixed-nodea") + fixed.log("fixed-nodeb")
+
+
+STORE_OF_A_LIVE_JOB = """
+import datetime, os, time
+from torch.distributed import TCPStore
+store = TCPStore("0.0.0.0", {port}, 2, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+before = store.num_keys()
+open({ready!r}, "w").close()
+while not os.path.exists({done!r}):
+    time.sleep(0.1)
+print(f"keys: {{before}} before, {{store.num_keys()}} after")
+"""
+
+
+def test_a_check_of_the_arguments_that_refuses_tells_no_job(make_hosts, tmp_path):
+    """distributed_mp.py --check-args on node B (its own name on 127.0.1.1: refused) while a job
+    runs at node A's --ip and --port: the check says its line and writes nothing into that
+    job's store (a refusal there would end the job's ranks that are still joining)."""
+    hosts = make_hosts(own_name={"nodeb": "loopback"})
+    job = Job(hosts, tmp_path)
+    ready, done = tmp_path / "store-ready", tmp_path / "check-done"
+    job.start("store", "nodea", ["-c", STORE_OF_A_LIVE_JOB.format(port=PORT, ready=str(ready), done=str(done))])
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert time.monotonic() < deadline and job.procs["store"].poll() is None, job.log("store")
+        time.sleep(0.1)
+    check = job.start("check", "nodeb", ["distributed_mp.py", *QUICK, "--nodes", 2, "--node-rank", 1,
+                                         "--nproc-per-node", 1, "--ip", hosts.address("nodea"), "--port", PORT,
+                                         "--check-args"])
+    assert check.wait(60) == 2, job.log("check")
+    assert "distributed_mp.py: error: gloo will listen on 127.0.1.1" in job.log("check"), job.log("check")
+    done.touch()
+    assert job.wait(30, expect=None)["store"] == 0, job.log("store")
+    keys = [line for line in job.log("store").splitlines() if line.startswith("keys:")]
+    assert len(keys) == 1 and keys[0].split()[1] == keys[0].split()[3], job.log("store")
+
+
+REFUSAL_AS_ITS_STORE_GOES = """
+import sys, time
+sys.path.insert(0, {root!r})
+from utils import cli, distributed as dist_utils, lifecycle
+
+def main(argv):
+    job = dist_utils.job_from_env()
+    device = dist_utils.check_job(job, "cpu")  # from here on a refusal reaches the other rank
+    if job.rank == 0:
+        raise cli.UsageError("rank 0's own refusal")
+    said = lifecycle.record_for_torchrun
+
+    def late(line, when=None):  # a slow write of torchrun's error file: rank 0 and its store must still be there
+        time.sleep(0.3)
+        said(line, when)
+
+    lifecycle.record_for_torchrun = late
+    dist_utils.setup(job, device, timeout_s=30)
+
+lifecycle.run_main(main)
+"""
+
+
+def test_a_refusal_read_as_its_store_goes_is_the_only_line(make_hosts, tmp_path):
+    """Rank 0 refuses and serves the store until rank 1 has said its line; rank 1, joining, is
+    blocked in a call to that store, which fails once rank 0 ends: its one line is rank 0's
+    refusal, not also a failure to join."""
+    hosts = make_hosts()
+    program = tmp_path / "refuse.py"
+    program.write_text(REFUSAL_AS_ITS_STORE_GOES.format(root=str(ROOT)))
+    job = Job(hosts, tmp_path)
+    for rank in (0, 1):  # two "nodes" of one process each, both on node A
+        job.start(f"rank{rank}", "nodea", [program], RANK=rank, WORLD_SIZE=2, LOCAL_RANK=0, LOCAL_WORLD_SIZE=1,
+                  MASTER_ADDR=hosts.address("nodea"), MASTER_PORT=PORT)
+    assert job.wait(60, expect=2) == {"rank0": 2, "rank1": 2}
+    errors = [line for line in job.log("rank1").splitlines() if ": error:" in line]
+    assert len(errors) == 1 and "rank 0 refused to start: rank 0's own refusal" in errors[0], job.log("rank1")
 
 
 # --- h. a partition while the ranks agree through the store -------------------------------------

@@ -12,7 +12,8 @@ What the libraries do, as their sources say:
   loopback line (Debian's `127.0.1.1 nodea`), none of them can reach it.
 - NCCL chooses its interfaces by rules of its own (NCCL_SOCKET_IFNAME overrides them, NCCL_DEBUG=INFO
   prints them): nothing here imitates it.
-IPv4 only; Linux (interface addresses are read with ioctl).
+IPv4 only (a job that meets at an IPv6 address is not checked); Linux (interface addresses are read
+with ioctl).
 """
 import contextlib
 import ipaddress
@@ -47,10 +48,10 @@ def interfaces() -> dict:
     return found
 
 
-def resolve(host: str) -> list:
-    """The IPv4 addresses `host` resolves to here, in the resolver's order ([] if none)."""
+def resolve(host: str, family=socket.AF_INET) -> list:
+    """The IPv4 (or `family`'s) addresses `host` resolves to here, in the resolver's order ([] if none)."""
     try:
-        infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+        infos = socket.getaddrinfo(host, None, family, socket.SOCK_STREAM)
     except (OSError, UnicodeError):
         return []
     return list(dict.fromkeys(info[4][0] for info in infos))
@@ -87,13 +88,25 @@ def route_toward(host: str, known: dict = None):
     return next((name for name, own in known.items() if own == source), None), source
 
 
+def way_out(host, known: dict = None):
+    """(interface, address) by which the other nodes of a job that meets at `host` (None: file://) reach
+    this one: the route toward `host`; where that is unknown or loopback (`host` is this host's own name
+    on a loopback line), this host's one non-loopback interface, if it has only one; else (None, None)."""
+    known = interfaces() if known is None else known
+    iface, address = route_toward(host, known) if host else (None, None)
+    outside = {name: own for name, own in known.items() if not is_loopback(own)}
+    if iface is None and len(outside) == 1:  # the one way out: the way to every other node
+        iface, address = next(iter(outside.items()))
+    return iface, address
+
+
 def gloo_listens_on(known: dict = None):
-    """(address, how gloo came to it); None if GLOO_SOCKET_IFNAME names no interface with one."""
+    """(address, how gloo came to it); None if a name in GLOO_SOCKET_IFNAME is no interface with one."""
     known = interfaces() if known is None else known
     chosen = os.environ.get("GLOO_SOCKET_IFNAME")
-    if chosen:
-        name = chosen.split(",")[0]  # gloo makes one device per name; the first is the one to check
-        return known.get(name), f"GLOO_SOCKET_IFNAME={chosen}"
+    if chosen:  # gloo makes one device per name and fails on any it cannot find
+        names = chosen.split(",")
+        return None if set(names) - set(known) else known[names[0]], f"GLOO_SOCKET_IFNAME={chosen}"
     name = socket.gethostname()
     for address in resolve(name):
         if can_bind(address):
@@ -105,14 +118,13 @@ def findings(meet_at, uses_gloo: bool, flag: str = "MASTER_ADDR") -> list:
     """What keeps this node from a job of several nodes that meets at `meet_at` (None: file://), as
     Findings. uses_gloo: the backend is gloo (the CPU). flag: how the user names `meet_at`."""
     name, known = socket.gethostname(), interfaces()
-    outside = {iface: address for iface, address in known.items() if not is_loopback(address)}
-    iface, address = route_toward(meet_at, known) if meet_at else (None, None)
-    if iface is None and len(outside) == 1:  # the one way out: the way to every other node
-        iface, address = next(iter(outside.items()))
+    iface, address = way_out(meet_at, known)
     iface_fix = f"GLOO_SOCKET_IFNAME={iface or '<the interface the other nodes reach this host by>'}"
     hosts_fix = f"list {name} with {address or 'its network address'} in /etc/hosts (not on a 127.x line)"
     if meet_at is not None:
         addresses = resolve(meet_at)
+        ipv6 = not addresses and resolve(meet_at, socket.AF_INET6)  # torch and gloo take it; the rest reads IPv4
+        addresses = addresses or ipv6
         if not addresses:
             return [Finding(True, f"{flag} {meet_at}, where the ranks meet, does not resolve on this host ({name})",
                             "name it by its address, or add it to this host's /etc/hosts")]
@@ -126,12 +138,15 @@ def findings(meet_at, uses_gloo: bool, flag: str = "MASTER_ADDR") -> list:
                    "(scripts/launch_multi_node.sh does)")
             return [Finding(True, f"{flag} {meet_at} is {addresses[0]} here, a loopback address: each node would "
                                   "look for the others at its own, and the job would wait until its timeout", fix)]
+        if ipv6:
+            return [Finding(False, f"{flag} {meet_at} is IPv6 here, which this check does not read: it checked "
+                                   "nothing more", "none if the nodes reach one another over IPv6")]
     if not uses_gloo:
         return []
     gloo, how = gloo_listens_on(known)
     if gloo is None:
-        return [Finding(True, f"gloo has no address to listen on ({how}, which names no interface with an IPv4 "
-                              "address here)", f"export {iface_fix}")]
+        return [Finding(True, f"gloo has no address to listen on ({how}: a name there is no interface with an "
+                              "IPv4 address here)", f"export {iface_fix}")]
     if is_loopback(gloo):
         return [Finding(True, f"gloo will listen on {gloo} ({how}), a loopback address, and give it to the other "
                               "nodes, which cannot reach this host there: the job would wait until its timeout",
