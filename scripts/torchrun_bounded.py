@@ -57,7 +57,7 @@ def node_settings(argv: list) -> tuple:
         return argv, {}, ""
     from utils import network
     host = args.rdzv_endpoint.rsplit(":", 1)[0].strip("[]") if ":" in args.rdzv_endpoint else args.rdzv_endpoint
-    decided, env, addresses = [], {}, network.resolve(host)  # none: IPv6 or unknown, which the findings say
+    decided, env, addresses = [], {}, network.resolve(host)  # none: IPv6 or unknown (findings)
     if "is_host" not in (args.rdzv_conf or "") and addresses:
         is_host = int(any(network.can_bind(address) for address in addresses))
         conf = f"{args.rdzv_conf},is_host={is_host}" if args.rdzv_conf else f"is_host={is_host}"
@@ -77,8 +77,8 @@ def node_settings(argv: list) -> tuple:
     several = str(args.nnodes).split(":")[-1] != "1"
     for finding in network.findings(host, _uses_gloo(args.training_script_args), "the rendezvous endpoint") \
             if several else ():
+        print_line(f"torchrun_bounded.py: {'error' if finding.certain else 'warning'}: {finding.line}")
         if finding.certain:
-            print_line(f"torchrun_bounded.py: error: {finding.line}")
             sys.exit(2)
     return argv, env, " ".join(decided)
 
@@ -89,7 +89,7 @@ def _uses_gloo(script_args: list) -> bool:
     import torch.distributed as dist
     from utils.cli import UsageError
     from utils.distributed import device_type
-    choice = argparse.ArgumentParser(add_help=False)
+    choice = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # as the scripts' parser
     choice.add_argument("--device", default="auto")
     try:
         device = device_type(choice.parse_known_args(script_args)[0].device, distributed=True)

@@ -601,7 +601,7 @@ def main(argv):
     said = lifecycle.record_for_torchrun
 
     def late(line, when=None):  # a slow write of torchrun's error file: rank 0 and its store must still be there
-        time.sleep(0.3)
+        time.sleep(1.5)
         said(line, when)
 
     lifecycle.record_for_torchrun = late

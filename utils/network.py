@@ -95,7 +95,7 @@ def way_out(host, known: dict = None):
     known = interfaces() if known is None else known
     iface, address = route_toward(host, known) if host else (None, None)
     outside = {name: own for name, own in known.items() if not is_loopback(own)}
-    if iface is None and len(outside) == 1:  # the one way out: the way to every other node
+    if address is None and len(outside) == 1:  # the one way out: the way to every other node
         iface, address = next(iter(outside.items()))
     return iface, address
 
@@ -105,8 +105,8 @@ def gloo_listens_on(known: dict = None):
     known = interfaces() if known is None else known
     chosen = os.environ.get("GLOO_SOCKET_IFNAME")
     if chosen:  # gloo makes one device per name and fails on any it cannot find
-        names = chosen.split(",")
-        return None if set(names) - set(known) else known[names[0]], f"GLOO_SOCKET_IFNAME={chosen}"
+        names = [name for name in chosen.split(",") if name]
+        return known[names[0]] if names and set(names) <= set(known) else None, f"GLOO_SOCKET_IFNAME={chosen}"
     name = socket.gethostname()
     for address in resolve(name):
         if can_bind(address):
