@@ -11,6 +11,7 @@ optimizer state, against an uninterrupted run with the same flags.
 """
 import faulthandler
 import hashlib
+import json
 import os
 import re
 import signal
@@ -193,6 +194,17 @@ def test_sigterm_checkpoints_and_resume_ends_with_the_same_weights(python_refere
     resumed = expect_ok(run_in_process("distributed.py", [*TINY, "--checkpoint-dir", tmp_path, "--resume"]))
     assert "3 steps in all" in resumed
     assert_same_training_state(ckpt, reference_dir / "checkpoint.pt")
+
+
+def test_sigterm_at_the_last_step_of_max_steps_ends_the_run_with_its_records(tmp_path):
+    """The signal comes as --max-steps ends the run mid-epoch: the run evaluates, checkpoints and
+    writes its records as it would have (a resume finds nothing to train, so nothing left to record)."""
+    metrics = tmp_path / "metrics.jsonl"
+    output = expect(run([FAULTS, "--fault", "sigterm-self", "--step", "6", "--", "distributed.py", *TINY,
+                         "--max-steps", "6", "--checkpoint-dir", tmp_path, "--metrics", metrics]), rc=0)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [(r["event"], r["step"]) for r in records] == [("epoch", 6), ("end", 6)], output
+    assert checkpoint.load(tmp_path / "checkpoint.pt")["global_step"] == 6
 
 
 # --- crashes ------------------------------------------------------------------------------

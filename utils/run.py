@@ -273,8 +273,9 @@ class TrainingRun:
             self.save()
         if self.stop_signal.should_stop(self.global_step,
                                         f"run.step_done() at step {self.global_step} (the stop-signal agreement)"):
-            if self.step_in_epoch >= self.steps_per_epoch:
-                # A complete epoch: end_epoch evaluates, checkpoints and records it, then stops (done() is True).
+            if self.step_in_epoch >= self.steps_per_epoch or self.done():
+                # A complete epoch, or the run's last step (--max-steps): end_epoch evaluates, checkpoints and
+                # records it, then stops (done() is True); a resume would find nothing left to train, or record.
                 self._stop = True
                 return True
             self.save()
