@@ -301,6 +301,19 @@ def test_augmentation_does_not_depend_on_world_size_or_workers():
     assert sum(not torch.equal(one[i], next_epoch[i]) for i in one) > 32  # a new draw each epoch
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_loader_leaves_the_global_generator_alone(workers):
+    """DataLoader draws a base seed from the global generator for every iterator, with no workers
+    too: put back, a resume (the checkpoint's generator state restored, then the epoch's iterator
+    started) continues the training's own draws, a model's dropout, exactly."""
+    loader = data.Loader(torch.utils.data.TensorDataset(torch.arange(8.0)), batch_size=2, num_workers=workers)
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    for _ in range(2):  # two epochs
+        assert len(list(loader)) == 4
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_crop_flip_is_a_padded_crop_or_its_mirror():
     pixels = torch.arange(3 * 32 * 32, dtype=torch.int64).view(3, 32, 32) % 251 + 1  # no zeros
     padded = torch.nn.functional.pad(pixels, (4, 4, 4, 4))

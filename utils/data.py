@@ -432,12 +432,14 @@ class Loader(DataLoader):
         (CPython gh-112275) can leave a child forked then waiting forever: a worker that never starts."""
         context = self.multiprocessing_context or torch.multiprocessing  # DataLoader's, with no context
         if self.num_workers and self.persistent_workers and context.get_start_method() == "fork":
-            # Its workers' base seed comes from the global generator: put it back, as with --workers 0.
-            with torch.random.fork_rng(devices=[]):
-                self._batches()  # DataLoader keeps a persistent-worker iterator for the next iter()
+            self._batches()  # DataLoader keeps a persistent-worker iterator for the next iter()
 
     def _batches(self):
-        return start_loader_workers(super().__iter__) if self.num_workers else super().__iter__()
+        # A new iterator draws its workers' base seed from the global generator, with no workers too: put it back,
+        # so that the training's own draws (a model's dropout) do not depend on it, and a resume, whose epoch
+        # starts a new iterator after the checkpoint's generator state is restored, continues them exactly.
+        with torch.random.fork_rng(devices=[]):
+            return start_loader_workers(super().__iter__) if self.num_workers else super().__iter__()
 
     def __iter__(self):
         batches = self._batches()
