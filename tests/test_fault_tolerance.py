@@ -204,6 +204,7 @@ def test_sigterm_at_the_last_step_of_max_steps_ends_the_run_with_its_records(tmp
                          "--max-steps", "6", "--checkpoint-dir", tmp_path, "--metrics", metrics]), rc=0)
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [(r["event"], r["step"]) for r in records] == [("epoch", 6), ("end", 6)], output
+    assert "continue with --resume" not in output and "done: 6 steps" in output, output
     assert checkpoint.load(tmp_path / "checkpoint.pt")["global_step"] == 6
 
 

@@ -196,6 +196,11 @@ class TrainingRun:
 
     # --- the loop -----------------------------------------------------------------
 
+    def trained(self) -> bool:
+        """Whether the run has trained all it was asked to (--epochs, or --max-steps)."""
+        epochs, max_steps = self.epoch + (self.step_in_epoch >= self.steps_per_epoch), self.args.max_steps
+        return epochs >= self.args.epochs or (max_steps is not None and self.global_step >= max_steps)
+
     def done(self) -> bool:
         return self._stop or (self.args.max_steps is not None and self.global_step >= self.args.max_steps)
 
@@ -315,16 +320,14 @@ class TrainingRun:
         # steps into the next one (an evaluation longer than the launcher's grace period would end in SIGKILL).
         call = f"run.end_epoch() after step {self.global_step} (the stop-signal agreement)"
         self._stop = self._stop or self.stop_signal.should_stop(self.global_step, call, now=True)
-        if self._stop:
+        if self._stop and not self.trained():  # the run's last epoch: it has ended, nothing to continue
             self.stop_signal.announce(self.global_step, self.checkpoint_path)
 
     def finish(self):
         """The end-of-run record (rank 0), with the last evaluation."""
         self.stop_signal.close()
         self.observers.close()
-        max_steps = self.args.max_steps
-        trained = self.epoch >= self.args.epochs or (max_steps is not None and self.global_step >= max_steps)
-        if self.last_record is None or not trained:
+        if self.last_record is None or not self.trained():
             return  # stopped by a signal: the run goes on with --resume, it has not ended
         record = dict(self.last_record, event="end", step=self.global_step,
                       total_seconds=time.perf_counter() - self.started)
