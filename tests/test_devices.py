@@ -149,12 +149,43 @@ def test_a_cpu_run_beside_a_gpu_leaves_the_gpu_alone(monkeypatch):
     def touched(*args):
         raise AssertionError("the GPU's generators were read")
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", touched)
-    monkeypatch.setattr(torch.cuda, "set_rng_state_all", touched)
+    for name in ("get_rng_state_all", "set_rng_state_all", "get_rng_state", "set_rng_state"):
+        monkeypatch.setattr(torch.cuda, name, touched)
     state = checkpoint.rng_state(torch.device("cpu"))
     assert "cuda" not in state
-    checkpoint.set_rng_state(dict(state, cuda=[torch.zeros(1)]), torch.device("cpu"))
+    checkpoint.set_rng_state(dict(state, cuda=[torch.zeros(1)], cuda_own=torch.zeros(1)), torch.device("cpu"))
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: ["saved"])
-    assert checkpoint.rng_state(torch.device("cuda", 0))["cuda"] == ["saved"]  # a GPU run keeps them
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: "own")
+    state = checkpoint.rng_state(torch.device("cuda", 0))  # a GPU run keeps them
+    assert state["cuda"] == ["saved"] and state["cuda_own"] == "own"
+
+
+def test_a_resume_gives_each_rank_its_own_gpu_generator_as_it_was(monkeypatch):
+    """Two DDP ranks on a two-GPU machine, each drawing on its own GPU (dropout) from the same seed.
+    Rank 0 alone saves; each process sees both GPUs. Rank 1's GPU must come back as rank 1 left it,
+    not as rank 0's never-used copy of GPU 1. The GPUs' generators are stood in for by CPU ones."""
+    from utils import checkpoint
+    fake_accelerator(monkeypatch, "cuda", 2)
+
+    def rank_process():  # the default generator of each GPU this process sees, seeded alike
+        return [torch.Generator().manual_seed(5) for _ in range(2)]
+    ranks = [rank_process(), rank_process()]
+    in_use = ranks[0]
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [g.get_state() for g in in_use])
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: in_use[device.index].get_state())
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all",
+                        lambda states: [g.set_state(s) for g, s in zip(in_use, states)])
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: in_use[device.index].set_state(state))
+    for rank, generators in enumerate(ranks):
+        torch.rand(7, generator=generators[rank])  # the steps before the stop
+    saved = checkpoint.rng_state(torch.device("cuda", 0))  # rank 0's checkpoint
+    expected = [torch.rand(3, generator=generators[rank]) for rank, generators in enumerate(ranks)]
+
+    ranks = [rank_process(), rank_process()]  # the resumed job's processes
+    for rank in range(2):
+        in_use = ranks[rank]
+        checkpoint.set_rng_state(saved, torch.device("cuda", rank))
+        assert torch.equal(torch.rand(3, generator=ranks[rank][rank]), expected[rank]), f"rank {rank}"
 
 
 def test_running_sums_are_float32_on_mps_which_has_no_float64():

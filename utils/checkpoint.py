@@ -61,7 +61,10 @@ def rng_state(device: torch.device = None) -> dict:
              "python": random.getstate()}
     accelerator = _accelerator_module(device)
     if accelerator is not None:  # under the device type's name: a resume on another kind leaves it alone
-        state[torch.accelerator.current_accelerator().type] = accelerator.get_rng_state_all()
+        kind = torch.accelerator.current_accelerator().type
+        # Every device this process sees (DataParallel draws on all of them), and its own apart: only rank 0
+        # saves, and its copy of device r was never drawn from, while its own device drew as every rank's did.
+        state[kind], state[f"{kind}_own"] = accelerator.get_rng_state_all(), accelerator.get_rng_state(device)
     return state
 
 
@@ -81,9 +84,13 @@ def set_rng_state(state: dict, device: torch.device = None):
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     accelerator = _accelerator_module(device)
-    saved = state.get(torch.accelerator.current_accelerator().type) if accelerator is not None else None
-    if saved is not None and len(saved) == torch.accelerator.device_count():
-        accelerator.set_rng_state_all(saved)
+    if accelerator is None:
+        return
+    kind = torch.accelerator.current_accelerator().type
+    if len(state.get(kind) or ()) == torch.accelerator.device_count():
+        accelerator.set_rng_state_all(state[kind])
+    if state.get(f"{kind}_own") is not None:  # then this rank's device: the state every rank's own had
+        accelerator.set_rng_state(state[f"{kind}_own"], device)
 
 
 def read_file(path: str, what: str = "checkpoint"):
