@@ -74,6 +74,7 @@ def test_setup_binds_the_group_to_the_ranks_device(monkeypatch, kind, backend):
     monkeypatch.setattr(lifecycle, "watch_launcher", lambda: None)
     monkeypatch.setattr(lifecycle, "_joined_a_group", False)  # put back afterwards: nothing joined here
     monkeypatch.setattr(lifecycle, "_job", None)
+    monkeypatch.setattr(dist_utils, "_store", None)  # setup keeps the stand-in store for agreements
     job = dist_utils.DistEnv(1, 1, 2, 2, distributed=True, init_method="tcp://127.0.0.1:1")
     env = dist_utils.setup(job, dist_utils.pick_device(1, 2, distributed=True))
     (used, kwargs), = calls
