@@ -248,20 +248,19 @@ def choose_precision(args, device_type: str) -> Precision:
         if apex_amp is None:
             dist_utils.print0("apex: FusedSGD from NVIDIA apex; this apex has no apex.amp (removed in "
                               "2025), so mixed precision comes from torch.amp")
+    name = args.amp
+    if args.opt_level == "O0" and name is not None:
+        raise cli.UsageError(f"--opt-level O0 means float32 throughout, which contradicts --amp {name}")
     if apex_amp is not None:
-        if args.amp == "bf16":
+        if name == "bf16":
             raise cli.UsageError("apex.amp is float16 only: for --amp bf16 use --amp-impl torch")
         opt_level = args.opt_level or "O1"
         return Precision("fp32" if opt_level == "O0" else "fp16", None, opt_level, fused_sgd, apex_amp)
 
-    name = args.amp
-    if args.opt_level == "O0":
-        if name is not None:
-            raise cli.UsageError(f"--opt-level O0 means float32 throughout, which contradicts --amp {name}")
-    elif args.opt_level == "O3":
+    if args.opt_level == "O3":
         raise cli.UsageError("--opt-level O3 (pure float16, no float32 master weights) has no torch.amp "
                              "equivalent: use O1 or O2 (autocast + GradScaler), or an apex with apex.amp")
-    elif name is None:
+    if name is None and args.opt_level != "O0":  # O0: float32 throughout, no autocast
         # apex's O1/O2 are float16 levels; with neither flag, bf16 where the hardware has it
         # (no loss scaling needed), fp16 on older GPUs.
         name = "fp16" if args.opt_level else default_amp(device_type)

@@ -264,6 +264,9 @@ def test_precision_with_apex(fake_apex, monkeypatch):
     assert apex_script.choose_precision(flags(amp_impl="apex", opt_level="O3"), "cuda").opt_level == "O3"
     with pytest.raises(UsageError, match="bf16"):
         apex_script.choose_precision(flags(amp="bf16", amp_impl="apex"), "cuda")
+    with pytest.raises(UsageError, match="contradicts --amp fp16"):  # as without apex.amp
+        apex_script.choose_precision(flags(amp="fp16", amp_impl="apex", opt_level="O0"), "cuda")
+    assert apex_script.choose_precision(flags(amp_impl="apex", opt_level="O0"), "cuda").name == "fp32"
     with pytest.raises(UsageError, match="CUDA"):
         apex_script.choose_precision(flags(amp_impl="apex"), "cpu")
 
