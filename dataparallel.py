@@ -75,9 +75,12 @@ def check(args) -> cli.Plan:
     device_ids = pick_gpus(args.gpus, args.device)
     device_type = "cuda" if device_ids else "cpu"
     cli.check_flags(args, device_type, launcher=None)  # one process: no launcher, no process group
+    # DataParallel splits the batch as Tensor.chunk does: 130 over 4 GPUs is 33, 33, 33 and 31, and a
+    # batch-norm layer sees other slices than DDP's 4 processes would. An even split, or refused.
+    cli.split_batch(args.batch_size, max(len(device_ids), 1), unit="GPU")
     return cli.Plan(1, device_ids=device_ids,
                     amp_dtype=precision.autocast_dtype(args.amp, device_type) if args.amp else None,  # None: fp32
-                    per_process_batch=cli.split_batch(args.batch_size, 1))  # all of it: DataParallel splits it
+                    per_process_batch=args.batch_size)  # all of it: DataParallel splits it
 
 
 def train(args, env, per_process_batch, device_ids, amp_dtype):

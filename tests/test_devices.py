@@ -118,6 +118,16 @@ def test_dataparallel_is_cuda_only(monkeypatch):
         dataparallel.pick_gpus(None, "xpu")
 
 
+def test_dataparallel_refuses_a_batch_that_the_gpus_would_share_unevenly(monkeypatch, run_in_process):
+    """130 over 4 GPUs would be chunks of 33, 33, 33 and 31: refused, as DDP's 4 processes refuse it."""
+    fake_accelerator(monkeypatch, "cuda", 4)
+    assert_refused(run_in_process("dataparallel.py", [*SMALL, "--batch-size", "130", "--check-args"]),
+                   "batch size 130 is not divisible by 4 GPUs")
+    assert run_in_process("dataparallel.py", [*SMALL, "--batch-size", "132", "--check-args"])[0] == 0
+    assert run_in_process("dataparallel.py", [*SMALL, "--gpus", "0,1,2", "--batch-size", "132",
+                                              "--check-args"])[0] == 0
+
+
 def test_asking_for_a_gpu_on_a_machine_without_one_is_one_line(run_in_process):
     assert_refused(run_in_process("distributed.py", [*SMALL, "--device", "cuda"]),
                    "--device cuda: PyTorch sees no accelerator", "--device cpu")

@@ -275,11 +275,11 @@ def check_flags(args, device_type: str, launcher: str = "torchrun"):
                          "and joins no process group: leave it out")
 
 
-def split_batch(global_batch: int, world_size: int, accum_steps: int = 1) -> int:
+def split_batch(global_batch: int, world_size: int, accum_steps: int = 1, unit: str = "process") -> int:
     """Per-device batch for one forward pass; refuses to truncate silently."""
     parts = world_size * accum_steps
     if global_batch % parts:
-        how = f"{world_size} process{'es' if world_size != 1 else ''}"
+        how = f"{world_size} {unit}{('es' if unit.endswith('s') else 's') if world_size != 1 else ''}"
         if accum_steps != 1:
             how += f" x {accum_steps} accumulation steps"
         raise UsageError(f"batch size {global_batch} is not divisible by {how} "
