@@ -257,7 +257,7 @@ class TrainingRun:
         norm = torch.nn.utils.clip_grad_norm_(parameters, self.args.clip_grad_norm)
         if hasattr(norm, "full_tensor"):
             # Sharded (FSDP): clip_grad_norm_ all-reduced the shards' norms into a replicated DTensor, so
-            # full_tensor() is local (CommDebugMode: one all-reduce for both, 2 gloo ranks, PyTorch 2.11, 2.15).
+            # full_tensor() is local (CommDebugMode: one all-reduce for both, 2 gloo ranks, PyTorch 2.11, 2.14.1).
             norm = norm.full_tensor()
         self.meter.add_grad_norm(norm)
         return norm
