@@ -14,7 +14,8 @@
 # Writes at most 8 plain files, no folders, to $OUT (default results/gpu-check/):
 #   environment.txt  gpu_check.log  pytest.xml  memory.md  benchmark.md  benchmark.json  benchmark.png
 #   benchmark-logs.tar.gz (each benchmark row's output and metrics, and memory.json)
-# Exit status: 0 when every stage passed, 1 when one failed or ran out of time, 2 without CUDA.
+# Exit status: 0 when every stage passed, 1 when one failed or ran out of time, 2 without CUDA,
+# 130 or 143 when Ctrl-C or SIGTERM stopped it (the running stage is stopped too, the rest skipped).
 #
 # Knobs (environment): GPU_CHECK_SECONDS (whole run, default 510 = 8.5 minutes),
 # GPU_CHECK_PYTEST_SECONDS (the test stage, default 250), GPU_CHECK_TEST_TIMEOUT (one test,
@@ -54,11 +55,24 @@ if [ "${GPU_CHECK_REQUIRE_CUDA:-1}" != 0 ]; then
 fi
 
 mkdir -p "$OUT" || exit 2
+# An earlier run's reports would pass for this run's where a stage does not write its own.
+rm -f "$OUT"/{environment.txt,gpu_check.log,pytest.xml,memory.md,benchmark.md,benchmark.json,benchmark.png} \
+      "$OUT/benchmark-logs.tar.gz"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
 LOG="$OUT/gpu_check.log"
 : >"$LOG"
 FAILED=()
+# `timeout` puts each stage in a process group of its own, which Ctrl-C and a scheduler's SIGTERM
+# to our group never reach: the signal is handed on to it (timeout passes it to its group), and
+# the stages not yet started are skipped.
+STOPPED=0 STAGE_PID=
+stop() {
+    STOPPED=$1
+    [ -n "$STAGE_PID" ] && kill -s "$2" "$STAGE_PID" 2>/dev/null
+}
+trap 'stop 130 INT' INT
+trap 'stop 143 TERM' TERM
 
 say() {  # to the terminal and the log
     echo "$*" | tee -a "$LOG"
@@ -74,11 +88,22 @@ run_stage() {
     local name="$1" seconds="$2" sig="$3"
     shift 3
     local began=$SECONDS out="$WORK/$name.out"
+    if [ "$STOPPED" -ne 0 ]; then
+        say "== $name: not run, stopped by a signal"
+        STAGE_STATUS=$STOPPED
+        return
+    fi
     say "== $name: at most ${seconds} s: $*"
-    timeout -s "$sig" -k "$KILL_GRACE" "$seconds" "$@" >"$out" 2>&1 </dev/null
-    STAGE_STATUS=$?
+    # In the background: a trap runs during `wait`, not until a foreground command ends.
+    timeout -s "$sig" -k "$KILL_GRACE" "$seconds" "$@" >"$out" 2>&1 </dev/null &
+    STAGE_PID=$!
+    while wait "$STAGE_PID"; STAGE_STATUS=$?; kill -0 "$STAGE_PID" 2>/dev/null; do :; done
+    STAGE_PID=
     cat "$out" >>"$LOG"
-    if [ "$STAGE_STATUS" -eq 124 ] || [ "$STAGE_STATUS" -eq 137 ]; then
+    if [ "$STOPPED" -ne 0 ]; then
+        say "== $name: stopped by a signal (status $STAGE_STATUS), $((SECONDS - began)) s"
+        FAILED+=("$name (stopped)")
+    elif [ "$STAGE_STATUS" -eq 124 ] || [ "$STAGE_STATUS" -eq 137 ]; then
         say "== $name: timed out after ${seconds} s (status $STAGE_STATUS), $((SECONDS - began)) s"
         FAILED+=("$name (timed out)")
     elif [ "$STAGE_STATUS" -ne 0 ]; then
@@ -156,7 +181,7 @@ stage_seconds=$(( $(left) < PYTEST_SECONDS ? $(left) : PYTEST_SECONDS ))
 run_stage pytest "$stage_seconds" INT "$PYTHON" -m pytest -q -p no:cacheprovider "${plugin_args[@]}" \
     --junitxml="$OUT/pytest.xml" -o junit_logging=all -o junit_log_passing_tests=false --durations=15 \
     "${pytest_args[@]}"
-tail -n 25 "$WORK/pytest.out"
+tail -n 25 "$WORK/pytest.out" 2>/dev/null
 
 # --- 3. memory per rank ------------------------------------------------------------------
 memory_seconds=$(( $(left) < MEMORY_SECONDS ? $(left) : MEMORY_SECONDS ))
@@ -169,7 +194,7 @@ else
     run_stage memory "$memory_seconds" TERM "$PYTHON" scripts/benchmark.py --memory ${GPU_CHECK_MEMORY_ARGS:-} \
         --row-timeout $((memory_seconds - 25)) --out "$WORK/benchmark-logs" --log-dir "$WORK/benchmark-logs"
     [ -f "$WORK/benchmark-logs/memory.md" ] && cp "$WORK/benchmark-logs/memory.md" "$OUT/memory.md"
-    sed -n '/^| strategy/,/^$/p' "$WORK/memory.out"
+    sed -n '/^| strategy/,/^$/p' "$WORK/memory.out" 2>/dev/null
 fi
 
 # --- 4. the benchmark ----------------------------------------------------------------------
@@ -184,7 +209,7 @@ else
     # was measured.
     run_stage benchmark "$bench_seconds" TERM "$PYTHON" scripts/benchmark.py "${bench_args[@]}" \
         --time-budget $((bench_seconds - 10)) --out "$OUT" --log-dir "$WORK/benchmark-logs"
-    sed -n '/^row /,$p' "$WORK/benchmark.out"
+    sed -n '/^row /,$p' "$WORK/benchmark.out" 2>/dev/null
 fi
 if [ -d "$WORK/benchmark-logs" ]; then
     tar -czf "$OUT/benchmark-logs.tar.gz" -C "$WORK" benchmark-logs 2>>"$LOG" || say "could not pack the row logs"
@@ -194,6 +219,10 @@ fi
 rm -f "$OUT"/*.tmp "$OUT"/*.tmp.png  # a report cut short mid-write leaves its temporary behind
 files=$(find "$OUT" -mindepth 1 | wc -l)
 [ "$files" -le 8 ] || say "warning: $files entries in $OUT, more than the 8 expected"
+if [ "$STOPPED" -ne 0 ]; then
+    say "gpu_check: stopped by a signal after ${SECONDS} s; files in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
+    exit "$STOPPED"
+fi
 if [ ${#FAILED[@]} -eq 0 ]; then
     say "gpu_check: every stage passed in ${SECONDS} s; files in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
     exit 0

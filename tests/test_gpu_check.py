@@ -2,7 +2,9 @@
 stages' own time limits, with the stage commands swapped for small ones through the
 script's environment knobs. What it runs on a GPU is tested by the gpu-marked tests."""
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import tarfile
@@ -66,3 +68,54 @@ def test_stages_keep_to_their_time_and_out_holds_at_most_8_files(tmp_path):
     assert all(re.fullmatch(r"[A-Za-z0-9._-]+", e.name) for e in entries)
     assert {e.name for e in entries} == {"environment.txt", "gpu_check.log", "pytest.xml", "memory.md", "benchmark.md",
                                          "benchmark.json", "benchmark.png", "benchmark-logs.tar.gz"}
+
+
+def processes_in_session(sid):
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and os.getsid(int(entry)) == sid:
+                found.append(int(entry))
+        except ProcessLookupError:
+            pass
+    return found
+
+
+def test_ctrl_c_stops_the_running_stage_and_skips_the_rest(tmp_path):
+    """Ctrl-C reaches the script's process group, which `timeout` has taken each stage out of:
+    the script must hand it on, skip the stages left and end with 130, leaving no process behind.
+    An earlier run's reports in the folder are gone, not passed off as this run's."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "benchmark.md").write_text("an earlier run's figures\n")
+    hang = tmp_path / "test_hang.py"
+    hang.write_text("import time\n\ndef test_hangs():\n    time.sleep(600)\n")
+    proc = subprocess.Popen(["bash", str(SCRIPT)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True,
+                            env=subprocess_env(PYTHON=sys.executable, OUT=str(out), GPU_CHECK_REQUIRE_CUDA="0",
+                                               GPU_CHECK_SECONDS="400", GPU_CHECK_PYTEST_SECONDS="200",
+                                               GPU_CHECK_PYTEST_WORKERS="0", GPU_CHECK_PYTEST_ARGS=str(hang)))
+    try:
+        log = out / "gpu_check.log"
+        deadline = time.monotonic() + 120
+        while not (log.exists() and "== pytest: at most" in log.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "== pytest: at most" in log.read_text()
+        assert not (out / "benchmark.md").exists()
+        time.sleep(3)  # into the hanging test
+        began = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C sends it: to the foreground process group
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, output
+    assert time.monotonic() - began < 30
+    text = log.read_text()
+    assert "== pytest: stopped by a signal" in text, text
+    assert "== memory: not run, stopped by a signal" in text and "== benchmark: not run, stopped" in text, text
+    assert "gpu_check: stopped by a signal" in text
+    assert not (out / "benchmark.md").exists()
+    time.sleep(0.5)
+    assert processes_in_session(proc.pid) == [], "a stage outlived the script"
