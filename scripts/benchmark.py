@@ -489,8 +489,9 @@ def resolve_plan(args) -> Plan:
         if row.name not in names:
             continue
         procs_, batch, _, steps_ = row_shape(row, plan)
-        if row.name == "ddp-accum2":
-            cli.split_batch(batch, procs_, 2)  # the same batch must also split into 2 micro-batches
+        if row.name == "ddp-accum2" and batch % (procs_ * 2):  # the same batch in 2 micro-batches
+            raise cli.UsageError(f"row {row.name}: global batch {batch} does not split into {procs_} processes x "
+                                 f"2 micro-batches: use a multiple of {procs_ * 2}, or leave the row out (--rows)")
         if args.dataset == "cifar100" and steps_ * batch > EPOCH_IMAGES:
             raise cli.UsageError(f"row {row.name}: --steps {steps_} x global batch {batch} = {steps_ * batch} "
                                  f"images per epoch, more than CIFAR-100's {EPOCH_IMAGES}: lower --steps")
@@ -1491,14 +1492,27 @@ def memory_report(args, argv):
         sys.exit(1)
 
 
+# What the rows alone read: the memory table would take them without a word.
+ROWS_ONLY = ("rows", "quick", "nproc", "dataset", "data_dir", "batch_size", "steps", "epochs", "workers",
+             "time_budget", "compile_ceiling", "ceiling_warmup", "ceiling_steps", "ceiling_windows", "peak_tflops")
+
+
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.measure_ceiling:
         result = measure_ceiling(json.loads(args.measure_ceiling))
         write_atomically(args.out, json.dumps(result))
         return
     if args.memory:
+        given = [name for name in ROWS_ONLY if getattr(args, name) != parser.get_default(name)]
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            raise cli.UsageError(f"{flag} sets up the benchmark's rows, which --memory does not run: leave it out "
+                                 "(the memory table takes --device, --model, --world-sizes, --memory-batch)")
         return memory_report(args, argv)
+    if args.world_sizes or args.memory_batch:
+        raise cli.UsageError("--world-sizes and --memory-batch size the memory table: add --memory")
     plan = resolve_plan(args)
     try:
         os.makedirs(args.out, exist_ok=True)

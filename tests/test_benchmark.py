@@ -545,7 +545,9 @@ def test_default_peak_by_gpu_name(tool, name, tflops):
 @pytest.mark.parametrize("argv, fragment", [
     (["--rows", "ddp,nope"], "unknown row 'nope'"),
     (["--quick", "--device", "cpu", "--batch-size", "33"], "batch size 33 is not divisible by 2 processes"),
-    (["--quick", "--device", "cpu", "--batch-size", "34", "--rows", "ddp-accum2"], "x 2 accumulation steps"),
+    (["--quick", "--device", "cpu", "--batch-size", "34", "--rows", "ddp-accum2"],
+     "row ddp-accum2: global batch 34 does not split into 2 processes x 2 micro-batches"),
+    (["--device", "cpu", "--batch-size", "30"], "row ddp-accum2: .* or leave the row out"),  # the default rows
     (["--quick", "--device", "cpu", "--epochs", "1"], "epoch 1 is warm-up"),
     (["--dataset", "cifar100", "--device", "cpu", "--steps", "2000", "--batch-size", "64"], "lower --steps"),
 ])

@@ -566,11 +566,20 @@ def test_memory_table_measures_what_each_rank_holds(tmp_path):
     (["--world-sizes", "0,2"], "give process counts"),
     (["--world-sizes", "two"], "give process counts"),
     (["--device", "cuda"], "no CUDA GPU is visible"),
+    (["--quick"], "--quick sets up the benchmark's rows, which --memory does not run"),  # it took them silently
+    (["--batch-size", "6"], "--batch-size sets up the benchmark's rows"),
 ])
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 def test_memory_table_bad_input_is_one_line(argv, fragment, tmp_path, run_in_process, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # run_in_process imports the script by name
     assert_refused(run_in_process("benchmark.py", ["--memory", *argv, "--out", tmp_path]), fragment)
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
+def test_memory_table_flags_without_memory_are_one_line(tmp_path, run_in_process, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    assert_refused(run_in_process("benchmark.py", ["--world-sizes", "1", "--device", "cpu", "--out", tmp_path]),
+                   "add --memory")
 
 
 @pytest.mark.gpu
