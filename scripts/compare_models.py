@@ -84,8 +84,9 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     # float64 so that integer counters and low-precision floats subtract exactly.
     a, b = a.double(), b.double()
     diff = (a - b).abs()
-    # NaN in the same place on both sides is the same value; NaN on one side only stays NaN.
-    diff = torch.where(a.isnan() & b.isnan(), torch.zeros_like(diff), diff)
+    # Equal values (the same infinity too: inf - inf is NaN) and NaN in the same place on both sides
+    # are the same value; NaN on one side only stays NaN.
+    diff = torch.where((a == b) | a.isnan() & b.isnan(), torch.zeros_like(diff), diff)
     return diff.max().item()
 
 
@@ -102,6 +103,8 @@ def compare(a: dict, b: dict, atol: float) -> list:
             if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
                 if x.shape != y.shape:
                     lines.append(f"shape differs: {name} {tuple(x.shape)} vs {tuple(y.shape)}")
+                elif x.dtype != y.dtype:  # float32 and float64 of the same values are not the same state
+                    lines.append(f"dtype differs: {name} {x.dtype} vs {y.dtype}")
                 else:
                     diff = max_abs_diff(x, y)
                     if diff > atol or diff != diff:  # diff != diff: a NaN on one side

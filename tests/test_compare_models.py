@@ -117,6 +117,21 @@ def test_atol_allows_small_differences(tmp_path, capsys):
     capsys.readouterr()
 
 
+def test_the_same_infinity_matches_and_another_dtype_differs(tmp_path, capsys):
+    """inf - inf is NaN: the same infinity on both sides was reported as a difference. And
+    float64 beside float32 of the same values is not the same state under --atol 0."""
+    tool = load_tool()
+    torch.save({"w": torch.tensor([1.0, float("inf"), -float("inf")])}, tmp_path / "a.pt")
+    torch.save({"w": torch.tensor([1.0, float("inf"), -float("inf")])}, tmp_path / "b.pt")
+    torch.save({"w": torch.tensor([1.0, -float("inf"), -float("inf")])}, tmp_path / "flipped.pt")
+    torch.save({"w": torch.tensor([1.0, float("inf"), -float("inf")], dtype=torch.float64)}, tmp_path / "f64.pt")
+    assert tool.main([str(tmp_path / "a.pt"), str(tmp_path / "b.pt")]) == 0
+    assert tool.main([str(tmp_path / "a.pt"), str(tmp_path / "flipped.pt")]) == 1
+    assert "differs: model.w max |A-B| = inf" in capsys.readouterr().out
+    assert tool.main([str(tmp_path / "a.pt"), str(tmp_path / "f64.pt")]) == 1
+    assert "dtype differs: model.w torch.float32 vs torch.float64" in capsys.readouterr().out
+
+
 def test_not_a_state_dict_is_exit_2(tmp_path, capsys):
     tool = load_tool()
     torch.save([1, 2, 3], tmp_path / "list.pt")
