@@ -86,8 +86,18 @@ def tcp_port(text):
 
 
 def endpoint(text):
-    host, _, port = text.rpartition(":") if ":" in text.strip("[]") and not text.endswith("]") else (text, "", "")
-    host = host.strip("[]") or text
+    """HOST[:PORT], an IPv6 address in brackets: [ADDRESS]:PORT."""
+    if text.startswith("["):
+        host, bracket, port = text[1:].partition("]")
+        if not bracket or port and not port.startswith(":"):
+            raise argparse.ArgumentTypeError(f"expected [IPV6 ADDRESS]:PORT, got {text!r}")
+        port = port[1:]
+    elif text.count(":") > 1:  # torchrun splits at the last colon too (parse_rendezvous_endpoint)
+        host, _, port = text.rpartition(":")
+        raise argparse.ArgumentTypeError(f"{text} is a bare IPv6 address, which torchrun reads as host {host!r} "
+                                         f"and port {port}: write it in brackets, [{text}]:PORT")
+    else:
+        host, _, port = text.partition(":")
     if not host:
         raise argparse.ArgumentTypeError(f"expected HOST or HOST:PORT, got {text!r}")
     return host, tcp_port(port) if port else DEFAULT_PORT

@@ -102,6 +102,9 @@ def test_a_bad_flag_is_one_line_and_exit_2():
     (["--sample-shape", "3,x,32"], "expected sizes separated by commas"),
     (["--port", "70000"], "a TCP port is 1..65535"),
     (["--timeout", "0"], "must be greater than 0"),
+    # torchrun splits at the last colon, as preflight did: host 'fe80:', port 1, which never resolves
+    (["--rdzv-endpoint", "fe80::1"], "which torchrun reads as host 'fe80:' and port 1"),
+    (["--rdzv-endpoint", "[fe80::1]x"], "expected [IPV6 ADDRESS]:PORT"),
 ])
 def test_bad_arguments_exit_2_before_starting_anything(argv, fragment, capsys):
     with pytest.raises(SystemExit) as exit_:
