@@ -59,7 +59,7 @@ def check(args) -> cli.Plan:
     # The global batch splits over the processes AND the micro-batches of each.
     micro_batch = cli.split_batch(args.batch_size, job.world_size, args.accum_steps)
     device = dist_utils.check_job(job, args.device, args.check_args)  # its device; several nodes: the network
-    cli.check_flags(args, device.type)
+    cli.check_flags(args)
     replicas.check_flags(args, device.type)  # --sync-bn
     return cli.Plan(job.world_size, read=job.read, job=job, device=device, micro_batch=micro_batch)
 

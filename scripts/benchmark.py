@@ -500,11 +500,11 @@ def resolve_plan(args) -> Plan:
     elif use_cuda:
         # Enough loader processes to feed a GPU; the cores are shared by every training process.
         wanted = max(1, min(16, (os.cpu_count() or 2) // procs - 1))
-        free = lifecycle.shm_free_bytes(data.shm_dir())
+        free = lifecycle.shm_free_bytes(lifecycle.SHM_DIR)
         plan.workers = workers_that_fit(wanted, procs, per_device_batch, free)
         if plan.workers < wanted:
             plan.workers_note = (f"{wanted} by the cores, {plan.workers} by the {free / 2**20:,.0f} MiB free in "
-                                 f"{data.shm_dir()} (each worker's prefetched batches are held there)")
+                                 f"{lifecycle.SHM_DIR} (each worker's prefetched batches are held there)")
     # (On the CPU: 0, the training processes already share the cores.)
     return plan
 

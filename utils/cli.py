@@ -243,7 +243,7 @@ def validated(args, check) -> Plan:
     return plan
 
 
-def check_flags(args, device_type: str, launcher: str = "torchrun"):
+def check_flags(args, launcher: str = "torchrun"):
     """The shared refusals that need no group: flags the run would not use, flags that contradict.
     launcher: "torchrun" (and plain python), "itself" (mp.spawn), or None (one process, no group)."""
     if getattr(args, "dataset", None) == "synthetic" and given(args, "data_dir"):

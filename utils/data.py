@@ -360,13 +360,13 @@ class TrainSampler(Sampler):
 
     def set_epoch(self, epoch: int, start_step: int = 0):
         """Call before every epoch, as with DistributedSampler; start_step skips steps already taken."""
-        self.epoch, self.start_step, self.skip = epoch, start_step, 0  # skip: what a restarted loader delivered
+        self.epoch, self.start_step = epoch, start_step
 
     def _per_rank(self) -> int:
         return steps_per_epoch(self.num_samples, self.global_batch) * self.global_batch // self.world_size
 
     def _start(self) -> int:
-        return self.start_step * self.global_batch // self.world_size + self.skip
+        return self.start_step * self.global_batch // self.world_size
 
     def __len__(self):
         return self._per_rank() - self._start()
@@ -523,13 +523,9 @@ def shm_estimate(loaders, local_world_size: int, sample_bytes: int):
     return need, f"({formula}) x {local_world_size} process{'es' if local_world_size != 1 else ''} on this node"
 
 
-def shm_dir() -> str:
-    return lifecycle.SHM_DIR  # where the workers' shm_open puts their batches (Linux)
-
-
 def warn_if_shm_short(loaders, env: DistEnv, sample_bytes: int):
     """One warning when shared memory has less free space than `loaders` may hold: an upper bound."""
-    path = shm_dir()
+    path = lifecycle.SHM_DIR  # where the workers' shm_open puts their batches (Linux)
     free = shm_free_bytes(path)
     need, formula = shm_estimate(loaders, env.local_world_size, sample_bytes)
     if free is None or need <= free:

@@ -36,7 +36,7 @@ import time
 import torch
 
 from . import checkpoint, observe
-from .cli import UsageError, given, plain_config, print_line
+from .cli import UsageError, given, plain_config
 from .distributed import DistEnv, all_ranks_ok, any_rank, device_name, meeting, print0
 from .lifecycle import SIGNALS, stop_under_way
 from .metrics import EpochTimer, MetricsLog, TrainMeter, peak_memory_mb, reset_peak_memory
@@ -220,32 +220,13 @@ class TrainingRun:
     def progress(self, loader):
         """Iterate the loader; a progress bar on rank 0 when stderr is a terminal."""
         if not (self.env.is_main and sys.stderr.isatty()):
-            yield from self._batches(loader)
+            yield from loader
             return
         from tqdm import tqdm
-        with tqdm(self._batches(loader), total=len(loader), desc=f"epoch {self.epoch + 1}/{self.args.epochs}",
+        with tqdm(loader, total=len(loader), desc=f"epoch {self.epoch + 1}/{self.args.epochs}",
                   leave=False, dynamic_ncols=True) as self._bar:
             yield from self._bar
         self._bar = None
-
-    def _batches(self, loader):
-        """The loader's batches. If a loader worker dies while a stop is pending (a signal reached it before
-        it could ignore it), the stop must still get to its checkpoint: new workers load the rest of the
-        epoch from the first batch not yet delivered, so training sees the same batches either way."""
-        while True:
-            delivered = 0
-            try:
-                for batch in loader:
-                    delivered += 1
-                    yield batch
-                return
-            except RuntimeError as exc:
-                if self.stop_signal.received is None or "DataLoader worker" not in str(exc):
-                    raise
-                print_line(f"rank {self.env.rank}: {exc.args[0].splitlines()[0]} during a stop: "
-                           "loading the rest of the epoch with new workers")
-                loader.sampler.skip += delivered * loader.batch_size
-                loader._iterator = None  # persistent workers: forget the broken set
 
     def clip_grad_norm(self, parameters):
         """--clip-grad-norm (nothing without it): scale the gradients down to that global L2 norm if theirs is
@@ -287,7 +268,7 @@ class TrainingRun:
             self.stop_signal.announce(self.global_step, self.checkpoint_path)
             self.stop_signal.close()
             self.observers.close()
-            raise Preempted(0)  # exit status 0; the script's `finally` still tears down
+            raise SystemExit(0)  # checkpointed: exit status 0; the script's `finally` still tears down
         return self.done()
 
     def end_epoch(self, eval_metrics: dict):
@@ -337,10 +318,6 @@ class TrainingRun:
 
 
 # --- stop signals --------------------------------------------------------------------------------
-
-class Preempted(SystemExit):
-    """Raised, as Preempted(0), after the stop checkpoint is saved: the process exits with status 0."""
-
 
 class StopSignal:
     """Stop cleanly on SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 (SLURM's warning before a time limit or preemption):

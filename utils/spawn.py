@@ -188,7 +188,7 @@ def worker_exit(errors, local_rank):
             f.write(str(err))
         lifecycle.tell_the_job(str(err))
         code = 2
-    except SystemExit as stop:  # a stop on a signal (run.Preempted), or a join that failed
+    except SystemExit as stop:  # a stop on a signal (run.step_done), or a join that failed
         code = stop.code if isinstance(stop.code, int) else 1
     except Exception as err:
         message = lifecycle.bus_error_message(err)  # a loader worker that ran out of shared memory
