@@ -15,7 +15,8 @@
 #   environment.txt  gpu_check.log  pytest.xml  memory.md  benchmark.md  benchmark.json  benchmark.png
 #   benchmark-logs.tar.gz (each benchmark row's output and metrics, and memory.json)
 # Exit status: 0 when every stage passed, 1 when one failed or ran out of time, 2 without CUDA,
-# 130 or 143 when Ctrl-C or SIGTERM stopped it (the running stage is stopped too, the rest skipped).
+# 130 or 143 when Ctrl-C or SIGTERM stopped it: the running test, memory or benchmark stage is
+# stopped too and the rest skipped (during step 1, the environment, once that step ends).
 #
 # Knobs (environment): GPU_CHECK_SECONDS (whole run, default 510 = 8.5 minutes),
 # GPU_CHECK_PYTEST_SECONDS (the test stage, default 250), GPU_CHECK_TEST_TIMEOUT (one test,
@@ -97,9 +98,12 @@ run_stage() {
     # In the background: a trap runs during `wait`, not until a foreground command ends.
     timeout -s "$sig" -k "$KILL_GRACE" "$seconds" "$@" >"$out" 2>&1 </dev/null &
     STAGE_PID=$!
+    # A signal since the check above found no stage to hand it to. TERM: a `timeout` that has not yet
+    # set its handlers still ignores SIGINT, as bash starts background commands, but dies of SIGTERM.
+    [ "$STOPPED" -ne 0 ] && kill -s TERM "$STAGE_PID" 2>/dev/null
     while wait "$STAGE_PID"; STAGE_STATUS=$?; kill -0 "$STAGE_PID" 2>/dev/null; do :; done
     STAGE_PID=
-    cat "$out" >>"$LOG"
+    cat "$out" >>"$LOG" 2>/dev/null  # none where the signal came before the stage started
     if [ "$STOPPED" -ne 0 ]; then
         say "== $name: stopped by a signal (status $STAGE_STATUS), $((SECONDS - began)) s"
         FAILED+=("$name (stopped)")

@@ -87,6 +87,8 @@ def tcp_port(text):
 
 def endpoint(text):
     """HOST[:PORT], an IPv6 address in brackets: [ADDRESS]:PORT."""
+    if text.endswith(":"):  # torchrun refuses an empty port; the default would check another endpoint
+        raise argparse.ArgumentTypeError(f"{text!r} ends with a colon: give the port after it, or leave both out")
     if text.startswith("["):
         host, bracket, port = text[1:].partition("]")
         if not bracket or port and not port.startswith(":"):
