@@ -26,26 +26,28 @@ SCRIPT_ARGS=(--batch-size 128 --epochs 200 --checkpoint-dir checkpoints/mp_spawn
 
 PYTHON=${PYTHON:-$(test -x .venv/bin/python && echo .venv/bin/python || echo python3)}
 
-procs=()
-if [ -n "$NPROC_PER_NODE" ]; then procs=(--nproc-per-node "$NPROC_PER_NODE"); fi
+# One list that is never empty: bash before 4.4 (RHEL/CentOS 7) calls an empty array
+# unbound under `set -u`, so "${empty[@]}" would end the launcher there.
+args=(distributed_mp.py)
+if [ -n "$NPROC_PER_NODE" ]; then args+=(--nproc-per-node "$NPROC_PER_NODE"); fi
 
 case "$MODE" in
   single)
     # One node: the processes meet at a free port on 127.0.0.1.
-    rendezvous=() ;;
+    ;;
   multi)
     # Node 0's first process hosts the rendezvous (a TCP store) at HEAD:PORT; every
     # process of every node connects to it. Ranks: node_rank * nproc_per_node + local rank.
-    rendezvous=(--nodes "$NODES" --node-rank "$NODE_RANK" --ip "$HEAD" --port "$PORT") ;;
+    args+=(--nodes "$NODES" --node-rank "$NODE_RANK" --ip "$HEAD" --port "$PORT") ;;
   file)
     # No open port needed: the processes meet in a file on a shared file system (NFS,
     # Lustre). The file must not exist yet: one left by an earlier job would mix the two
     # jobs, hence a name per job; delete it once the job is over.
-    rendezvous=(--nodes "$NODES" --node-rank "$NODE_RANK" --init-method "file://$RDZV_FILE") ;;
+    args+=(--nodes "$NODES" --node-rank "$NODE_RANK" --init-method "file://$RDZV_FILE") ;;
   *)
     echo "MODE must be single, multi or file, not '$MODE'" >&2
     exit 2 ;;
 esac
 
 set -x
-exec "$PYTHON" distributed_mp.py "${procs[@]}" "${rendezvous[@]}" "${SCRIPT_ARGS[@]}" "$@"
+exec "$PYTHON" "${args[@]}" "${SCRIPT_ARGS[@]}" "$@"

@@ -325,6 +325,17 @@ def test_mp_spawn_launcher_command(stubs, script_help, mode, expected):
     assert_flags_accepted(script, args, script_help)
 
 
+def test_mp_spawn_launcher_as_it_comes(stubs):
+    """No settings at all: the script picks its process count, the processes meet locally."""
+    env, calls = stubs
+    proc = launch("scripts/launch_mp_spawn.sh", env)
+    assert proc.returncode == 0, proc.stderr
+    [call] = calls()
+    launcher, script, args = script_and_args(call["argv"])
+    assert script == "distributed_mp.py" and args[:2] == ["--batch-size", "128"], args
+    assert not {"--nproc-per-node", "--nodes", "--ip", "--init-method"} & set(args), args
+
+
 def test_mp_spawn_launcher_rejects_an_unknown_mode(stubs):
     env, calls = stubs
     proc = launch("scripts/launch_mp_spawn.sh", env, MODE="ssh")
