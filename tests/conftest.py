@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 import warnings
 from pathlib import Path
 
@@ -143,6 +144,19 @@ def run_script(args, timeout=180, check=True, env=None, cwd=None) -> subprocess.
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout}\n"
                              f"--- stderr\n{proc.stderr}")
     return proc
+
+
+def observing_entry(tmp_path, patch: str):
+    """A file to give torchrun as its entry point: it runs `patch` (Python that wraps some of
+    PyTorch to report what the script does with it), then the script named first among its
+    arguments, as __main__ and with that script's argv, so the script cannot tell."""
+    entry = tmp_path / "observing_entry.py"
+    entry.write_text(textwrap.dedent(patch) + textwrap.dedent("""
+        import runpy, sys
+        sys.argv = sys.argv[1:]
+        runpy.run_path(sys.argv[0], run_name="__main__")
+        """))
+    return entry
 
 
 def torchrun(nproc, script, args, timeout=240, check=True, extra_torchrun=(), env=None):

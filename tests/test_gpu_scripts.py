@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, SMALL, gpu_subprocess_env, read_metrics, run_script, torchrun
+from conftest import ROOT, SMALL, gpu_subprocess_env, observing_entry, read_metrics, run_script, torchrun
 from models import build_model
 
 pytestmark = pytest.mark.gpu
@@ -109,16 +109,31 @@ def test_mp_spawn_on_cuda(tmp_path):
     assert_trained_on_the_gpu(end_record(metrics), TWO)
 
 
+# Prints the kinds of batch norm in the model that DDP wraps.
+REPORT_BATCH_NORMS = """
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+    init = DistributedDataParallel.__init__
+    def reporting_init(self, module, *args, **kwargs):
+        kinds = {type(m).__name__ for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)}
+        print(f"batch norms under DDP: {sorted(kinds)}", flush=True)
+        init(self, module, *args, **kwargs)
+    DistributedDataParallel.__init__ = reporting_init
+    """
+
+
 def test_sync_bn_on_cuda(tmp_path):
     metrics = tmp_path / "m.jsonl"
-    proc = torchrun(TWO, "distributed.py", [*SMALL, "--sync-bn", "--verify-sync", "--metrics", metrics],
+    proc = torchrun(TWO, observing_entry(tmp_path, REPORT_BATCH_NORMS),
+                    ["distributed.py", *SMALL, "--sync-bn", "--verify-sync", "--metrics", metrics],
                     env=gpu_subprocess_env())
     assert_trained_on_the_gpu(end_record(metrics), TWO)
+    # Every batch norm became a SyncBatchNorm before DDP wrapped the model. On one GPU that is
+    # all there is to see: with a group of one, SyncBatchNorm runs plain batch norm.
+    assert "batch norms under DDP: ['SyncBatchNorm']" in proc.stdout, proc.stdout
     if TWO == 2:
         # Batch statistics over the global batch: the running statistics agree across ranks too.
         assert "verify-sync: all parameters and buffers agree across 2 ranks" in proc.stdout, proc.stdout
-    else:
-        assert "verify-sync: all parameters and buffers agree across 1 ranks" in proc.stdout, proc.stdout
 
 
 # --- loader workers on CUDA: pinned memory, persistent workers -----------------------------

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from conftest import (ROOT, SMALL, assert_refused, free_port, keep_on_cpu, read_metrics, subprocess_env,
-                      torchrun)
+from conftest import (ROOT, SMALL, assert_refused, free_port, keep_on_cpu, observing_entry, read_metrics,
+                      subprocess_env, torchrun)
 from models import build_model
 
 SCRIPT = "distributed_gradient_accumulation.py"
@@ -209,35 +209,31 @@ def test_script_accumulates_like_one_big_batch(tmp_path, monkeypatch):
     assert accum_record["lr"] == pytest.approx(big_record["lr"])
 
 
-# Runs the script as torchrun's entry point with DDP's gradient all-reduces counted: a comm
-# hook that does the default all-reduce and, after each backward's last bucket, writes the
-# number of backward passes that all-reduced so far to COUNT_DIR/RANK.
-COUNTING_ENTRY = """\
-import os, runpy, sys
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.nn.parallel import DistributedDataParallel
-init, synced = DistributedDataParallel.__init__, [0]
-def hook(group, bucket):
-    if bucket.is_last():
-        synced[0] += 1
-        with open(os.path.join(os.environ["COUNT_DIR"], os.environ["RANK"]), "w") as out:
-            out.write(str(synced[0]))
-    return default_hooks.allreduce_hook(group, bucket)
-def counting_init(self, *args, **kwargs):
-    init(self, *args, **kwargs)
-    self.register_comm_hook(None, hook)
-DistributedDataParallel.__init__ = counting_init
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
+# DDP's gradient all-reduces, counted: a comm hook that does the default all-reduce and, after
+# each backward's last bucket, writes how many backward passes have all-reduced to COUNT_DIR/RANK.
+COUNT_ALL_REDUCES = """
+    import os
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+    init, synced = DistributedDataParallel.__init__, [0]
+    def hook(group, bucket):
+        if bucket.is_last():
+            synced[0] += 1
+            with open(os.path.join(os.environ["COUNT_DIR"], os.environ["RANK"]), "w") as out:
+                out.write(str(synced[0]))
+        return default_hooks.allreduce_hook(group, bucket)
+    def counting_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.register_comm_hook(None, hook)
+    DistributedDataParallel.__init__ = counting_init
+    """
 
 
 def test_torchrun_two_processes_end_to_end(tmp_path):
     """The script itself all-reduces once per optimizer step, not once per micro-batch."""
-    metrics_file, entry, count_dir = tmp_path / "metrics.jsonl", tmp_path / "counting.py", tmp_path / "counts"
-    entry.write_text(COUNTING_ENTRY)
+    metrics_file, count_dir = tmp_path / "metrics.jsonl", tmp_path / "counts"
     count_dir.mkdir()
-    proc = torchrun(2, entry, [SCRIPT, *SMALL, "--accum-steps", "2", "--metrics", metrics_file, "--verify-sync"],
+    proc = torchrun(2, observing_entry(tmp_path, COUNT_ALL_REDUCES), [SCRIPT, *SMALL, "--accum-steps", "2", "--metrics", metrics_file, "--verify-sync"],
                     timeout=120, env=subprocess_env(COUNT_DIR=str(count_dir)))
     # 256 samples, 32 a step: 8 optimizer steps of 2 micro-batches, 16 backward passes.
     assert [(count_dir / rank).read_text() for rank in ("0", "1")] == ["8", "8"]
