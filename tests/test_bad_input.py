@@ -82,14 +82,29 @@ def test_unwritable_metrics_path_is_refused_before_training(run_in_process, tmp_
 
 @pytest.mark.parametrize("make, fragment", [
     (lambda p: (p.write_text(""), p)[1], "is a file, not a directory"),
-    (lambda p: (p.mkdir(), os.chmod(p, 0o500), p)[2], "is not writable"),
     (lambda p: "/proc/self/ck", "cannot create --checkpoint-dir"),  # unwritable even for root
 ])
 def test_bad_checkpoint_dir_is_refused_before_training(run_in_process, tmp_path, make, fragment):
-    if fragment == "is not writable" and os.geteuid() == 0:
-        pytest.skip("root writes into a read-only directory anyway")
     target = make(tmp_path / "ck")
     assert_refused(run_in_process("distributed.py", [*SMALL, "--checkpoint-dir", target]), fragment)
+
+
+def test_unwritable_checkpoint_dir_is_refused_before_training(run_in_process, tmp_path):
+    target = tmp_path / "ck"
+    target.mkdir()
+    if os.geteuid() != 0:
+        os.chmod(target, 0o500)
+        assert_refused(run_in_process("distributed.py", [*SMALL, "--checkpoint-dir", target]), "is not writable")
+        return
+    # Root writes into a folder of mode 0500 anyway, not into a read-only file system.
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(target)],
+                           capture_output=True, text=True)
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {mount.stderr.strip()}")
+    try:
+        assert_refused(run_in_process("distributed.py", [*SMALL, "--checkpoint-dir", target]), "is not writable")
+    finally:
+        subprocess.run(["umount", str(target)], check=True)
 
 
 def test_metrics_failure_after_an_epoch_keeps_its_checkpoint(tmp_path, monkeypatch):
