@@ -627,6 +627,42 @@ def test_a_refusal_read_as_its_store_goes_is_the_only_line(make_hosts, tmp_path)
     assert len(errors) == 1 and "rank 0 refused to start: rank 0's own refusal" in errors[0], job.log("rank1")
 
 
+REFUSAL_READ_LATE = """
+import sys, time
+sys.path.insert(0, {root!r})
+from utils import cli, distributed as dist_utils, lifecycle
+
+def main(argv):
+    job = dist_utils.job_from_env()
+    device = dist_utils.check_job(job, "cpu")
+    if job.rank == 2:
+        raise cli.UsageError("rank 2's own refusal")
+    if job.rank == 1:  # it looks for a refusal 4 s late: rank 0 has read it long before
+        look, started = lifecycle.refusal_of_a_peer, time.monotonic()
+        lifecycle.refusal_of_a_peer = lambda *args: look(*args) if time.monotonic() > started + 4 else None
+    dist_utils.setup(job, device, timeout_s=30)
+
+lifecycle.run_main(main)
+"""
+
+
+def test_the_store_stays_until_every_rank_has_read_a_refusal(make_hosts, tmp_path):
+    """Rank 2 refuses; rank 0, which serves the store, reads the refusal first and ends, but not
+    before rank 1, which reads it 4 s later, has: rank 1's one line is rank 2's refusal, not a
+    failure to join, with a store gone, that blames the network."""
+    hosts = make_hosts()
+    program = tmp_path / "refuse.py"
+    program.write_text(REFUSAL_READ_LATE.format(root=str(ROOT)))
+    job = Job(hosts, tmp_path)
+    for rank in (0, 1, 2):  # three "nodes" of one process each, all on node A
+        job.start(f"rank{rank}", "nodea", [program], RANK=rank, WORLD_SIZE=3, LOCAL_RANK=0, LOCAL_WORLD_SIZE=1,
+                  MASTER_ADDR=hosts.address("nodea"), MASTER_PORT=PORT)
+    assert job.wait(60, expect=2) == {"rank0": 2, "rank1": 2, "rank2": 2}, job.log("rank1")
+    for rank in (0, 1):
+        errors = [line for line in job.log(f"rank{rank}").splitlines() if ": error:" in line]
+        assert len(errors) == 1 and "rank 2 refused to start: rank 2's own refusal" in errors[0], job.log(f"rank{rank}")
+
+
 # --- h. a partition while the ranks agree through the store -------------------------------------
 
 AGREE_ACROSS_A_CUT = """

@@ -281,9 +281,14 @@ def refusal_of_a_peer(rendezvous: str, store: list):
 
 def refusal_said(store: list):
     """Count a peer's refusal as read (refusal_of_a_peer's store), once this rank has said it and is about to
-    exit: the refusing rank may end then, its store with it, and this rank's own calls to the store fail."""
+    exit: the refusing rank may end then, its store with it, and this rank's own calls to the store fail.
+    The store's host holds on, as a refusing host does, until every rank has read it, DELIVERY_S at most:
+    with it the store ends, and a rank yet to read would fail to join, blaming the network."""
+    until, key = time.monotonic() + DELIVERY_S, f"{attempt_prefix()}/refused/read"
     with contextlib.suppress(Exception):  # no store (file://), or gone already
-        store[0].add(f"{attempt_prefix()}/refused/read", 1)
+        store[0].add(key, 1)
+        while _job[3] and store[0].add(key, 0) < _job[2] and time.monotonic() < until:
+            time.sleep(0.2)
 
 
 # --- loader workers -------------------------------------------------------------------------
