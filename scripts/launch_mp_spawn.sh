@@ -6,6 +6,7 @@
 #   MODE=multi NODE_RANK=0 bash scripts/launch_mp_spawn.sh  # on node 0, then on node 1 with
 #   MODE=multi NODE_RANK=1 bash scripts/launch_mp_spawn.sh  #   NODE_RANK=1 (TCP at HEAD:PORT)
 #   MODE=file  NODE_RANK=0 bash scripts/launch_mp_spawn.sh  # the same, meeting through a file
+#                                                           #   named for the job (JOB_ID)
 #
 # Extra flags go to the script and win over SCRIPT_ARGS.
 set -euo pipefail
@@ -18,8 +19,8 @@ NODES=${NODES:-2}                   # multi, file: nodes in the job
 NODE_RANK=${NODE_RANK:-0}           # multi, file: 0 on the first node, 1 on the next, ...
 HEAD=${HEAD:-node0.example.com}     # multi: node 0's address, reachable from every node
 PORT=${PORT:-29500}                 # multi: a free TCP port on node 0
-JOB_ID=${JOB_ID:-cifar100-ddp}      # file: a new id for every job (see below)
-RDZV_FILE=${RDZV_FILE:-/shared/path/rdzv.$JOB_ID}  # file: on a file system all nodes see
+JOB_ID=${JOB_ID:-${SLURM_JOB_ID:-}}  # file: a new id for every job, the same on every node
+RDZV_FILE=${RDZV_FILE:-${JOB_ID:+/shared/path/rdzv.$JOB_ID}}  # file: on a file system all nodes see
 SCRIPT_ARGS=(--batch-size 128 --epochs 200 --checkpoint-dir checkpoints/mp_spawn
              --checkpoint-every 1000 --resume)   # --batch-size is the GLOBAL batch
 # ---------------------------------------------------------------------------------------
@@ -42,7 +43,12 @@ case "$MODE" in
   file)
     # No open port needed: the processes meet in a file on a shared file system (NFS,
     # Lustre). The file must not exist yet: one left by an earlier job would mix the two
-    # jobs, hence a name per job; delete it once the job is over.
+    # jobs (and its .refused, a node's refusal, would end the next), hence a name per job;
+    # delete both once the job is over.
+    if [ -z "$RDZV_FILE" ]; then
+      echo "MODE=file needs JOB_ID (or RDZV_FILE): a new name for every job, the same on every node" >&2
+      exit 2
+    fi
     args+=(--nodes "$NODES" --node-rank "$NODE_RANK" --init-method "file://$RDZV_FILE") ;;
   *)
     echo "MODE must be single, multi or file, not '$MODE'" >&2

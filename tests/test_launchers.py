@@ -315,7 +315,7 @@ def test_single_node_launcher_counts_cpu_processes_for_device_cpu(stubs):
 def test_mp_spawn_launcher_command(stubs, script_help, mode, expected):
     env, calls = stubs
     proc = launch("scripts/launch_mp_spawn.sh", env, "--epochs", "3", MODE=mode, NODE_RANK="1",
-                  HEAD="10.1.2.3", NPROC_PER_NODE="4")
+                  HEAD="10.1.2.3", NPROC_PER_NODE="4", JOB_ID="cifar100-ddp")
     assert proc.returncode == 0, proc.stderr
     [call] = calls()
     launcher, script, args = script_and_args(call["argv"])
@@ -334,6 +334,15 @@ def test_mp_spawn_launcher_as_it_comes(stubs):
     launcher, script, args = script_and_args(call["argv"])
     assert script == "distributed_mp.py" and args[:2] == ["--batch-size", "128"], args
     assert not {"--nproc-per-node", "--nodes", "--ip", "--init-method"} & set(args), args
+
+
+def test_mp_spawn_launcher_meets_in_a_file_named_for_the_job(stubs):
+    """MODE=file: a file left by an earlier job would end or mix the next, so no name is shared by default."""
+    env, calls = stubs
+    proc = launch("scripts/launch_mp_spawn.sh", env, MODE="file")
+    assert proc.returncode == 2 and "MODE=file needs JOB_ID" in proc.stderr and calls() == []
+    assert launch("scripts/launch_mp_spawn.sh", env, MODE="file", SLURM_JOB_ID="4242").returncode == 0
+    assert "file:///shared/path/rdzv.4242" in calls()[-1]["argv"]
 
 
 def test_mp_spawn_launcher_rejects_an_unknown_mode(stubs):
