@@ -55,8 +55,14 @@ def node_settings(argv: list) -> tuple:
     args = get_args_parser().parse_args(argv)
     if args.rdzv_backend != "c10d" or not args.rdzv_endpoint or args.standalone:
         return argv, {}, ""
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
     from utils import network
-    host = args.rdzv_endpoint.rsplit(":", 1)[0].strip("[]") if ":" in args.rdzv_endpoint else args.rdzv_endpoint
+    try:  # the host as torchrun reads it ("[IPV6]" with or without a port: the brackets go)
+        host = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)[0]
+    except ValueError as err:
+        print_line(f"torchrun_bounded.py: error: {err}")
+        sys.exit(2)
     decided, env, addresses = [], {}, network.resolve(host)  # none: IPv6 or unknown (findings)
     if "is_host" not in (args.rdzv_conf or "") and addresses:
         is_host = int(any(network.can_bind(address) for address in addresses))

@@ -189,6 +189,18 @@ def test_multi_node_launcher_command(stubs, script_help):
     assert_flags_accepted(script, args, script_help)
 
 
+@pytest.mark.parametrize("endpoint, host", [("[::1]", "::1"), ("[::1]:29500", "::1"), ("127.0.0.1", "127.0.0.1")])
+def test_torchrun_bounded_reads_the_endpoint_as_torchrun_does(endpoint, host, capsys):
+    """An IPv6 address in brackets, with or without a port: the host is the address (a loopback
+    one here, refused in its own name), not the text before the last colon."""
+    from scripts import torchrun_bounded
+    with pytest.raises(SystemExit) as refused:
+        torchrun_bounded.node_settings(["--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+                                        "distributed.py", "--device", "cpu"])
+    assert refused.value.code == 2
+    assert f"the rendezvous endpoint {host} is {host} here, a loopback address" in capsys.readouterr().err
+
+
 # --- SLURM ---------------------------------------------------------------------------------
 
 SLURM_ENV = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "cifar", "SLURM_JOB_NODELIST": "gpu[01-02]",
