@@ -32,6 +32,10 @@ it waits, it cannot restart its workers anyway. The grace covers a restart (torc
 --max-restarts, or an elastic job's new rendezvous after a node left: torchrun's last call,
 30 s by default, and a lost node's heartbeats, 15 s).
 
+With --check-args among the training script's arguments it starts no torchrun: it runs the
+script's check of its arguments once, as this node's first process would run it, in the
+settings above (slurm.sbatch does, before srun).
+
 scripts/launch_multi_node.sh and scripts/slurm.sbatch start torchrun through this file.
 """
 import os
@@ -49,8 +53,9 @@ POLL_S = 1.0
 _last_state = None  # what torchrun's agent last found its workers doing
 
 
-def node_settings(argv: list) -> tuple:
-    """(argv with is_host and --local_addr added, {variable: value} to set, what was decided)."""
+def node_settings(argv: list, refuse: bool = True) -> tuple:
+    """(argv with is_host and --local_addr added, {variable: value} to set (in os.environ too), what was
+    decided); with `refuse`, a job that no setting here saves is refused, as the training would refuse it."""
     from torch.distributed.run import get_args_parser
     args = get_args_parser().parse_args(argv)
     if args.rdzv_backend != "c10d" or not args.rdzv_endpoint or args.standalone:
@@ -80,7 +85,7 @@ def node_settings(argv: list) -> tuple:
     os.environ.update(env)
     # What is left is the run's own decision: the job meets at node 0's --local_addr, the
     # endpoint's address as node 0 reaches itself, with the backend the script will use.
-    several = str(args.nnodes).split(":")[-1] != "1"
+    several = refuse and str(args.nnodes).split(":")[-1] != "1"
     for finding in network.findings(host, _uses_gloo(args.training_script_args), "the rendezvous endpoint") \
             if several else ():
         print_line(f"torchrun_bounded.py: {'error' if finding.certain else 'warning'}: {finding.line}")
@@ -179,7 +184,25 @@ def _watch(pid: int):
             os._exit(1)
 
 
+def check_args(argv: list):
+    """`SCRIPT ... --check-args` as this node's first training process would run it, in this node's settings
+    (node_settings; the script's checks make the network decision): rank 0 of nnodes x nproc_per_node,
+    meeting at this node's --local_addr, which node 0 gives every rank as MASTER_ADDR. Exits with its
+    status. slurm.sbatch runs it on the first node, before srun starts anything."""
+    import subprocess
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+    from torch.distributed.run import get_args_parser
+    args = get_args_parser().parse_args(node_settings(argv, refuse=False)[0])
+    host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
+    nprocs = int(args.nproc_per_node)
+    env = dict(os.environ, WORLD_SIZE=str(int(str(args.nnodes).split(":")[-1]) * nprocs), RANK="0",
+               LOCAL_RANK="0", LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR=args.local_addr or host, MASTER_PORT=str(port))
+    sys.exit(subprocess.run([sys.executable, args.training_script, *args.training_script_args], env=env).returncode)
+
+
 def main():
+    if "--check-args" in sys.argv:  # among the training script's arguments: check them, start nothing
+        check_args(sys.argv[1:])
     argv, env, decided = node_settings(sys.argv[1:])
     if decided:
         import socket

@@ -482,6 +482,20 @@ def test_a_host_name_on_a_loopback_line_is_named_by_preflight_and_avoided_by_the
     assert "done: 8 steps" in logs and f"--local_addr={a}" in logs, logs
 
 
+def test_the_check_before_srun_accepts_the_job_that_the_launcher_runs(make_hosts, tmp_path):
+    """slurm.sbatch's --check-args on the head node, named as Slurm names it, where that name
+    resolves to 127.0.1.1: the training alone would refuse gloo there, but torchrun_bounded.py
+    sets GLOO_SOCKET_IFNAME for the job it starts (the test above trains), and its check of
+    the arguments runs in those settings, so it accepts the job."""
+    hosts = make_hosts(own_name="loopback")
+    job = Job(hosts, tmp_path)
+    job.start("check", "nodea", ["scripts/torchrun_bounded.py", *torchrun_across(hosts, 1, endpoint=f"nodea:{PORT}",
+                                                                                 launcher=()),
+                                 "distributed.py", *QUICK, "--check-args"])
+    assert job.wait(60) == {"check": 0}, job.log("check")
+    assert "arguments OK for 2 processes" in job.log("check"), job.log("check")
+
+
 @pytest.mark.parametrize("refusing, launch", [
     ("nodea", "torchrun, a store of its own"),  # rank 0 refuses and hosts the store to say so
     ("nodeb", "torchrun, the agent's store"),
