@@ -348,9 +348,9 @@ def network_facts(role: Role, args, device) -> dict:
     out = {"hostname": name, "resolves": network.resolve(name), "interfaces": known,
            "gloo": {"address": gloo_address, "interface": gloo_interface, "why": gloo_why},
            "nccl": os.environ.get("NCCL_SOCKET_IFNAME"), "peer": None, "findings": []}
-    peer, findings = None, []
+    peer, flag, findings = None, "MASTER_ADDR", []
     if role.launcher == "python" and args.rdzv_endpoint is not None:
-        peer, port = args.rdzv_endpoint
+        (peer, port), flag = args.rdzv_endpoint, "the rendezvous endpoint"
         out["endpoint"] = {"host": peer, "port": port, "here": is_this_host(peer)}
         if not out["endpoint"]["here"] and network.resolve(peer):
             out["endpoint"]["answers"] = endpoint_answers(peer, port)
@@ -362,7 +362,7 @@ def network_facts(role: Role, args, device) -> dict:
         out["peer_addresses"] = network.resolve(peer)  # how this node resolves it (the others may differ)
         out["peer_is_here"] = is_this_host(peer)
         out["toward"] = list(network.route_toward(peer, known))
-        findings += network.findings(peer, uses_gloo=device.type == "cpu")  # accelerators: NCCL, no gloo
+        findings += network.findings(peer, uses_gloo=device.type == "cpu", flag=flag)  # accelerators: NCCL, no gloo
     out["findings"] = [{"certain": f.certain, "what": f.what, "fix": f.fix} for f in findings]
     return out
 

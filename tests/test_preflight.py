@@ -158,6 +158,15 @@ def test_interface_variables_match_as_nccl_and_gloo_read_them(value, prefix_matc
     assert preflight.ifname_matches(value, names, prefix_match) == expected
 
 
+def test_a_loopback_endpoint_is_named_as_the_user_gave_it():
+    """--rdzv-endpoint localhost: the finding names the endpoint and its fix, not MASTER_ADDR's."""
+    role = preflight.Role(rank=0, world_size=2, local_rank=0, local_world_size=2, node=0, launcher="python")
+    facts = preflight.network_facts(role, args_for(rdzv_endpoint=("localhost", 29500)), torch.device("cpu"))
+    [finding] = [f for f in facts["findings"] if "loopback address" in f["what"]]
+    assert finding["what"].startswith("the rendezvous endpoint localhost is 127.0.0.1 here"), finding
+    assert finding["fix"] == "give the rendezvous endpoint node 0's network address", finding
+
+
 # --- the report from recorded facts: what a GPU node or two nodes would send ------------
 
 def node_facts(devices, peer_access, shm_free, env=None, cores=16, ram=64 * 2**30):
