@@ -617,10 +617,12 @@ def size(n) -> str:
 
 def ifname_matches(value, names, prefix_match):
     """Interfaces that NCCL_SOCKET_IFNAME (prefixes; ^ excludes, = exact) or
-    GLOO_SOCKET_IFNAME (exact names) would use."""
+    GLOO_SOCKET_IFNAME (exact names; none if one is unknown: gloo fails on it) would use."""
     exclude = value.startswith("^")
     exact = value.lstrip("^").startswith("=") or not prefix_match
     items = [v for v in value.lstrip("^=").split(",") if v]
+    if not prefix_match and not set(items) <= set(names):
+        return []
     hit = [n for n in names if any(n == v or (not exact and n.startswith(v)) for v in items)]
     return [n for n in names if n not in hit] if exclude else hit
 
@@ -805,7 +807,7 @@ class Report:
             env, names = nf["env"], nf["interfaces"]
             for var, prefix_match in (("NCCL_SOCKET_IFNAME", True), ("GLOO_SOCKET_IFNAME", False)):
                 if var in env and names and not ifname_matches(env[var], names, prefix_match):
-                    found.append((f"node {node}: {var}={env[var]} matches none of its interfaces "
+                    found.append((f"node {node}: {var}={env[var]} does not match its interfaces "
                                   f"({', '.join(names)})",
                                   f"export {var}=<the interface that reaches the other nodes>, one of: "
                                   f"{', '.join(names)}"))

@@ -152,6 +152,7 @@ def test_port_in_use_is_seen():
     ("ib0", True, []),
     ("eth0", False, ["eth0"]),               # gloo: exact names
     ("eth", False, []),
+    ("lo,eth9", False, []),                  # gloo: one unknown name and it cannot start
 ])
 def test_interface_variables_match_as_nccl_and_gloo_read_them(value, prefix_match, expected):
     names = ["docker0", "eth0", "eth1", "lo"]
@@ -231,7 +232,7 @@ def test_report_two_nodes_with_different_versions_and_variables(capsys):
     assert "reached by 2 of 2 processes" in out
     whats = " | ".join(what for what, _ in problems)
     assert "different PyTorch versions: 2.10.0, 2.11.0" in whats
-    assert "NCCL_SOCKET_IFNAME=ib matches none of its interfaces" in whats
+    assert "NCCL_SOCKET_IFNAME=ib does not match its interfaces" in whats
     assert "different NCCL_*/GLOO_* variables" in whats
     assert len(problems) == 3, problems
 
