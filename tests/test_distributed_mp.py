@@ -79,6 +79,19 @@ def test_bad_launch_flags_stop_in_the_parent(flags, expected, capsys, monkeypatc
     assert expected in _run_in_process([*SMALL, *flags], capsys, monkeypatch)
 
 
+def test_a_host_knows_its_own_name_in_any_case(monkeypatch):
+    """Host names are case-insensitive, and --ip comes lowercased out of tcp://HOST:PORT: NodeA's
+    own name on its loopback line is its own, which the other nodes may resolve to its network
+    address (no finding with NCCL); another name that resolves to loopback is refused."""
+    from utils import network
+    monkeypatch.setattr(network.socket, "gethostname", lambda: "NodeA")
+    monkeypatch.setattr(network, "resolve", lambda host, family=None: ["127.0.1.1"])
+    assert network.findings("nodea", uses_gloo=False) == []
+    assert network.findings("NODEA.cluster", uses_gloo=False) == []
+    [finding] = network.findings("nodeb", uses_gloo=False)
+    assert finding.certain and "nodeb is 127.0.1.1 here, a loopback address" in finding.what
+
+
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
 def test_more_processes_than_gpus_is_refused(capsys, monkeypatch):
     line = _run_in_process([*SMALL, "--nproc-per-node", "4"], capsys, monkeypatch, gpus=2)

@@ -11,7 +11,6 @@ import datetime
 import os
 import random
 import re
-import socket
 import sys
 import threading
 import time
@@ -114,7 +113,7 @@ def tell_refusals_to(job: DistEnv):
     # resolve to its network address) reach no rank of another node there: no one to tell (None).
     host = job.meets_at
     alone = job.several_nodes and host and network.is_loopback((network.resolve(host) or [""])[0]) \
-        and host.split(".")[0] != socket.gethostname().split(".")[0]
+        and not network.is_own_name(host)
     # Rank 0 serves the store, but where torchrun's agent does (env:// only: rendezvous.py, _create_c10d_store).
     agent = job.init_method.startswith("env://") and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     lifecycle.meets_at(None if alone else job.rendezvous, job.rank, job.world_size,

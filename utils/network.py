@@ -57,6 +57,11 @@ def resolve(host: str, family=socket.AF_INET) -> list:
     return list(dict.fromkeys(info[4][0] for info in infos))
 
 
+def is_own_name(host: str) -> bool:
+    """Whether `host` is this host's name, short or qualified; names are case-insensitive."""
+    return host.split(".")[0].lower() == socket.gethostname().split(".")[0].lower()
+
+
 def is_loopback(address: str) -> bool:
     with contextlib.suppress(ValueError):
         return ipaddress.ip_address(address).is_loopback
@@ -128,7 +133,7 @@ def findings(meet_at, uses_gloo: bool, flag: str = "MASTER_ADDR") -> list:
         if not addresses:
             return [Finding(True, f"{flag} {meet_at}, where the ranks meet, does not resolve on this host ({name})",
                             "name it by its address, or add it to this host's /etc/hosts")]
-        if is_loopback(addresses[0]) and meet_at.split(".")[0] != name.split(".")[0]:
+        if is_loopback(addresses[0]) and not is_own_name(meet_at):
             # Every node would meet at its own loopback; this host's own name is left to the gloo
             # rule below: the other nodes may resolve it to this host's network address.
             fix = (f"give {flag} node 0's network address" if flag != "MASTER_ADDR" else
