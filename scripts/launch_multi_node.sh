@@ -41,7 +41,11 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 # not know itself), its own address toward RDZV_HOST as --local_addr (node 0's becomes every
 # rank's MASTER_ADDR) and as gloo's interface, and an end to the wait for a store it cannot
 # reach once its workers are gone (a partition). NCCL chooses its own interfaces.
+job=(scripts/torchrun_bounded.py --nnodes="$NNODES" --nproc_per_node="$NPROC_PER_NODE"
+     --rdzv-backend=c10d --rdzv-endpoint="$RDZV_HOST:$RDZV_PORT" --rdzv-id="$JOB_ID"
+     --max-restarts="$MAX_RESTARTS" "$SCRIPT" "${SCRIPT_ARGS[@]}" "$@")
+# Bad arguments end here in one line: torchrun would restart the workers that refuse them
+# MAX_RESTARTS times. The check runs as the first process of this node would, in its settings.
+"$PYTHON" "${job[@]}" --check-args >/dev/null || exit 2
 set -x
-exec "$PYTHON" scripts/torchrun_bounded.py --nnodes="$NNODES" --nproc_per_node="$NPROC_PER_NODE" \
-  --rdzv-backend=c10d --rdzv-endpoint="$RDZV_HOST:$RDZV_PORT" --rdzv-id="$JOB_ID" \
-  --max-restarts="$MAX_RESTARTS" "$SCRIPT" "${SCRIPT_ARGS[@]}" "$@"
+exec "$PYTHON" "${job[@]}"

@@ -53,13 +53,13 @@ POLL_S = 1.0
 _last_state = None  # what torchrun's agent last found its workers doing
 
 
-def node_settings(argv: list, refuse: bool = True) -> tuple:
+def node_settings(argv: list) -> tuple:
     """(argv with is_host and --local_addr added, {variable: value} to set (in os.environ too), what was
-    decided); with `refuse`, a job that no setting here saves is refused, as the training would refuse it."""
+    decided, the rendezvous host or None if there is nothing to decide)."""
     from torch.distributed.run import get_args_parser
     args = get_args_parser().parse_args(argv)
     if args.rdzv_backend != "c10d" or not args.rdzv_endpoint or args.standalone:
-        return argv, {}, ""
+        return argv, {}, "", None
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
     from utils import network
@@ -83,15 +83,23 @@ def node_settings(argv: list, refuse: bool = True) -> tuple:
         env["GLOO_SOCKET_IFNAME"] = interface
         decided.append(f"GLOO_SOCKET_IFNAME={interface}")
     os.environ.update(env)
-    # What is left is the run's own decision: the job meets at node 0's --local_addr, the
-    # endpoint's address as node 0 reaches itself, with the backend the script will use.
-    several = refuse and str(args.nnodes).split(":")[-1] != "1"
-    for finding in network.findings(host, _uses_gloo(args.training_script_args), "the rendezvous endpoint") \
-            if several else ():
+    return argv, env, " ".join(decided), host
+
+
+def refuse_what_no_setting_saves(argv: list, host: str):
+    """The run's own network decision (exit status 2 in one line where it is sure), in this node's settings:
+    the job meets at node 0's --local_addr, the endpoint's address as node 0 reaches itself, with the
+    backend the script will use."""
+    from torch.distributed.run import get_args_parser
+
+    from utils import network
+    args = get_args_parser().parse_args(argv)
+    if host is None or str(args.nnodes).split(":")[-1] == "1":
+        return
+    for finding in network.findings(host, _uses_gloo(args.training_script_args), "the rendezvous endpoint"):
         print_line(f"torchrun_bounded.py: {'error' if finding.certain else 'warning'}: {finding.line}")
         if finding.certain:
             sys.exit(2)
-    return argv, env, " ".join(decided)
 
 
 def _uses_gloo(script_args: list) -> bool:
@@ -184,26 +192,34 @@ def _watch(pid: int):
             os._exit(1)
 
 
-def check_args(argv: list):
+def check_args(argv: list, host: str):
     """`SCRIPT ... --check-args` as this node's first training process would run it, in this node's settings
-    (node_settings; the script's checks make the network decision): rank 0 of nnodes x nproc_per_node,
-    meeting at this node's --local_addr, which node 0 gives every rank as MASTER_ADDR. Exits with its
-    status. slurm.sbatch runs it on the first node, before srun starts anything."""
+    (node_settings: argv and os.environ have them): one of nnodes x nproc_per_node ranks, meeting where
+    node 0 tells every rank to (its --local_addr; from another node, the endpoint). Exits with its status
+    where that is not 0. The launchers run it before torchrun: a refused worker would be restarted."""
     import subprocess
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
     from torch.distributed.run import get_args_parser
-    args = get_args_parser().parse_args(node_settings(argv, refuse=False)[0])
-    host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
+    args = get_args_parser().parse_args(argv)
+    port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)[1] if host else 29500
     nprocs = int(args.nproc_per_node)
     env = dict(os.environ, WORLD_SIZE=str(int(str(args.nnodes).split(":")[-1]) * nprocs), RANK="0",
-               LOCAL_RANK="0", LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR=args.local_addr or host, MASTER_PORT=str(port))
-    sys.exit(subprocess.run([sys.executable, args.training_script, *args.training_script_args], env=env).returncode)
+               LOCAL_RANK="0", LOCAL_WORLD_SIZE=str(nprocs), MASTER_PORT=str(port),
+               MASTER_ADDR=(args.local_addr if args.local_addr and "is_host=1" in (args.rdzv_conf or "") else host)
+               or "127.0.0.1")  # --standalone
+    status = subprocess.run([sys.executable, args.training_script, *args.training_script_args], env=env).returncode
+    if status:
+        sys.exit(status)
 
 
 def main():
-    if "--check-args" in sys.argv:  # among the training script's arguments: check them, start nothing
-        check_args(sys.argv[1:])
-    argv, env, decided = node_settings(sys.argv[1:])
+    argv, _, decided, host = node_settings(sys.argv[1:])
+    checking = "--check-args" in argv  # among the training script's arguments: check them, start nothing
+    if checking:
+        check_args(argv, host)  # first: its line names a bad flag
+    refuse_what_no_setting_saves(argv, host)
+    if checking:
+        sys.exit(0)
     if decided:
         import socket
         print_line(f"torchrun_bounded.py on {socket.gethostname()}: {decided}")

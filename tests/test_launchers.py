@@ -176,8 +176,10 @@ def test_multi_node_launcher_command(stubs, script_help):
     env, calls = stubs
     proc = launch("scripts/launch_multi_node.sh", env, "--epochs", "3", RDZV_HOST="10.1.2.3")
     assert proc.returncode == 0, proc.stderr
-    # torchrun through torchrun_bounded.py, which decides this node's network settings itself.
-    [call] = calls()
+    # torchrun through torchrun_bounded.py, which decides this node's network settings itself;
+    # the same command with --check-args first.
+    check, call = calls()
+    assert check["argv"] == [*call["argv"], "--check-args"]
     assert call["argv"][0] == "scripts/torchrun_bounded.py"
     launcher, script, args = script_and_args(call["argv"][1:])
     for option in ("--nnodes=2", "--nproc_per_node=8", "--rdzv-backend=c10d",
@@ -194,11 +196,21 @@ def test_torchrun_bounded_reads_the_endpoint_as_torchrun_does(endpoint, host, ca
     """An IPv6 address in brackets, with or without a port: the host is the address (a loopback
     one here, refused in its own name), not the text before the last colon."""
     from scripts import torchrun_bounded
+    argv, _, _, found = torchrun_bounded.node_settings(["--nnodes=2", "--rdzv-backend=c10d",
+                                                        f"--rdzv-endpoint={endpoint}", "distributed.py", "--device", "cpu"])
+    assert found == host
     with pytest.raises(SystemExit) as refused:
-        torchrun_bounded.node_settings(["--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
-                                        "distributed.py", "--device", "cpu"])
+        torchrun_bounded.refuse_what_no_setting_saves(argv, found)
     assert refused.value.code == 2
     assert f"the rendezvous endpoint {host} is {host} here, a loopback address" in capsys.readouterr().err
+
+
+def test_multi_node_launcher_refuses_bad_arguments_in_one_line(stubs):
+    env, calls = stubs
+    proc = launch("scripts/launch_multi_node.sh", dict(env, PYTHON=sys.executable, CUDA_VISIBLE_DEVICES=""),
+                  "--batch-size", "1000")
+    assert proc.returncode == 2
+    assert_one_line_error(proc, "batch size 1000 is not divisible by 16 processes")
 
 
 # --- SLURM ---------------------------------------------------------------------------------
