@@ -27,14 +27,15 @@ def args_for(*argv):
     return cli.parse_args(parser, ["--workers", "0", *map(str, argv)])
 
 
-def write_image_folder(root, per_class, size, seed):
-    """torchvision's ImageFolder layout: root/<class>/<n>.png, a colour per class plus noise."""
+def write_image_folder(root, per_class, sizes, seed):
+    """torchvision's ImageFolder layout: root/<class>/<n>.png, a colour per class plus noise; image n
+    of each class is sizes[n % len(sizes)] (height, width)."""
     from PIL import Image
     rng = np.random.default_rng(seed)
     for c, name in enumerate(CLASSES):
         (root / name).mkdir(parents=True)
         for n in range(per_class):
-            pixels = np.full((*size, 3), 60, dtype=np.int64)
+            pixels = np.full((*sizes[n % len(sizes)], 3), 60, dtype=np.int64)
             pixels[..., c] = 200
             pixels += rng.integers(-40, 40, size=pixels.shape)
             Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(root / name / f"{n}.png")
@@ -43,8 +44,8 @@ def write_image_folder(root, per_class, size, seed):
 @pytest.fixture(scope="module")
 def image_folder(tmp_path_factory):
     root = tmp_path_factory.mktemp("images")
-    write_image_folder(root / "train", per_class=16, size=(40, 36), seed=0)  # 48 images, not square
-    write_image_folder(root / "val", per_class=5, size=(32, 32), seed=1)     # 15 images
+    write_image_folder(root / "train", per_class=16, sizes=[(40, 36), (32, 48)], seed=0)  # 48 images
+    write_image_folder(root / "val", per_class=5, sizes=[(44, 36), (32, 32)], seed=1)     # 15 images
     return root
 
 
