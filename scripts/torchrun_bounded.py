@@ -199,10 +199,14 @@ def check_args(argv: list, host: str):
     where that is not 0. The launchers run it before torchrun: a refused worker would be restarted."""
     import subprocess
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
-    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import determine_local_world_size, get_args_parser
     args = get_args_parser().parse_args(argv)
     port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)[1] if host else 29500
-    nprocs = int(args.nproc_per_node)
+    try:
+        nprocs = determine_local_world_size(args.nproc_per_node)  # a number, or gpu, cpu, auto... as torchrun
+    except ValueError as err:
+        print_line(f"torchrun_bounded.py: error: --nproc_per_node={args.nproc_per_node}: {err}")
+        sys.exit(2)
     env = dict(os.environ, WORLD_SIZE=str(int(str(args.nnodes).split(":")[-1]) * nprocs), RANK="0",
                LOCAL_RANK="0", LOCAL_WORLD_SIZE=str(nprocs), MASTER_PORT=str(port),
                MASTER_ADDR=(args.local_addr if args.local_addr and "is_host=1" in (args.rdzv_conf or "") else host)
