@@ -5,8 +5,8 @@
 #   bash scripts/launch_mp_spawn.sh                         # MODE=single: this machine only
 #   MODE=multi NODE_RANK=0 bash scripts/launch_mp_spawn.sh  # on node 0, then on node 1 with
 #   MODE=multi NODE_RANK=1 bash scripts/launch_mp_spawn.sh  #   NODE_RANK=1 (TCP at HEAD:PORT)
-#   MODE=file  NODE_RANK=0 bash scripts/launch_mp_spawn.sh  # the same, meeting through a file
-#                                                           #   named for the job (JOB_ID)
+#   MODE=file  NODE_RANK=0 JOB_ID=run7 bash scripts/launch_mp_spawn.sh  # the same, through
+#                                   #   a file named for the job (a new JOB_ID for every job)
 #
 # Extra flags go to the script and win over SCRIPT_ARGS.
 set -euo pipefail

@@ -21,7 +21,7 @@ RDZV_HOST=${RDZV_HOST:-node0.example.com}  # node 0's address (the "master"), re
 RDZV_PORT=${RDZV_PORT:-29500}       # a free TCP port on node 0
 JOB_ID=${JOB_ID:-cifar100-ddp}      # the same on every node; a new one for a new job
 MAX_RESTARTS=${MAX_RESTARTS:-3}     # after a crash, every node restarts its workers, up to N times
-SCRIPT=${SCRIPT:-distributed.py}
+SCRIPT=${SCRIPT:-distributed.py}    # a script of yours must take --check-args too (below)
 SCRIPT_ARGS=(--batch-size 1024 --epochs 200 --checkpoint-dir checkpoints/multi_node
              --checkpoint-every 500 --resume)   # --batch-size is the GLOBAL batch
 # ---------------------------------------------------------------------------------------

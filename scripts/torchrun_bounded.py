@@ -201,7 +201,8 @@ def check_args(argv: list, host: str):
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
     from torch.distributed.run import determine_local_world_size, get_args_parser
     args = get_args_parser().parse_args(argv)
-    port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)[1] if host else 29500
+    # c10d: the endpoint's port; otherwise (static, --standalone) torchrun's --master-addr and --master-port.
+    port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)[1] if host else args.master_port
     try:
         nprocs = determine_local_world_size(args.nproc_per_node)  # a number, or gpu, cpu, auto... as torchrun
     except ValueError as err:
@@ -210,7 +211,7 @@ def check_args(argv: list, host: str):
     env = dict(os.environ, WORLD_SIZE=str(int(str(args.nnodes).split(":")[-1]) * nprocs), RANK="0",
                LOCAL_RANK="0", LOCAL_WORLD_SIZE=str(nprocs), MASTER_PORT=str(port),
                MASTER_ADDR=(args.local_addr if args.local_addr and "is_host=1" in (args.rdzv_conf or "") else host)
-               or "127.0.0.1")  # --standalone
+               or args.master_addr)
     status = subprocess.run([sys.executable, args.training_script, *args.training_script_args], env=env).returncode
     if status:
         sys.exit(status)

@@ -120,7 +120,7 @@ def stubs(tmp_path):
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=str(bin_dir / "python"),
                STUB_LOG=str(log))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "JOB_ID", "SLURM_JOB_ID", "RDZV_FILE"):  # a job's own
         env.pop(key, None)
 
     def calls():
@@ -192,10 +192,11 @@ def test_multi_node_launcher_command(stubs, script_help):
 
 
 @pytest.mark.parametrize("endpoint, host", [("[::1]", "::1"), ("[::1]:29500", "::1"), ("127.0.0.1", "127.0.0.1")])
-def test_torchrun_bounded_reads_the_endpoint_as_torchrun_does(endpoint, host, capsys):
+def test_torchrun_bounded_reads_the_endpoint_as_torchrun_does(endpoint, host, capsys, monkeypatch):
     """An IPv6 address in brackets, with or without a port: the host is the address (a loopback
     one here, refused in its own name), not the text before the last colon."""
     from scripts import torchrun_bounded
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "")  # what node_settings sets in os.environ goes with the test
     argv, _, _, found = torchrun_bounded.node_settings(["--nnodes=2", "--rdzv-backend=c10d",
                                                         f"--rdzv-endpoint={endpoint}", "distributed.py", "--device", "cpu"])
     assert found == host
@@ -205,12 +206,13 @@ def test_torchrun_bounded_reads_the_endpoint_as_torchrun_does(endpoint, host, ca
     assert f"the rendezvous endpoint {host} is {host} here, a loopback address" in capsys.readouterr().err
 
 
-def test_multi_node_launcher_refuses_bad_arguments_in_one_line(stubs):
+@pytest.mark.parametrize("nproc, processes", [("8", "16 processes"), ("cpu", "")])  # cpu: as torchrun counts
+def test_multi_node_launcher_refuses_bad_arguments_in_one_line(stubs, nproc, processes):
     env, calls = stubs
     proc = launch("scripts/launch_multi_node.sh", dict(env, PYTHON=sys.executable, CUDA_VISIBLE_DEVICES=""),
-                  "--batch-size", "1000")
+                  "--batch-size", "1001", NPROC_PER_NODE=nproc, timeout=120)  # two imports of torch, under load
     assert proc.returncode == 2
-    assert_one_line_error(proc, "batch size 1000 is not divisible by 16 processes")
+    assert_one_line_error(proc, f"batch size 1001 is not divisible by {processes}")
 
 
 # --- SLURM ---------------------------------------------------------------------------------
@@ -239,7 +241,7 @@ def test_slurm_batch_script_command(stubs, script_help, tmp_path):
     srun = [c for c in calls() if c["cmd"] == "srun"]
     # The arguments are checked once before srun; no scancel, no requeue.
     assert [c["cmd"] for c in calls()] == ["scontrol", "python", "srun"]
-    assert calls()[1]["argv"][-1] == "--check-args"
+    assert calls()[1]["argv"] == [*srun[0]["argv"][1:], "--check-args"]  # the same command, checked
     assert srun[0]["argv"][1] == "scripts/torchrun_bounded.py"  # torchrun, with each node's own settings
     launcher, script, args = script_and_args(srun[0]["argv"][2:])
     for option in ("--nnodes=2", "--nproc_per_node=8", "--rdzv-backend=c10d",
@@ -260,7 +262,7 @@ def test_slurm_refuses_bad_arguments_once_before_srun(stubs, tmp_path):
     env, calls = stubs
     proc = launch("scripts/slurm.sbatch", dict(env, PYTHON=sys.executable, CHECKPOINT_DIR=str(tmp_path),
                                                CUDA_VISIBLE_DEVICES=""),  # the same answer on a GPU machine
-                  "--batch-size", "1000", **SLURM_ENV)
+                  "--batch-size", "1000", timeout=120, **SLURM_ENV)
     assert proc.returncode == 2
     assert_one_line_error(proc, "batch size 1000 is not divisible by 16 processes")
     assert [c["cmd"] for c in calls()] == ["scontrol"]  # the head node's name, and nothing started
