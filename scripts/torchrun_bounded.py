@@ -54,21 +54,21 @@ _last_state = None  # what torchrun's agent last found its workers doing
 
 
 def node_settings(argv: list) -> tuple:
-    """(argv with is_host and --local_addr added, {variable: value} to set (in os.environ too), what was
-    decided, the rendezvous host or None if there is nothing to decide)."""
+    """(argv with is_host and --local_addr added, what was decided, the c10d endpoint as (host, port) or None
+    where there is nothing to decide); GLOO_SOCKET_IFNAME, where decided, is set in os.environ."""
     from torch.distributed.run import get_args_parser
     args = get_args_parser().parse_args(argv)
     if args.rdzv_backend != "c10d" or not args.rdzv_endpoint or args.standalone:
-        return argv, {}, "", None
+        return argv, "", None
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
     from utils import network
     try:  # the host as torchrun reads it ("[IPV6]" with or without a port: the brackets go)
-        host = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)[0]
+        host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
     except ValueError as err:
         print_line(f"torchrun_bounded.py: error: {err}")
         sys.exit(2)
-    decided, env, addresses = [], {}, network.resolve(host)  # none: IPv6 or unknown (findings)
+    decided, addresses = [], network.resolve(host)  # none: IPv6 or unknown (findings)
     if "is_host" not in (args.rdzv_conf or "") and addresses:
         is_host = int(any(network.can_bind(address) for address in addresses))
         conf = f"{args.rdzv_conf},is_host={is_host}" if args.rdzv_conf else f"is_host={is_host}"
@@ -80,23 +80,19 @@ def node_settings(argv: list) -> tuple:
         argv = [f"--local_addr={address}", *argv]  # the spelling torchrun 2.11 knows too
         decided.append(f"--local_addr={address}")
     if interface and not os.environ.get("GLOO_SOCKET_IFNAME"):
-        env["GLOO_SOCKET_IFNAME"] = interface
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
         decided.append(f"GLOO_SOCKET_IFNAME={interface}")
-    os.environ.update(env)
-    return argv, env, " ".join(decided), host
+    return argv, " ".join(decided), (host, port)
 
 
-def refuse_what_no_setting_saves(argv: list, host: str):
+def refuse_what_no_setting_saves(args, endpoint):
     """The run's own network decision (exit status 2 in one line where it is sure), in this node's settings:
     the job meets at node 0's --local_addr, the endpoint's address as node 0 reaches itself, with the
-    backend the script will use."""
-    from torch.distributed.run import get_args_parser
-
+    backend the script will use. args: torchrun's, as node_settings left them."""
     from utils import network
-    args = get_args_parser().parse_args(argv)
-    if host is None or str(args.nnodes).split(":")[-1] == "1":
+    if endpoint is None or str(args.nnodes).split(":")[-1] == "1":
         return
-    for finding in network.findings(host, _uses_gloo(args.training_script_args), "the rendezvous endpoint"):
+    for finding in network.findings(endpoint[0], _uses_gloo(args.training_script_args), "the rendezvous endpoint"):
         print_line(f"torchrun_bounded.py: {'error' if finding.certain else 'warning'}: {finding.line}")
         if finding.certain:
             sys.exit(2)
@@ -192,17 +188,15 @@ def _watch(pid: int):
             os._exit(1)
 
 
-def check_args(argv: list, host: str):
+def check_args(args, endpoint):
     """`SCRIPT ... --check-args` as this node's first training process would run it, in this node's settings
-    (node_settings: argv and os.environ have them): one of nnodes x nproc_per_node ranks, meeting where
-    node 0 tells every rank to (its --local_addr; from another node, the endpoint). Exits with its status
-    where that is not 0. The launchers run it before torchrun: a refused worker would be restarted."""
+    (node_settings: args and os.environ have them): one of nnodes x nproc_per_node ranks, meeting where
+    node 0 tells every rank to (its --local_addr; from another node, the endpoint; without c10d, torchrun's
+    --master-addr and --master-port). Exits with its status where that is not 0. The launchers run it
+    before torchrun: a refused worker would be restarted."""
     import subprocess
-    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
-    from torch.distributed.run import determine_local_world_size, get_args_parser
-    args = get_args_parser().parse_args(argv)
-    # c10d: the endpoint's port; otherwise (static, --standalone) torchrun's --master-addr and --master-port.
-    port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)[1] if host else args.master_port
+    from torch.distributed.run import determine_local_world_size
+    host, port = endpoint or (args.master_addr, args.master_port or 29500)  # None by default in 2.14, 29500 in 2.11
     try:
         nprocs = determine_local_world_size(args.nproc_per_node)  # a number, or gpu, cpu, auto... as torchrun
     except ValueError as err:
@@ -210,19 +204,20 @@ def check_args(argv: list, host: str):
         sys.exit(2)
     env = dict(os.environ, WORLD_SIZE=str(int(str(args.nnodes).split(":")[-1]) * nprocs), RANK="0",
                LOCAL_RANK="0", LOCAL_WORLD_SIZE=str(nprocs), MASTER_PORT=str(port),
-               MASTER_ADDR=(args.local_addr if args.local_addr and "is_host=1" in (args.rdzv_conf or "") else host)
-               or args.master_addr)
+               MASTER_ADDR=args.local_addr if args.local_addr and "is_host=1" in (args.rdzv_conf or "") else host)
     status = subprocess.run([sys.executable, args.training_script, *args.training_script_args], env=env).returncode
     if status:
         sys.exit(status)
 
 
 def main():
-    argv, _, decided, host = node_settings(sys.argv[1:])
-    checking = "--check-args" in argv  # among the training script's arguments: check them, start nothing
+    from torch.distributed.run import get_args_parser
+    argv, decided, endpoint = node_settings(sys.argv[1:])
+    args = get_args_parser().parse_args(argv)
+    checking = "--check-args" in args.training_script_args  # check them, start nothing
     if checking:
-        check_args(argv, host)  # first: its line names a bad flag
-    refuse_what_no_setting_saves(argv, host)
+        check_args(args, endpoint)  # first: its line names a bad flag
+    refuse_what_no_setting_saves(args, endpoint)
     if checking:
         sys.exit(0)
     if decided:

@@ -197,11 +197,12 @@ def test_torchrun_bounded_reads_the_endpoint_as_torchrun_does(endpoint, host, ca
     one here, refused in its own name), not the text before the last colon."""
     from scripts import torchrun_bounded
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "")  # what node_settings sets in os.environ goes with the test
-    argv, _, _, found = torchrun_bounded.node_settings(["--nnodes=2", "--rdzv-backend=c10d",
-                                                        f"--rdzv-endpoint={endpoint}", "distributed.py", "--device", "cpu"])
-    assert found == host
+    from torch.distributed.run import get_args_parser
+    argv, _, found = torchrun_bounded.node_settings(["--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+                                                     "distributed.py", "--device", "cpu"])
+    assert found[0] == host
     with pytest.raises(SystemExit) as refused:
-        torchrun_bounded.refuse_what_no_setting_saves(argv, found)
+        torchrun_bounded.refuse_what_no_setting_saves(get_args_parser().parse_args(argv), found)
     assert refused.value.code == 2
     assert f"the rendezvous endpoint {host} is {host} here, a loopback address" in capsys.readouterr().err
 
