@@ -53,7 +53,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from models import MODEL_NAMES, build_model  # noqa: E402
-from utils import cli, data, distributed as dist_utils, lifecycle  # noqa: E402
+from utils import cli, data, distributed as dist_utils, lifecycle, spawn  # noqa: E402
 from utils.cli import UsageError  # noqa: E402
 
 DEFAULT_SHM = "/dev/shm"
@@ -314,9 +314,8 @@ def port_facts(port) -> dict:
                 s.bind((host, port))
         except OSError as err:
             if err.errno == 98 or "in use" in str(err).lower():  # EADDRINUSE; no IPv6 here is not a problem
-                with socket.socket() as s:
-                    s.bind(("", 0))
-                    return {"port": port, "free": False, "suggest": s.getsockname()[1]}
+                # A port outside the ephemeral range, which outgoing connections may take meanwhile.
+                return {"port": port, "free": False, "suggest": spawn.free_port(host)}
     return {"port": port, "free": True}
 
 

@@ -15,6 +15,7 @@ import torch
 
 from conftest import ROOT, assert_one_line_error, free_port, run_script, subprocess_env, torchrun
 from scripts import preflight
+from utils import spawn
 
 SCRIPT = "scripts/preflight.py"
 
@@ -142,6 +143,8 @@ def test_port_in_use_is_seen():
         port = held.getsockname()[1]
         taken = preflight.port_facts(port)
     assert taken["free"] is False and taken["suggest"] != port
+    # The suggestion stays out of the range that outgoing connections take their ports from.
+    assert taken["suggest"] not in spawn.ephemeral_ports()
     assert preflight.port_facts(free_port())["free"] is True
 
 
