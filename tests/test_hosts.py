@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -53,9 +54,9 @@ class Job:
     def __init__(self, hosts, log_dir: Path):
         self.hosts, self.log_dir, self.procs = hosts, log_dir, {}
 
-    def start(self, key, host, argv, **env):
+    def start(self, key, host, argv, cwd=ROOT, **env):
         log = open(self.log_dir / f"{key}.log", "w")
-        self.procs[key] = self.hosts.popen(host, [sys.executable, *map(str, argv)], cwd=ROOT,
+        self.procs[key] = self.hosts.popen(host, [sys.executable, *map(str, argv)], cwd=cwd,
                                            env=subprocess_env(**env), stdout=log, stderr=subprocess.STDOUT)
         return self.procs[key]
 
@@ -533,6 +534,34 @@ def test_a_refusal_on_one_host_ends_the_other_host_too_with_its_line(make_hosts,
     print(f"{launch}, {refusing} refusing: every process ended {elapsed:.1f} s after the start "
           f"(bound {REFUSED_WITHIN} s)")
     assert elapsed < REFUSED_WITHIN, elapsed
+
+
+@pytest.mark.not_on_floor("loading a data set differs in no release: the refusal tests here run there")
+def test_a_node_without_the_data_set_says_why_and_the_other_node_names_it(make_hosts, tmp_path):
+    """Each node reads its own ./data (--data-dir data, relative): node 0's holds CIFAR-100 (in its real
+    format), nodeb's is empty and nodeb has no network to download into it. nodeb says why; node 0, whose
+    copy is fine, says that another rank could not load it, not that its own folder lacks the files."""
+    from test_data import write_cifar100
+    rng = np.random.default_rng(0)
+    write_cifar100(tmp_path / "nodea" / "data", rng.integers(0, 256, (64, 3, 32, 32)), rng.integers(0, 100, 64),
+                   rng.integers(0, 256, (16, 3, 32, 32)), rng.integers(0, 100, 16))
+    (tmp_path / "nodeb").mkdir()
+    hosts = make_hosts()
+    job = Job(hosts, tmp_path)
+    started = time.monotonic()
+    for name in hosts.names:
+        job.start(name, name, [*torchrun_across(hosts, 1), ROOT / "distributed.py", "--dataset", "cifar100",
+                               "--data-dir", "data", "--model", "resnet_tiny", "--epochs", "1", "--batch-size", "32",
+                               "--dist-timeout", "300"], cwd=tmp_path / name)
+    codes = job.wait(REFUSED_WITHIN + 30, expect=None)
+    assert all(code != 0 for code in codes.values()), codes
+    lines = {name: [line for line in job.log(name).splitlines() if line.startswith("distributed.py: error:")]
+             for name in hosts.names}
+    assert len(lines["nodeb"]) == 1 and "not in --data-dir data and could not be downloaded" in lines["nodeb"][0], \
+        job.log("nodeb")
+    assert lines["nodea"] == ["distributed.py: error: CIFAR-100 could not be loaded on another rank "
+                              "(its node says why)"], job.log("nodea")
+    assert time.monotonic() - started < REFUSED_WITHIN
 
 
 # --- e. the interface each host names first reaches no other host -----------------------------

@@ -155,11 +155,14 @@ def _load_cifar100(args):
         error = exc
     if all_ranks_ok(error is None, "data.build_datasets(), agreeing that every rank has CIFAR-100"):
         return splits
-    if isinstance(error, UsageError):  # the files are there but cannot be read: say which
-        raise error
-    detail = f" ({type(error).__name__}: {(str(error).splitlines() or [''])[0]})" if error else ""
-    raise UsageError(f"CIFAR-100 is not in --data-dir {args.data_dir} and could not be downloaded{detail}; "
-                     "put cifar-100-python/ there or use --dataset synthetic for an offline run")
+    if error is None:  # each node may have a --data-dir of its own: rank 0's may be fine
+        raise UsageError("CIFAR-100 could not be loaded on another rank (its node says why)")
+    if not isinstance(error, UsageError):  # a UsageError: the files are there but cannot be read, it says which
+        error = UsageError(f"CIFAR-100 is not in --data-dir {args.data_dir} and could not be downloaded "
+                           f"({type(error).__name__}: {(str(error).splitlines() or [''])[0]}); put "
+                           "cifar-100-python/ there or use --dataset synthetic for an offline run")
+    error.met_by = "node"  # printed on the node that failed, not only by rank 0
+    raise error
 
 
 def _first(dataset, n, flag):
