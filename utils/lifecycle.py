@@ -99,6 +99,9 @@ def leave(code: int = 0, message: str = None):
     pthread_exit in a noexcept destructor: SIGABRT, a failure reported for a job that completed
     (tutorials/09-debugging.md). Only the atexit handlers (which end the loader workers still alive and
     flush logging) run, and stdout and stderr are flushed."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in SIGNALS:  # ending now: a stop signal that comes late (mp.spawn forwards one) would only
+            signal.signal(sig, signal.SIG_IGN)  # interrupt the exit handlers, with a traceback
     if message:
         print_line(message)
     try:

@@ -190,6 +190,8 @@ def worker_exit(errors, local_rank):
         code = 2
     except SystemExit as stop:  # a stop on a signal (run.step_done), or a join that failed
         code = stop.code if isinstance(stop.code, int) else 1
+    except KeyboardInterrupt:  # Ctrl-C before the run's own handler: 130 as in a shell, not mp.spawn's 0
+        code = 130
     except Exception as err:
         message = lifecycle.bus_error_message(err)  # a loader worker that ran out of shared memory
         if message is None:
@@ -216,8 +218,10 @@ def exit_like(err, args, errors):
     if paths := error_files(errors):  # bad input that only the workers could see: the lowest local rank's line
         with open(paths[0]) as f:
             raise cli.UsageError(f.read()) from None
-    if isinstance(err, mp.ProcessExitedException) and err.exit_code == 2:
-        sys.exit(2)  # the job's bad input, met by another rank: the worker has said it (distributed.joining)
+    if isinstance(err, mp.ProcessExitedException) and err.exit_code in (2, 130):
+        # 2: the job's bad input, met by another rank: the worker has said it (distributed.joining);
+        # 130: Ctrl-C before training, which says nothing either (as a plain `python` run)
+        sys.exit(err.exit_code)
     if isinstance(err, mp.ProcessRaisedException):
         cli.print_line(f"{err}".strip() + f"\n(in global rank {rank})")  # what sys.exit(text) prints, in one write
         sys.exit(1)
