@@ -103,17 +103,15 @@ def _cifar100(data_dir: str, train: bool):
     class CIFAR100(base):
         train_list = [[name, None] for name, _ in base.train_list]
         test_list = [[name, None] for name, _ in base.test_list]
-        meta = dict(base.meta, md5=None)
 
         def __init__(self, root, train):
             torchvision.datasets.VisionDataset.__init__(self, root)
             self.train = train
-            self.download()  # torchvision's: skipped when the files are there
+            with _download_lock(root):  # the download alone: the ranks of a node then read the files at once
+                self.download()  # torchvision's: skipped when the files are there
             folder = os.path.join(self.root, self.base_folder)
+            # (torchvision downloads when train or test is missing; a missing meta: read_cifar_file says so)
             files = [name for name, _ in (self.train_list if train else self.test_list)]
-            missing = [n for n in [*files, self.meta["filename"]] if not os.path.isfile(os.path.join(folder, n))]
-            if missing:
-                raise FileNotFoundError(f"{os.path.join(folder, missing[0])} does not exist")
             entries = [read_cifar_file(os.path.join(folder, name)) for name in files]
             try:
                 self.data = np.vstack([e["data"] for e in entries]).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
@@ -149,8 +147,7 @@ def _load_cifar100(args):
     rank has it: one that failed alone would leave the others waiting."""
     splits = error = None
     try:
-        with _download_lock(args.data_dir):
-            splits = _cifar100(args.data_dir, True), _cifar100(args.data_dir, False)
+        splits = _cifar100(args.data_dir, True), _cifar100(args.data_dir, False)
     except Exception as exc:  # no network, disk full, corrupt archive, unreadable file, ...
         error = exc
     if all_ranks_ok(error is None, "data.build_datasets(), agreeing that every rank has CIFAR-100"):
@@ -219,21 +216,14 @@ def num_classes(dataset) -> int:
     return len(dataset.classes)
 
 
-def _to_uint8_chw(image) -> torch.Tensor:
-    if not isinstance(image, np.ndarray):  # a PIL image from another torchvision data set
-        image = np.array(image)  # a writable copy: np.asarray of a PIL image is read-only
-    return torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)
+def _to_uint8_chw(image: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(image).permute(2, 0, 1)  # our images are HWC views of CHW bytes: dense again, no copy
 
 
 def _normalize(pixels: torch.Tensor) -> torch.Tensor:
     """What our normalised values are, computed on the CPU (Normalize looks them up)."""
     mean, std = (torch.tensor(stats).view(3, 1, 1) for stats in (CIFAR100_MEAN, CIFAR100_STD))
     return (pixels.float() / 255 - mean) / std
-
-
-def normalization_table() -> torch.Tensor:
-    """3 x 256 float32: _normalize's value of every byte in every channel."""
-    return _normalize(torch.arange(256, dtype=torch.uint8).expand(3, 1, 256)).reshape(3, 256)
 
 
 class Normalize:
@@ -245,7 +235,8 @@ class Normalize:
 
     def __init__(self, device, dtype=None, memory_format=torch.contiguous_format):
         self.device, self.memory_format = torch.device(device), memory_format
-        self.table = normalization_table().to(self.device, dtype or torch.float32).reshape(-1)
+        every_byte = torch.arange(256, dtype=torch.uint8).expand(3, 1, 256)  # channel c's values at c * 256 on
+        self.table = _normalize(every_byte).reshape(-1).to(self.device, dtype or torch.float32)
         self.offsets = torch.arange(3, device=self.device).view(1, 3, 1, 1) * 256  # channel c's start
 
     def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -402,7 +393,6 @@ class ShardSampler(Sampler):
 
 def _worker_init(_):
     ignore_stop_signals()  # they reach the whole process group, but the rank decides when to stop
-    torch.set_num_threads(1)  # each worker is a process: one thread each, not to oversubscribe the CPU
 
 
 def loader_workers(args, env: DistEnv) -> int:
