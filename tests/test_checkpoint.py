@@ -235,3 +235,29 @@ def test_a_stop_without_a_checkpoint_dir_does_not_say_continue_with_resume(capsy
     out = capsys.readouterr().out
     assert "stopping at step 7 on SIGTERM: no --checkpoint-dir, nothing saved; this run cannot be continued" in out
     assert "--resume" not in out
+
+
+# Every checkpoint write, by step, on stdout; then the script named first among the arguments (conftest).
+COUNT_SAVES = """
+from utils import checkpoint
+atomic_save = checkpoint.atomic_save
+def counted(state, path):
+    print("saved step", state["global_step"], flush=True)
+    atomic_save(state, path)
+checkpoint.atomic_save = counted
+"""
+
+
+@pytest.mark.parametrize("how", ["--max-steps", "a stop signal"])
+def test_a_step_is_checkpointed_once(tmp_path, how):
+    """--checkpoint-every 2 meets the run's end at step 4 (--max-steps 4, or SIGTERM at step 4): one write
+    of step 4, not the periodic one and then the end's (a second full write inside a launcher's grace)."""
+    from conftest import observing_entry, run_script
+    entry = observing_entry(tmp_path, COUNT_SAVES)
+    end = (["--max-steps", "4"] if how == "--max-steps" else
+           ["tests/fault_injection.py", "--fault", "sigterm-self", "--step", "4", "--"])
+    script = ["distributed.py", *SMALL, "--checkpoint-every", "2", "--checkpoint-dir", tmp_path / "ckpt"]
+    argv = [*script, *end] if how == "--max-steps" else [*end, *script]
+    out = run_script([entry, *argv]).stdout
+    assert [line for line in out.splitlines() if line.startswith("saved step")] == ["saved step 2", "saved step 4"], out
+    assert checkpoint.load(tmp_path / "ckpt" / "checkpoint.pt")["global_step"] == 4

@@ -202,14 +202,15 @@ class TrainingRun:
         return epochs >= self.args.epochs or (max_steps is not None and self.global_step >= max_steps)
 
     def done(self) -> bool:
-        return self._stop or (self.args.max_steps is not None and self.global_step >= self.args.max_steps)
+        """Whether the loop ends now: trained all it was asked to, or stopped by a signal."""
+        return self._stop or self.trained()
 
     def epochs(self):
         """The epochs still to run, from the resumed position on."""
-        if self.epoch >= self.args.epochs or self.done():
+        if self.done():
             print0(f"nothing to train: the run already stands at epoch {self.epoch} "
                    f"of {self.args.epochs}, step {self.global_step}")
-        while self.epoch < self.args.epochs and not self.done():
+        while not self.done():
             self.meter, self._partial_sums = TrainMeter(self.env.device, self._partial_sums), None
             self.timer = EpochTimer(self.env.device, self.args.batch_size, self.steps_per_epoch - self.step_in_epoch)
             reset_peak_memory(self.env.device)  # each epoch's record has its own peaks
@@ -249,22 +250,25 @@ class TrainingRun:
         self.global_step += 1
         self.timer.step()
         self.observers.step(self.global_step)
-        if self.step_in_epoch >= self.steps_per_epoch or self.done():
+        ends = self.step_in_epoch >= self.steps_per_epoch or self.done()  # the epoch, or the run (--max-steps)
+        if ends:
             # Training ends here: stop the clock before the script's evaluation, so images/s measures training.
             self._timing = self.timer.stop()
         if self._bar is not None and self.global_step % self.args.log_every == 0:
             self._bar.set_postfix(loss=f"{self.meter.local_loss():.3f}")  # one device sync
-        every = self.args.checkpoint_every
-        if every and self.global_step % every == 0 and self.step_in_epoch < self.steps_per_epoch:
+        # Where the epoch ends, end_epoch checkpoints: once a step, the step's file is written.
+        saved = bool(self.args.checkpoint_every) and self.global_step % self.args.checkpoint_every == 0 and not ends
+        if saved:
             self.save()
         if self.stop_signal.should_stop(self.global_step,
                                         f"run.step_done() at step {self.global_step} (the stop-signal agreement)"):
-            if self.step_in_epoch >= self.steps_per_epoch or self.done():
+            if ends:
                 # A complete epoch, or the run's last step (--max-steps): end_epoch evaluates, checkpoints and
                 # records it, then stops (done() is True); a resume would find nothing left to train, or record.
                 self._stop = True
                 return True
-            self.save()
+            if not saved:
+                self.save()
             self.stop_signal.announce(self.global_step, self.checkpoint_path)
             self.stop_signal.close()
             self.observers.close()
