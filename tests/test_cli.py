@@ -2,8 +2,10 @@
 splitting and the one-line error contract."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -309,6 +311,36 @@ def test_leave_ends_loader_workers_that_are_still_alive(tmp_path):
     proc = subprocess.run([sys.executable, str(program)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "workers: 2" in proc.stdout, proc.stdout + proc.stderr
     assert "DataLoader worker" not in proc.stderr, proc.stderr  # not reported as a failure
+
+
+LEAVE_WITH_AN_EXIT_HANDLER_THAT_HANGS = """
+import atexit, sys, time
+sys.path.insert(0, {root!r})
+from utils import lifecycle
+atexit.register(time.sleep, 600)  # an exit handler that never returns (a pool that waits for its children)
+print("leaving", flush=True)
+lifecycle.leave(3)
+"""
+
+
+def test_leave_ends_within_its_bound_though_it_ignores_stop_signals(tmp_path):
+    # leave() ignores the stop signals while the exit handlers run (a late one, such as the copy that
+    # mp.spawn's parent forwards, would interrupt them with a traceback): a Ctrl-C cannot end a handler
+    # that hangs there, so the process ends by itself, with its own status, 30 s after leave() began.
+    program = tmp_path / "program.py"
+    program.write_text(LEAVE_WITH_AN_EXIT_HANDLER_THAT_HANGS.format(root=os.path.dirname(os.path.dirname(__file__))))
+    proc = subprocess.Popen([sys.executable, str(program)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "leaving"
+        started = time.monotonic()
+        time.sleep(1)
+        proc.send_signal(signal.SIGINT)  # ignored: the handler goes on hanging
+        assert proc.wait(timeout=60) == 3, proc.stderr.read()
+        assert 25 < time.monotonic() - started < 40
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.communicate()
 
 
 BUS_ERROR = ("DataLoader worker (pid 4242) is killed by signal: Bus error. It is possible that "

@@ -105,7 +105,8 @@ def leave(code: int = 0, message: str = None):
     if message:
         print_line(message)
     try:
-        atexit._run_exitfuncs()
+        with deadline(30, code=code):  # which no signal can interrupt now
+            atexit._run_exitfuncs()
     finally:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError):  # closed, or a broken pipe
