@@ -144,7 +144,7 @@ def train(args, env, per_process_batch, device_ids, amp_dtype):
             scaler.update()
             scheduler.step()
             run.meter.update(loss.detach(), logits.detach(), targets)
-            if run.step_done():  # counts the step, checkpoints when due; True at --max-steps
+            if run.step_done():  # counts the step, checkpoints when due; True when training ends
                 break
         # Evaluate the unwrapped model on the first GPU: exact, see metrics.evaluate.
         run.end_epoch(metrics.evaluate(model, test_loader, env.device, autocast=eval_autocast, inputs=to_model))

@@ -238,7 +238,7 @@ def train(args, env, per_device_batch):
             optimizer.step()  # each rank updates its own shard
             scheduler.step()
             run.meter.update(loss.detach(), logits.detach(), targets)
-            if run.step_done():  # all ranks, every step: counts it, checkpoints when due; True at --max-steps
+            if run.step_done():  # all ranks, every step: counts it, checkpoints when due; True when training ends
                 break
         # Evaluate the sharded model itself: its forward all-gathers, so every rank runs the
         # same number of batches (even_eval_batches). Exact over all ranks, see metrics.evaluate.

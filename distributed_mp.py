@@ -140,7 +140,7 @@ def train(args, env, per_device_batch):
             optimizer.step()
             scheduler.step()
             run.meter.update(loss.detach(), logits.detach(), targets)
-            if run.step_done():  # all ranks, every step: counts it, checkpoints when due; True at --max-steps
+            if run.step_done():  # all ranks, every step: counts it, checkpoints when due; True when training ends
                 break
         # Evaluate the unwrapped model: exact over all ranks, see metrics.evaluate.
         # All ranks: evaluate and end_epoch communicate (utils/run.py lists every collective).

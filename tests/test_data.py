@@ -155,7 +155,7 @@ def test_corrupt_dataset_file_is_a_usage_error(tmp_path, small_cifar):
 
 
 def test_distributed_py_trains_on_cifar100_files_with_two_processes(small_cifar, tmp_path):
-    # Local rank 0 checks the folder (and would download); rank 1 reads it after.
+    # One rank at a time checks the folder (and would download); then both read it.
     root, _ = small_cifar
     metrics = tmp_path / "metrics.jsonl"
     proc = torchrun(2, "distributed.py", [

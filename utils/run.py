@@ -8,7 +8,7 @@ the model is wrapped, how a step is taken) and hand this object the rest:
         for images, targets in run.progress(train_loader):
             ...forward, backward, optimizer.step()...
             run.meter.update(loss, logits, targets)
-            if run.step_done():      # True at --max-steps
+            if run.step_done():      # True when training ends (the last step, --max-steps, a stop)
                 break
         run.end_epoch(evaluate(model, test_loader, env.device, inputs=to_model))
     run.finish()
