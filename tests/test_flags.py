@@ -545,7 +545,7 @@ def run_script_here(monkeypatch, capsys, tmp_path, cifar):
             # a process with a live gloo group waits out its 5 s join (measured).
             import multiprocessing
             sigchld = signal.getsignal(signal.SIGCHLD)
-            lifecycle._kill_loader_workers()  # SIGCHLD at its default: no loader reports the kill
+            lifecycle.kill_loader_workers()  # SIGCHLD at its default: no loader reports the kill
             for child in multiprocessing.active_children():
                 child.join(timeout=10)
             gc.collect()  # the loaders themselves

@@ -77,6 +77,9 @@ def run_main(main, argv=None):
     except Exception as err:
         message = bus_error_message(err)
         if message is not None:  # this rank's own line (under torchrun also in its error file)
+            # The other loader workers end first: one whose batch was being handed over when the loader
+            # raised has a thread (multiprocessing's resource sharer) that would print a traceback after it.
+            kill_loader_workers(wait_s=5.0)
             record_for_torchrun(error_line(message), failed_at[0] if failed_at else None)
             if _joined_a_group:
                 leave(1, message=error_line(message))
@@ -315,7 +318,7 @@ def start_loader_workers(start):
     global _kill_at_exit_registered
     import multiprocessing.util
     if not _kill_at_exit_registered:
-        atexit.register(_kill_loader_workers)
+        atexit.register(kill_loader_workers)
         _kill_at_exit_registered = True
     multiprocessing.util.get_temp_dir()
     main = threading.current_thread() is threading.main_thread()
@@ -325,18 +328,22 @@ def start_loader_workers(start):
     finally:  # also when starting them failed part-way
         if main:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-        compat.kill_loader_workers_first_at_exit(_kill_loader_workers)
+        compat.kill_loader_workers_first_at_exit(kill_loader_workers)
     _loader_workers.update(getattr(iterator, "_workers", ()))  # none for --workers 0
     return iterator
 
 
-def _kill_loader_workers():
+def kill_loader_workers(wait_s: float = 0.0):
+    """SIGKILL the workers of our loaders still alive (they ignore SIGTERM); wait_s: then wait for each."""
     alive = [worker for worker in list(_loader_workers) if worker.exitcode is None]
     if alive:
         loader_sigchld_off()  # torch's loader would report each kill as a failed worker
     for worker in alive:
         with contextlib.suppress(OSError, ValueError, AssertionError):
             worker.kill()
+    for worker in alive if wait_s else ():
+        with contextlib.suppress(OSError, ValueError, AssertionError):
+            worker.join(wait_s)
 
 
 def loader_sigchld_off():

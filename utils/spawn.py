@@ -196,6 +196,7 @@ def worker_exit(errors, local_rank):
         message = lifecycle.bus_error_message(err)  # a loader worker that ran out of shared memory
         if message is None:
             raise
+        lifecycle.kill_loader_workers(wait_s=5.0)  # first: see lifecycle.run_main
         cli.print_line(cli.error_line(message))
         code = 1
     lifecycle.leave(code)  # the work is done: skip the interpreter's teardown (see lifecycle.leave)
