@@ -262,6 +262,7 @@ def script_runner(monkeypatch, capture):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setattr(lifecycle, "_joined_a_group", False)
     monkeypatch.setattr(lifecycle, "_job", None)
+    monkeypatch.setattr(lifecycle, "_group_store", None)
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
 
     def run(script, argv, **env):

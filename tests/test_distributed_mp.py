@@ -120,11 +120,49 @@ def test_port_in_use_is_one_line_and_exit_2(capsys, monkeypatch, held_on):
     assert f"port {port} on 127.0.0.1 is already in use" in line and "--port" in line.split("use;")[1]
 
 
-def test_bad_input_seen_by_the_workers_is_one_line_and_exit_2(tmp_path):
+# Imported at start-up by every process (sitecustomize): rank 1 tells its refusal 3 s after rank 0, as a
+# loaded machine can make it. Rank 0 serves the store: it must stay until rank 1 is done with it.
+RANK_1_TELLS_LATE = """
+import importlib.abc, importlib.machinery, sys, time
+
+class Late(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "utils.lifecycle":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            tell = module.tell_the_job
+
+            def late(refusal):
+                if module._job is not None and module._job[1] == 1:
+                    time.sleep(3)
+                return tell(refusal)
+            module.tell_the_job = late
+        spec.loader.exec_module = exec_module
+        return spec
+
+sys.meta_path.insert(0, Late())
+"""
+
+
+@pytest.mark.parametrize("rank_1", ["in step", "late"])
+def test_bad_input_seen_by_the_workers_is_one_line_and_exit_2(tmp_path, rank_1):
+    # Met after the group formed (each rank reads --resume's file), by every rank. Rank 0 used to
+    # tell through a store of its own on the group's port (EADDRINUSE, passed over) and exit at once:
+    # a rank still telling lost the store, and its client's C++ retries filled stderr until the
+    # parent ended it 10 s later (seen under load).
     missing = tmp_path / "nothing.pt"
     tmp = private_tmpdir()
+    env = subprocess_env(TMPDIR=tmp)
+    if rank_1 == "late":
+        (tmp_path / "hook").mkdir()
+        (tmp_path / "hook" / "sitecustomize.py").write_text(RANK_1_TELLS_LATE)
+        env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "hook"), env["PYTHONPATH"]])
     proc = run_script(["distributed_mp.py", *SMALL, "--nproc-per-node", "2", "--resume", missing],
-                      check=False, timeout=180, env=subprocess_env(TMPDIR=tmp))
+                      check=False, timeout=180, env=env)
     assert _one_error_line(proc) == f"distributed_mp.py: error: no checkpoint at {missing}"
     assert left_in(tmp) == []  # the workers' lines, read, are removed (utils/spawn.py)
 

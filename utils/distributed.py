@@ -212,7 +212,7 @@ def setup(job: DistEnv, device: torch.device, timeout_s: float = 1800.0) -> Dist
                                 world_size=job.world_size, timeout=timeout,
                                 device_id=device if device.type != "cpu" else None)
     _store, _agreements = dist.PrefixStore(f"{lifecycle.attempt_prefix()}/agreements", store), 0
-    lifecycle.joined_a_group()  # the process now ends through lifecycle.leave (see there)
+    lifecycle.joined_a_group(store)  # the process now ends through lifecycle.leave (see there)
     return dataclasses.replace(job, device=device)
 
 

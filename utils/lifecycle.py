@@ -32,10 +32,11 @@ _deadlines = {}  # what `deadline` watches: {key: (time.monotonic() to end at, l
 _watchdog = None
 
 
-def joined_a_group():
-    """From now on run_main ends this process through `leave`."""
-    global _joined_a_group
-    _joined_a_group = True
+def joined_a_group(store=None):
+    """From now on run_main ends this process through `leave`, and a refusal is told through the group's
+    own `store` (tell_the_job)."""
+    global _joined_a_group, _group_store
+    _joined_a_group, _group_store = True, store
 
 
 def run_main(main, argv=None):
@@ -219,6 +220,7 @@ def _write_whole(path: str, text: str):
 
 DELIVERY_S = 10.0  # how long a refusing rank tries to reach the others (bounds its exit)
 _job = None  # where this process's job meets: set by utils.distributed, see meets_at
+_group_store = None  # the formed group's store (joined_a_group)
 
 
 def meets_at(rendezvous: str, rank: int, world_size: int, hosts_store: bool = False):
@@ -255,14 +257,16 @@ def tell_the_job(refusal: str):
         return
     rendezvous, rank, world_size, hosts_store = _job
     keep_up = hosts_store or bool(os.environ.get("TORCHELASTIC_ERROR_FILE"))  # torchrun sets it for its ranks
-    if rendezvous is None:
+    if _group_store is None and rendezvous is None:
         return time.sleep(DELIVERY_S if keep_up else 0)
-    if rendezvous.startswith("file://"):
+    if _group_store is None and rendezvous.startswith("file://"):
         return _write_whole(refusal_file(rendezvous[len("file://"):]), f"{rank}\n{refusal}")
     until, key = time.monotonic() + DELIVERY_S, f"{attempt_prefix()}/refused"
     # Exit status 2 all the same if the store stops answering (its line is on this node's stderr).
     with deadline(DELIVERY_S + 5, code=2), contextlib.suppress(Exception):  # not reachable in time
-        store = store_client(rendezvous, DELIVERY_S, host_it=hosts_store)
+        # Once the group has formed, through its store: the host's is already listening on the port (a second
+        # one fails, EADDRINUSE), and it must stay until every rank, refusing with it, is done with the store.
+        store = _group_store or store_client(rendezvous, DELIVERY_S, host_it=hosts_store)
         store.set(key, f"{rank}\n{refusal}")
         store.add(key + "/read", 1)
         while keep_up and store.add(key + "/read", 0) < world_size and time.monotonic() < until:
