@@ -2,6 +2,7 @@
 import atexit
 import contextlib
 import gc
+import inspect
 import io
 import json
 import os
@@ -157,6 +158,37 @@ def observing_entry(tmp_path, patch: str):
         runpy.run_path(sys.argv[0], run_name="__main__")
         """))
     return entry
+
+
+def patched_on_import(tmp_path, module: str, attribute: str, wrap) -> str:
+    """A folder to put first on PYTHONPATH: every Python process started with it (mp.spawn's
+    workers too) replaces module.attribute ("name" or "Class.name"), once the module is imported,
+    with wrap(original, module). Only wrap's source is copied: it imports what it needs itself."""
+    folder = tmp_path / "patched_on_import"
+    folder.mkdir(exist_ok=True)
+    *owner_path, name = attribute.split(".")
+    folder.joinpath("sitecustomize.py").write_text(textwrap.dedent(inspect.getsource(wrap)) + textwrap.dedent(f"""
+        import importlib.abc, importlib.machinery, sys
+
+        class Patch(importlib.abc.MetaPathFinder):  # Python imports sitecustomize at start-up
+            def find_spec(self, name, path, target=None):
+                if name != {module!r}:
+                    return None
+                spec = importlib.machinery.PathFinder.find_spec(name, path)
+                load = spec.loader.exec_module
+
+                def exec_module(mod):
+                    load(mod)
+                    owner = mod
+                    for part in {owner_path!r}:
+                        owner = getattr(owner, part)
+                    setattr(owner, {name!r}, {wrap.__name__}(getattr(owner, {name!r}), mod))
+                spec.loader.exec_module = exec_module
+                return spec
+
+        sys.meta_path.insert(0, Patch())
+        """))
+    return str(folder)
 
 
 def torchrun(nproc, script, args, timeout=240, check=True, extra_torchrun=(), env=None):

@@ -13,7 +13,7 @@ import torch
 
 import distributed_mp
 from utils import spawn
-from conftest import (ROOT, SMALL, fake_accelerator, free_port, left_in, private_tmpdir, read_metrics, run_script,
+from conftest import (ROOT, SMALL, fake_accelerator, free_port, left_in, patched_on_import, private_tmpdir, read_metrics, run_script,
                       subprocess_env)
 
 
@@ -120,32 +120,16 @@ def test_port_in_use_is_one_line_and_exit_2(capsys, monkeypatch, held_on):
     assert f"port {port} on 127.0.0.1 is already in use" in line and "--port" in line.split("use;")[1]
 
 
-# Imported at start-up by every process (sitecustomize): rank 1 tells its refusal 3 s after rank 0, as a
-# loaded machine can make it. Rank 0 serves the store: it must stay until rank 1 is done with it.
-RANK_1_TELLS_LATE = """
-import importlib.abc, importlib.machinery, sys, time
+def rank_1_tells_late(tell, lifecycle):
+    """utils.lifecycle.tell_the_job, as a loaded machine can make it: rank 1 tells its refusal 3 s
+    after rank 0. Rank 0 serves the store: it must stay until rank 1 is done with it."""
+    import time
 
-class Late(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != "utils.lifecycle":
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        load = spec.loader.exec_module
-
-        def exec_module(module):
-            load(module)
-            tell = module.tell_the_job
-
-            def late(refusal):
-                if module._job is not None and module._job[1] == 1:
-                    time.sleep(3)
-                return tell(refusal)
-            module.tell_the_job = late
-        spec.loader.exec_module = exec_module
-        return spec
-
-sys.meta_path.insert(0, Late())
-"""
+    def late(refusal):
+        if lifecycle._job is not None and lifecycle._job[1] == 1:
+            time.sleep(3)
+        return tell(refusal)
+    return late
 
 
 @pytest.mark.parametrize("rank_1", ["in step", "late"])
@@ -158,9 +142,8 @@ def test_bad_input_seen_by_the_workers_is_one_line_and_exit_2(tmp_path, rank_1):
     tmp = private_tmpdir()
     env = subprocess_env(TMPDIR=tmp)
     if rank_1 == "late":
-        (tmp_path / "hook").mkdir()
-        (tmp_path / "hook" / "sitecustomize.py").write_text(RANK_1_TELLS_LATE)
-        env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "hook"), env["PYTHONPATH"]])
+        hook = patched_on_import(tmp_path, "utils.lifecycle", "tell_the_job", rank_1_tells_late)
+        env["PYTHONPATH"] = os.pathsep.join([hook, env["PYTHONPATH"]])
     proc = run_script(["distributed_mp.py", *SMALL, "--nproc-per-node", "2", "--resume", missing],
                       check=False, timeout=180, env=env)
     assert _one_error_line(proc) == f"distributed_mp.py: error: no checkpoint at {missing}"

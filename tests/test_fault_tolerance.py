@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from conftest import (ROOT, assert_one_line_error, assert_refused, assert_same_state, expect_ok, free_port, left_in,
-                      private_tmpdir, read_metrics, run_script, subprocess_env)
+                      patched_on_import, private_tmpdir, read_metrics, run_script, subprocess_env)
 from utils import checkpoint, lifecycle
 
 FAULTS = "tests/fault_injection.py"
@@ -528,46 +528,28 @@ def test_mp_spawn_stops_on_a_signal_to_its_process_group(request, tmp_path, sig)
                                steps=LONG_STEPS)
 
 
-# Imported at start-up by every process of the run (sitecustomize): rank 0 sends SIGINT to its whole process
-# group, as Ctrl-C in a terminal does, just before TrainingRun(...) installs the run's own handler: during the
-# set-up (data, model, process group), where Python's KeyboardInterrupt still ends the process.
-CTRL_C_BEFORE_THE_RUN = """
-import importlib.abc, importlib.machinery, os, signal, sys, time
-signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background shell ignores it)
+def ctrl_c_before_the_run(init, run):
+    """utils.run.TrainingRun.__init__, after rank 0 sends SIGINT to its whole process group, as Ctrl-C
+    in a terminal does, just before the run installs its own handler: during the set-up (data, model,
+    process group), where Python's KeyboardInterrupt still ends the process."""
+    import os, signal, time
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background shell ignores it)
 
-class BeforeTheRun(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != "utils.run":
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        load = spec.loader.exec_module
-
-        def exec_module(module):
-            load(module)
-            init = module.TrainingRun.__init__
-
-            def before(self, args, env, *rest, **kwargs):
-                if env.rank == 0:
-                    os.killpg(os.getpgrp(), signal.SIGINT)
-                    time.sleep(10)  # interrupted
-                return init(self, args, env, *rest, **kwargs)
-            module.TrainingRun.__init__ = before
-        spec.loader.exec_module = exec_module
-        return spec
-
-sys.meta_path.insert(0, BeforeTheRun())
-"""
+    def before(self, args, env, *rest, **kwargs):
+        if env.rank == 0:
+            os.killpg(os.getpgrp(), signal.SIGINT)
+            time.sleep(10)  # interrupted
+        return init(self, args, env, *rest, **kwargs)
+    return before
 
 
 def test_ctrl_c_during_the_set_up_of_mp_spawn_ends_it_with_130(tmp_path):
     # torch.multiprocessing.spawn's workers end with status 0 on a KeyboardInterrupt (its _wrap passes it by),
     # so the run reported success though it never trained, after tens of seconds of C++ stack dumps.
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(CTRL_C_BEFORE_THE_RUN)
+    hook = patched_on_import(tmp_path, "utils.run", "TrainingRun.__init__", ctrl_c_before_the_run)
     started = time.monotonic()
     proc = run(["distributed_mp.py", *TINY, *WORKERS, "--nproc-per-node", "2", "--checkpoint-dir", tmp_path / "ckpt"],
-               timeout=120, PYTHONPATH=os.pathsep.join([str(hook), str(ROOT)]))
+               timeout=120, PYTHONPATH=os.pathsep.join([hook, str(ROOT)]))
     output = expect(proc, rc=130)
     assert "Traceback" not in output and "done:" not in output and "error" not in output, output
     assert not (tmp_path / "ckpt" / "checkpoint.pt").exists()
