@@ -1,6 +1,7 @@
 """Data: the real CIFAR-100 loading code on files the tests write in the real
 on-disk format, learning on real images that ship offline (scikit-learn's
 digits), the samplers, and the synthetic stand-in."""
+import errno
 import os
 import pickle
 import struct
@@ -140,6 +141,18 @@ def test_sample_limits_take_the_first_images(small_cifar):
     assert (len(train_set), len(test_set)) == (8, 5)
     assert [test_set[i][1] for i in range(5)] == split["test_labels"][:5].tolist()
     assert torch.equal(test_set[4][0], torch.from_numpy(split["test_images"][4]))
+
+
+@pytest.mark.parametrize("no_lock", [errno.ENOLCK, errno.ENOSYS])
+def test_a_folder_on_a_file_system_without_locks_is_read_without_one(small_cifar, monkeypatch, no_lock):
+    # NFS without its lock daemon, Lustre mounted noflock: the files there are read all the same.
+    def lockf(*_):
+        raise OSError(no_lock, os.strerror(no_lock))
+    monkeypatch.setattr(data.fcntl, "lockf", lockf)
+    root, _ = small_cifar
+    train_set, test_set = data.build_datasets(args_for("--dataset", "cifar100", "--data-dir", root),
+                                              ONE_CPU_PROCESS)
+    assert (len(train_set), len(test_set)) == (40, 12)
 
 
 def test_corrupt_dataset_file_is_a_usage_error(tmp_path, small_cifar):

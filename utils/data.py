@@ -132,14 +132,18 @@ def _cifar100(data_dir: str, train: bool):
 
 def _download_lock(data_dir: str):
     """One download into `data_dir` at a time, however many processes (or nodes) share it; the others
-    then find the files. A folder where no lock can be taken (read-only) is read without one."""
+    then find the files. A folder where no lock can be taken is read without one: read-only, or on a
+    file system without locks (NFS without its lock daemon: ENOLCK; Lustre mounted noflock: ENOSYS)."""
+    lock = None
     try:
         os.makedirs(data_dir, exist_ok=True)
         lock = open(os.path.join(data_dir, ".download.lock"), "a")
+        fcntl.lockf(lock, fcntl.LOCK_EX)
+        return lock  # leaving its `with` closes the file, which releases the lock
     except OSError:
+        if lock is not None:
+            lock.close()
         return contextlib.nullcontext()
-    fcntl.lockf(lock, fcntl.LOCK_EX)
-    return lock  # leaving its `with` closes the file, which releases the lock
 
 
 def _load_cifar100(args):
