@@ -199,6 +199,23 @@ def test_a_resume_gives_each_rank_its_own_gpu_generator_as_it_was(monkeypatch):
         assert torch.equal(torch.rand(3, generator=ranks[rank][rank]), expected[rank]), f"rank {rank}"
 
 
+def test_a_resume_on_mps_gives_its_generator_back(monkeypatch):
+    """torch.mps has get_rng_state and set_rng_state, not their _all forms: its generator is saved
+    all the same (a model that draws on the device, dropout, resumes bitwise). Stood in for by a CPU one."""
+    from utils import checkpoint
+    fake_accelerator(monkeypatch, "mps", 1)
+    generator = torch.Generator().manual_seed(5)
+    monkeypatch.setattr(torch.mps, "get_rng_state", lambda device: generator.get_state())
+    monkeypatch.setattr(torch.mps, "set_rng_state", lambda state, device: generator.set_state(state))
+    assert not hasattr(torch.mps, "get_rng_state_all")  # as in PyTorch 2.11 and 2.14
+    torch.rand(7, generator=generator)
+    saved = checkpoint.rng_state(torch.device("mps", 0))
+    expected = torch.rand(3, generator=generator)
+    generator.manual_seed(5)  # the resumed process
+    checkpoint.set_rng_state(saved, torch.device("mps", 0))
+    assert torch.equal(torch.rand(3, generator=generator), expected)
+
+
 def test_running_sums_are_float32_on_mps_which_has_no_float64():
     assert metrics.sum_dtype(torch.device("mps", 0)) == torch.float32
     assert metrics.sum_dtype(torch.device("cuda", 0)) == metrics.sum_dtype("cpu") == torch.float64

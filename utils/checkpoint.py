@@ -62,9 +62,11 @@ def rng_state(device: torch.device = None) -> dict:
     accelerator = _accelerator_module(device)
     if accelerator is not None:  # under the device type's name: a resume on another kind leaves it alone
         kind = torch.accelerator.current_accelerator().type
-        # Every device this process sees (DataParallel draws on all of them), and its own apart: only rank 0
+        # Its own device, and every device this process sees (DataParallel draws on all of them): only rank 0
         # saves, and its copy of device r was never drawn from, while its own device drew as every rank's did.
-        state[kind], state[f"{kind}_own"] = accelerator.get_rng_state_all(), accelerator.get_rng_state(device)
+        state[f"{kind}_own"] = accelerator.get_rng_state(device)
+        if hasattr(accelerator, "get_rng_state_all"):  # torch.mps has one device, and no _all
+            state[kind] = accelerator.get_rng_state_all()
     return state
 
 
@@ -73,7 +75,7 @@ def _accelerator_module(device):
     if device is None or device.type == "cpu" or not torch.accelerator.is_available():
         return None
     module = torch.get_device_module(torch.accelerator.current_accelerator())
-    return module if hasattr(module, "get_rng_state_all") else None
+    return module if hasattr(module, "get_rng_state") else None
 
 
 def set_rng_state(state: dict, device: torch.device = None):
