@@ -74,7 +74,13 @@ def check(args) -> cli.Plan:
     runs exactly this."""
     device_ids = pick_gpus(args.gpus, args.device)
     device_type = "cuda" if device_ids else "cpu"
-    cli.check_flags(args, launcher=None)  # one process: no launcher, no process group
+    if args.local_rank is not None:
+        raise cli.UsageError(f"--local-rank {args.local_rank}: this script is one process that no launcher "
+                             "starts; run it with plain python")
+    if cli.given(args, "dist_timeout"):
+        raise cli.UsageError("--dist-timeout bounds a wait for another process; this script is one process "
+                             "and joins no process group: leave it out")
+    cli.check_flags(args)
     # DataParallel splits the batch as Tensor.chunk does: 130 over 4 GPUs is 33, 33, 33 and 31, and a
     # batch-norm layer sees other slices than DDP's 4 processes would. An even split, or refused.
     cli.split_batch(args.batch_size, max(len(device_ids), 1), unit="GPU")

@@ -59,7 +59,7 @@ def check(args) -> cli.Plan:
                              "--ip and --port (they make tcp://IP:PORT when --init-method is not given)")
     world_size = spawn.check_launch(args)  # the launch flags (utils/spawn.py); several nodes: the network
     device_type = dist_utils.device_type(args.device, distributed=True)
-    cli.check_flags(args, launcher="itself")
+    cli.check_flags(args)
     replicas.check_flags(args, device_type)  # --sync-bn
     return cli.Plan(world_size, per_device_batch=cli.split_batch(args.batch_size, world_size))
 

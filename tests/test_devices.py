@@ -29,7 +29,13 @@ def test_auto_picks_the_accelerator_and_this_ranks_device(monkeypatch, kind, cou
 def test_device_cpu_trains_on_the_cpu_beside_an_accelerator(monkeypatch, kind):
     fake_accelerator(monkeypatch, kind, 8)
     assert dist_utils.pick_device(0, 16, "cpu", distributed=True) == torch.device("cpu")
-    assert dist_utils.device_count("cpu") == 0 and dist_utils.device_count("auto") == 8
+    # distributed_mp.py's default --nproc-per-node: 2 CPU processes, or one per device (none on MPS: refused)
+    from utils import spawn
+    for choice, processes in (("cpu", 2), ("auto", 8))[:1 if kind == "mps" else 2]:
+        parser = cli.build_parser("", ["resnet18"])
+        spawn.add_flags(parser)
+        args = cli.parse_args(parser, ["--device", choice])
+        assert spawn.check_launch(args) == processes == args.nproc_per_node
 
 
 @pytest.mark.parametrize("kind, choice, fragment", [

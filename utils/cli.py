@@ -243,9 +243,8 @@ def validated(args, check) -> Plan:
     return plan
 
 
-def check_flags(args, launcher: str = "torchrun"):
-    """The shared refusals that need no group: flags the run would not use, flags that contradict.
-    launcher: "torchrun" (and plain python), "itself" (mp.spawn), or None (one process, no group)."""
+def check_flags(args):
+    """The shared refusals that need no group: flags the run would not use, flags that contradict."""
     if getattr(args, "dataset", None) == "synthetic" and given(args, "data_dir"):
         raise UsageError(f"--data-dir {args.data_dir} with --dataset synthetic, which is made in memory and "
                          "reads nothing: leave --data-dir out, or use --dataset cifar100")
@@ -259,20 +258,10 @@ def check_flags(args, launcher: str = "torchrun"):
         # torch.optim.SGD refuses it too, with a traceback: Nesterov's look-ahead is a momentum term.
         raise UsageError("--momentum 0 with Nesterov momentum (on by default): add --no-nesterov, "
                          "or give a momentum above 0")
-    if args.local_rank is not None:
-        if launcher is None:
-            raise UsageError(f"--local-rank {args.local_rank}: this script is one process that no launcher "
-                             "starts; run it with plain python")
-        if launcher == "itself":
-            raise UsageError(f"--local-rank {args.local_rank}: this script starts and numbers its own "
-                             "processes (--nproc-per-node); run it with plain python, not a launcher")
-        if not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
-            raise UsageError(f"--local-rank {args.local_rank} without RANK and WORLD_SIZE: it comes from "
-                             "torch.distributed.launch, which sets those too; under plain python "
-                             "(one process) leave it out")
-    if launcher is None and given(args, "dist_timeout"):
-        raise UsageError("--dist-timeout bounds a wait for another process; this script is one process "
-                         "and joins no process group: leave it out")
+    if args.local_rank is not None and not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        raise UsageError(f"--local-rank {args.local_rank} without RANK and WORLD_SIZE: it comes from "
+                         "torch.distributed.launch, which sets those too; under plain python "
+                         "(one process) leave it out")
 
 
 def split_batch(global_batch: int, world_size: int, accum_steps: int = 1, unit: str = "process") -> int:

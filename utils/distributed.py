@@ -151,11 +151,6 @@ def device_type(choice: str = "auto", distributed: bool = False) -> str:
     return kind
 
 
-def device_count(choice: str = "auto") -> int:
-    """How many devices of the --device type this node has (0 for the CPU)."""
-    return 0 if device_type(choice) == "cpu" else torch.accelerator.device_count()
-
-
 def device_name(device: torch.device) -> str:
     """The device's product name for records ("NVIDIA H100 80GB HBM3"), "cpu", or the device."""
     with contextlib.suppress(AttributeError, RuntimeError):

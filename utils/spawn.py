@@ -37,8 +37,11 @@ def add_flags(parser):
 
 def check_launch(args) -> int:
     """Fill in the defaults, validate the launch flags; returns the world size."""
+    if args.local_rank is not None:
+        raise cli.UsageError(f"--local-rank {args.local_rank}: this script starts and numbers its own "
+                             "processes (--nproc-per-node); run it with plain python, not a launcher")
     device_type = dist_utils.device_type(args.device, distributed=True)  # what no process group can use
-    gpus = dist_utils.device_count(args.device)
+    gpus = 0 if device_type == "cpu" else torch.accelerator.device_count()
     args.nproc_per_node = args.nproc_per_node or gpus or 2
     if args.node_rank >= args.nodes:
         raise cli.UsageError(f"--node-rank {args.node_rank} with --nodes {args.nodes}: "
