@@ -120,7 +120,7 @@ def test_metrics_failure_after_an_epoch_keeps_its_checkpoint(tmp_path, monkeypat
 
     def broken(record):
         raise OSError("disk full")
-    monkeypatch.setattr(run.log, "write", broken)
+    monkeypatch.setattr(run, "record", broken)
     with pytest.raises(OSError):
         run.end_epoch({"test_loss": 1.0, "test_acc1": 0.0, "test_acc5": 0.0, "test_samples": 1})
     assert checkpoint.load(tmp_path / "ck" / "checkpoint.pt")["global_step"] == 1

@@ -1,14 +1,13 @@
 """Meters, exact distributed evaluation and the JSON-lines metrics file. Meters keep running sums as tensors
 on the device, read once per epoch (or --log-every steps): an .item() every step makes the CPU wait for the GPU."""
 import contextlib
-import json
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .distributed import all_reduce_sum, is_main, meeting
+from .distributed import all_reduce_sum, meeting
 
 # cross_entropy's default ignore_index, the target of the filler in fixed-shape evaluation batches
 # (utils/device_data.py): such samples add nothing to the loss, the hits or the count.
@@ -162,14 +161,3 @@ class EpochTimer:
         return {"epoch_seconds": end - self.start,
                 "images_per_second": (self.steps - skipped) * self.images_per_step / seconds if seconds > 0 else 0.0}
 
-
-class MetricsLog:
-    """JSON lines, appended and flushed record by record; only rank 0 writes."""
-
-    def __init__(self, path):
-        self.path = path if is_main() else None
-
-    def write(self, record: dict):
-        if self.path:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")

@@ -37,9 +37,9 @@ import torch
 
 from . import checkpoint, observe
 from .cli import UsageError, given, plain_config
-from .distributed import DistEnv, all_ranks_ok, any_rank, device_name, meeting, print0
+from .distributed import DistEnv, all_ranks_ok, any_rank, device_name, is_main, meeting, print0
 from .lifecycle import SIGNALS, stop_under_way
-from .metrics import EpochTimer, MetricsLog, TrainMeter, peak_memory_mb, reset_peak_memory
+from .metrics import EpochTimer, TrainMeter, peak_memory_mb, reset_peak_memory
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -69,7 +69,6 @@ class TrainingRun:
         self.meter = self.last_record = self._partial_sums = self._bar = self._timing = None
         self._stop = False
         self._claim_outputs()
-        self.log = MetricsLog(args.metrics)
         self.started = time.perf_counter()
         self.checkpoint_path = os.path.join(args.checkpoint_dir, checkpoint.FILENAME) if args.checkpoint_dir else None
         if resume_from := self._resume_path():
@@ -290,7 +289,7 @@ class TrainingRun:
             "strategy": self.strategy, "device": device_name(self.env.device), **self.extra_record}
         # Checkpoint first, then record: a record that fails to write loses no training.
         self.save()
-        self.log.write(record)
+        self.record(record)
         self.observers.epoch(record)
         acc5 = f"acc5 {eval_metrics['test_acc5']:.2f}% " if "test_acc5" in eval_metrics else ""
         print0(f"epoch {self.epoch + 1}/{self.args.epochs} step {self.global_step} | "
@@ -308,6 +307,12 @@ class TrainingRun:
         if self._stop and not self.trained():  # the run's last epoch: it has ended, nothing to continue
             self.stop_signal.announce(self.global_step, self.checkpoint_path)
 
+    def record(self, record: dict):
+        """One JSON line in --metrics, appended and flushed (global rank 0)."""
+        if self.args.metrics and is_main():
+            with open(self.args.metrics, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
     def finish(self):
         """The end-of-run record (rank 0), with the last evaluation."""
         self.stop_signal.close()
@@ -316,7 +321,7 @@ class TrainingRun:
             return  # stopped by a signal: the run goes on with --resume, it has not ended
         record = dict(self.last_record, event="end", step=self.global_step,
                       total_seconds=time.perf_counter() - self.started)
-        self.log.write(record)
+        self.record(record)
         print0(f"done: {self.global_step} steps, test acc1 {record['test_acc1']:.2f}%, "
                f"{record['total_seconds']:.1f} s in all")
 
