@@ -40,7 +40,6 @@ class SyntheticCIFAR(Dataset):
     class prototype plus noise, shifted. A CNN learns it in hundreds of steps, so its loss curves mean something."""
 
     def __init__(self, train: bool, size: int = None, seed: int = 1234):
-        self.train = train
         self.size = size if size is not None else (50_000 if train else 10_000)
         # Low-frequency prototypes: 4x4 random colours upsampled to 40x40, so that a 32x32 window can shift.
         coarse = np.random.default_rng(seed).uniform(-1, 1, size=(NUM_CLASSES, 3, 4, 4)).astype(np.float32)
@@ -53,15 +52,12 @@ class SyntheticCIFAR(Dataset):
     def __len__(self):
         return self.size
 
-    def _image(self, index: int) -> np.ndarray:
+    def __getitem__(self, index):
         rng = np.random.default_rng((self._noise_seed, index))
         dy, dx = rng.integers(0, 9, size=2)
         proto = self._prototypes[self.targets[index], :, dy:dy + 32, dx:dx + 32]
         pixels = 128 + 70 * proto + rng.normal(0, 40, size=proto.shape)
-        return np.clip(pixels, 0, 255).astype(np.uint8).transpose(1, 2, 0)  # HWC like CIFAR
-
-    def __getitem__(self, index):
-        return self._image(index), self.targets[index]
+        return np.clip(pixels, 0, 255).astype(np.uint8).transpose(1, 2, 0), self.targets[index]  # HWC like CIFAR
 
 
 class _CifarUnpickler(pickle.Unpickler):

@@ -107,8 +107,7 @@ def evaluate(model: torch.nn.Module, loader, device, autocast=None, inputs=None)
         buffer.copy_(own)
     count_safe = max(count, 1)
     result = {"test_loss": loss_sum / count_safe, "test_acc1": 100.0 * top1 / count_safe, "test_samples": int(count)}
-    # With 5 classes or fewer every target is among the top 5: no top-5 figure at all. (A rank with
-    # an empty shard saw no logits: it reports one, so that every rank's record has the same keys.)
+    # With 5 classes or fewer every target is among the top 5: no top-5 figure at all.
     if classes is None or classes > 5:
         result["test_acc5"] = 100.0 * top5 / count_safe
     return result

@@ -20,7 +20,7 @@ order, or the others wait in it until --dist-timeout and fail with an error that
 - `TrainingRun(...)`: agreements (`all_ranks_ok`, through the job's store) on the output files, on
   whether a checkpoint exists, on whether this is a launcher's restart and, with --resume, on whether
   every rank loaded it (a sharded model loads in a collective).
-- `step_done()`: every `check_every` steps (10 with several processes) a stop-signal agreement; when a
+- `step_done()`: every `check_every` steps (10 under a launcher, 1 alone) a stop-signal agreement; when a
   checkpoint is due, an all-reduce of the epoch's training sums (`save`) and a sharded model's save.
 - `end_epoch()`: an all-reduce of the training sums for the summary, another in `save`, then a stop
   agreement (for a signal that came during evaluation). The script's `metrics.evaluate` before it
@@ -236,10 +236,8 @@ class TrainingRun:
         if self.args.clip_grad_norm is None:
             return None
         norm = torch.nn.utils.clip_grad_norm_(parameters, self.args.clip_grad_norm)
-        if hasattr(norm, "full_tensor"):
-            # Sharded (FSDP): clip_grad_norm_ all-reduced the shards' norms into a replicated DTensor, so
-            # full_tensor() is local (CommDebugMode: one all-reduce for both, 2 gloo ranks, PyTorch 2.11, 2.14.1).
-            norm = norm.full_tensor()
+        # Sharded (FSDP): a replicated DTensor, its shards' norms all-reduced already; full_tensor() is local.
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         self.meter.add_grad_norm(norm)
         return norm
 
@@ -269,8 +267,7 @@ class TrainingRun:
             if not saved:
                 self.save()
             self.stop_signal.announce(self.global_step, self.checkpoint_path)
-            self.stop_signal.close()
-            self.observers.close()
+            self.finish()  # not trained(): it only closes the stop signal's handlers and the observers
             raise SystemExit(0)  # checkpointed: exit status 0; the script's `finally` still tears down
         return self.done()
 
