@@ -468,10 +468,7 @@ def bounded(fn, seconds, device=None):
 
 
 def first_line(exc) -> str:
-    text = (str(exc).strip().splitlines() or [""])[0]
-    if text.startswith("[enforce fail at") and "] " in text:  # gloo: the source location says nothing to a user
-        text = text.split("] ", 1)[1]
-    return f"{type(exc).__name__}: {text[:300]}"
+    return f"{type(exc).__name__}: {cli.first_line(exc)}"
 
 
 def copy_between_peers(count):

@@ -472,3 +472,11 @@ def test_a_line_is_never_cut_by_another_writer_on_the_same_stderr():
     ours = [line for line in lines if line != "[W interloper]"]
     assert len(ours) == 3000 and set(ours) == {"distributed.py: error: " + "x" * 400}, \
         [line for line in ours if line != "distributed.py: error: " + "x" * 400][:3]
+
+
+def test_an_error_s_first_line_leaves_out_gloo_s_source_location():
+    assert cli.first_line(RuntimeError("[enforce fail at ../gloo/transport/tcp/pair.cc:446] op.preamble.length "
+                                       "<= op.nbytes. 8 vs 4\nmore")) == "op.preamble.length <= op.nbytes. 8 vs 4"
+    assert cli.first_line(RuntimeError("[/__w/1/s/third_party/gloo/gloo/transport/tcp/pair.cc:152] Connection "
+                                       "closed by peer [10.0.0.1]:1234")) == "Connection closed by peer [10.0.0.1]:1234"
+    assert cli.first_line(ValueError()) == "ValueError" and len(cli.first_line(OSError("x" * 999))) == 200

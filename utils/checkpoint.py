@@ -13,7 +13,7 @@ import tempfile
 import numpy as np
 import torch
 
-from .cli import UsageError
+from .cli import UsageError, first_line
 
 FORMAT = "multi-gpu-training-checkpoint/1"
 FILENAME = "checkpoint.pt"
@@ -107,9 +107,8 @@ def read_file(path: str, what: str = "checkpoint"):
             raise UsageError(f"cannot read {what} {path}: it holds Python objects other than tensors "
                              "and plain values, which are not loaded because loading them could run "
                              "code; it was not written by these scripts") from None
-        first = (str(exc).strip().splitlines() or [""])[0][:200]
         raise UsageError(f"cannot read {what} {path}: it is corrupt or not a PyTorch file "
-                         f"({type(exc).__name__}: {first})") from None
+                         f"({type(exc).__name__}: {first_line(exc)})") from None
 
 
 def load(path: str) -> dict:

@@ -9,6 +9,7 @@ import argparse
 import importlib.util
 import math
 import os
+import re
 import sys
 import types
 
@@ -21,6 +22,13 @@ class UsageError(Exception):
     def __init__(self, message, met_by: str = "job"):
         super().__init__(message)
         self.met_by = met_by
+
+
+def first_line(err: BaseException, limit: int = 200) -> str:
+    """An error's first line, without the C++ source location gloo puts in front ("[/__w/.../pair.cc:152] ",
+    "[enforce fail at .../tcp.cc:80] "), or its type's name if it has no message."""
+    line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return re.sub(r"\[(?:enforce fail at )?[^\]\s]*\.(?:cc|cpp|h|hpp):\d+\] ?", "", line)[:limit]
 
 
 def print_line(line: str):

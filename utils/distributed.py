@@ -10,7 +10,6 @@ import dataclasses
 import datetime
 import os
 import random
-import re
 import sys
 import threading
 import time
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import lifecycle, network
-from .cli import UsageError, error_line, print_line
+from .cli import UsageError, error_line, first_line, print_line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,12 +294,6 @@ def all_reduce_sum(tensor: torch.Tensor, call: str = None) -> torch.Tensor:
         with meeting(call) if call else contextlib.nullcontext():
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
-
-
-def first_line(err: BaseException, limit: int = 300) -> str:
-    """An error's first line, without the C++ source location gloo puts in front ("[/__w/.../pair.cc:152] ")."""
-    line = (str(err).strip().splitlines() or [type(err).__name__])[0]
-    return re.sub(r"\[[^\]\s]*\.(?:cc|cpp|h|hpp):\d+\] ?", "", line)[:limit]
 
 
 class MissedCollective(RuntimeError):

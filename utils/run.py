@@ -36,7 +36,7 @@ import time
 import torch
 
 from . import checkpoint, observe
-from .cli import UsageError, given, plain_config
+from .cli import UsageError, first_line, given, plain_config
 from .distributed import DistEnv, all_ranks_ok, any_rank, device_name, is_main, meeting, print0
 from .lifecycle import SIGNALS, stop_under_way
 from .metrics import EpochTimer, TrainMeter, peak_memory_mb, reset_peak_memory
@@ -165,8 +165,7 @@ class TrainingRun:
             if self.scaler is not None and state.get("scaler"):
                 self.scaler.load_state_dict(state["scaler"])
         except (KeyError, RuntimeError, ValueError) as exc:
-            first = (str(exc).strip().splitlines() or [""])[0][:200]
-            raise UsageError(f"checkpoint {path} does not fit this model/optimizer: {first}") from None
+            raise UsageError(f"checkpoint {path} does not fit this model/optimizer: {first_line(exc)}") from None
         checkpoint.set_rng_state(state["rng"], self.env.device)
         self.epoch, self.step_in_epoch, self.global_step = state["epoch"], state["step_in_epoch"], state["global_step"]
         # The interrupted epoch's sums are global already: rank 0 alone carries them, so the all-reduce counts once.

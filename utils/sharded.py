@@ -17,7 +17,7 @@ import warnings
 import torch
 
 from .checkpoint import load
-from .cli import UsageError
+from .cli import UsageError, first_line
 
 SHARDED_PREFIX = "sharded-step"
 _DCP_METADATA = ".metadata"
@@ -156,8 +156,7 @@ def check_sharded_folder(folder: str):
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
     except Exception as exc:
-        first = (str(exc).strip().splitlines() or [""])[0][:200]
-        raise UsageError(f"cannot read sharded checkpoint {folder}: {type(exc).__name__}: {first}") from None
+        raise UsageError(f"cannot read sharded checkpoint {folder}: {type(exc).__name__}: {first_line(exc)}") from None
     items = getattr(metadata, "state_dict_metadata", None)
     if not isinstance(items, dict) or not all(isinstance(v, TensorStorageMetadata) for v in items.values()):
         raise UsageError(f"sharded checkpoint {folder} holds items other than tensors: "
@@ -180,8 +179,7 @@ def load_sharded(model, optimizer, folder: str, param_groups: list):
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict={"state": state["optimizer"], "param_groups": param_groups})
     except (Exception, dcp.CheckpointException) as exc:  # a missing key or another shape: on every rank
-        first = (str(exc).strip().splitlines() or [""])[0][:200]
-        raise UsageError(f"sharded checkpoint {folder} does not fit this model/optimizer: {first}") from None
+        raise UsageError(f"sharded checkpoint {folder} does not fit this model/optimizer: {first_line(exc)}") from None
 
 
 def read_sharded(folder: str) -> dict:
@@ -197,8 +195,8 @@ def read_sharded(folder: str) -> dict:
             dcp.load(state, storage_reader=_checked_reader(folder, metadata), no_dist=True)
         except (Exception, dcp.CheckpointException) as exc:  # a shard file cut short or missing (the
             # latter a BaseException: DCP's own failures would otherwise pass `except Exception`)
-            first = (str(exc).strip().splitlines() or [""])[0][:200]
-            raise UsageError(f"cannot read sharded checkpoint {folder}: {type(exc).__name__}: {first}") from None
+            raise UsageError(f"cannot read sharded checkpoint {folder}: {type(exc).__name__}: "
+                             f"{first_line(exc)}") from None
     return state
 
 
