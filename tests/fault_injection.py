@@ -253,7 +253,7 @@ def main():
     parser.add_argument("--save", type=int, default=2, help="kill-during-save: which save crashes")
     parser.add_argument("--once", action="store_true", help="only on the first attempt")
     parser.add_argument("--once-file", default=None, help="at most once among processes sharing this file")
-    parser.add_argument("--send", default="TERM", choices=["TERM", "INT", "USR1"],
+    parser.add_argument("--send", default="TERM", choices=["TERM", "INT", "USR1", "HUP"],
                         help="signal-group, signal-job, signal-during-eval: which signal")
     parser.add_argument("--eval-seconds", type=float, default=4.0, help="signal-during-eval: the pause")
     parser.add_argument("--marker", default=None, help="pause: the file to create (.RANK is appended)")

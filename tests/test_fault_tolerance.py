@@ -285,21 +285,21 @@ def assert_same_checkpoint(path, other):
 
 
 def test_a_stop_signal_to_torchrun_or_to_every_process_checkpoints_and_resumes_exactly(ddp_reference, tmp_path):
-    # Three ways a torchrun job is told to stop, loader workers on, one job each:
+    # Four ways a torchrun job is told to stop, loader workers on, one job each:
     # - SIGTERM to torchrun's agent alone (a scheduler that signals the launcher): the agent
     #   forwards it to both workers;
-    # - scancel --signal or a preemption (SIGTERM), Ctrl-C to an interactive job (SIGINT): the
-    #   agent, both workers and their loader workers all get it, and the loader workers leave
-    #   it to their rank.
-    # (Loader workers on in all three, as users run it; torchrun signals each worker's process
+    # - scancel --signal or a preemption (SIGTERM), Ctrl-C to an interactive job (SIGINT), its
+    #   terminal or ssh session closed (SIGHUP): the agent, both workers and their loader workers
+    #   all get it, and the loader workers leave it to their rank.
+    # (Loader workers on in all four, as users run it; torchrun signals each worker's process
     # group, loader workers included. A stop without loader workers: the one-process
     # SIGTERM test above.)
     # Each time the ranks agree on step 10 (they compare every 10 steps) and checkpoint. The
-    # three checkpoints are the same, bitwise, and one of them, resumed, ends with the weights
-    # of the uninterrupted run: so would the others. (One resume for the three: each resume
+    # four checkpoints are the same, bitwise, and one of them, resumed, ends with the weights
+    # of the uninterrupted run: so would the others. (One resume for the four: each resume
     # is a torchrun of 3 Pythons.)
     stops = {"agent": ["--fault", "sigterm-parent"], "TERM": ["--fault", "signal-job", "--send", "TERM"],
-             "INT": ["--fault", "signal-job", "--send", "INT"]}
+             "INT": ["--fault", "signal-job", "--send", "INT"], "HUP": ["--fault", "signal-job", "--send", "HUP"]}
     for way, fault in stops.items():
         folder = tmp_path / way
         stopped = torchrun([FAULTS, *fault, "--rank", "0", "--step", "3", "--",
@@ -317,7 +317,7 @@ def test_a_stop_signal_to_torchrun_or_to_every_process_checkpoints_and_resumes_e
             assert stopped.rc == 1, output
             assert output.count("Traceback") == 1 and "SignalException" in output, output
             assert "Root Cause" not in output, output
-    for way in ("agent", "TERM"):
+    for way in ("agent", "TERM", "HUP"):
         assert_same_checkpoint(tmp_path / way / "checkpoint.pt", tmp_path / "INT" / "checkpoint.pt")
     resumed = expect(torchrun(["distributed.py", *TINY, *WORKERS, "--checkpoint-dir", tmp_path / "INT", "--resume"]))
     assert "10 steps in all" in resumed

@@ -17,7 +17,8 @@ import weakref
 from . import compat
 from .cli import UsageError, error_line, print_line, prints_errors
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+# SIGHUP: a closed terminal or a dropped ssh session; torchrun forwards it to its workers, as it does SIGTERM.
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 SHM_DIR = "/dev/shm"  # where DataLoader workers put the batches they hand over (Linux)
 
 # What a rank's error says when a peer died or left (gloo's sockets; utils.distributed.meeting).

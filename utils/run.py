@@ -325,7 +325,8 @@ class TrainingRun:
 # --- stop signals --------------------------------------------------------------------------------
 
 class StopSignal:
-    """Stop cleanly on SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 (SLURM's warning before a time limit or preemption):
+    """Stop cleanly on SIGTERM, SIGINT (Ctrl-C), SIGUSR1 (SLURM's warning before a time limit or preemption) and
+    SIGHUP (a closed terminal or ssh session):
     checkpoint at the next step that every rank agrees on and exit 0; --resume then continues with the exact
     next batch. torchrun kills the workers 30 s after forwarding SIGTERM; SLURM's `--signal=USR1@120` gives two
     minutes. The handler only sets a flag: a rank that stopped alone would leave the others waiting."""
