@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, SMALL, assert_one_line_error, assert_refused, expect_ok, run_script, subprocess_env
+from conftest import ROOT, SMALL, assert_one_line_error, assert_refused, expect_ok, run_script, subprocess_env, torchrun
 from test_data import ONE_CPU_PROCESS, args_for, write_cifar100
 from models import MODEL_NAMES
 from utils import checkpoint, cli, data
@@ -78,6 +78,22 @@ def test_unwritable_metrics_path_is_refused_before_training(run_in_process, tmp_
     outcome = run_in_process("distributed.py", [*SMALL, "--metrics", blocker / "m.jsonl"])
     assert_refused(outcome, "cannot write --metrics")
     assert "epoch 1" not in outcome[1]  # nothing trained
+
+
+@pytest.mark.parametrize("flag", ["--tensorboard", "--profile"])
+def test_an_unwritable_observer_folder_under_torchrun_is_one_line_and_exit_2(tmp_path, flag):
+    # Made once the group has formed (rank 0 --tensorboard's, every rank its --profile's), so the ranks
+    # agree on it: rank 0 refusing alone left rank 1 to fail in its next collective, with tracebacks.
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    proc = torchrun(2, "distributed.py", [*SMALL, flag, blocker / "out"], check=False, timeout=120)
+    line = f"distributed.py: error: cannot write {flag} {blocker / 'out'}: Not a directory"
+    lines = [text for text in proc.stderr.splitlines() if text.strip()]
+    assert lines[0] == line and sum(text == line for text in lines) == 1, proc.stderr  # one node: said once
+    # torchrun's summary names a refusal (2), and no rank failed otherwise (1: a peer lost mid-collective).
+    assert "exitcode  : 2" in proc.stderr and "exitcode  : 1" not in proc.stderr, proc.stderr
+    assert "Connection closed" not in proc.stderr, proc.stderr
+    assert "epoch 1" not in proc.stdout
 
 
 @pytest.mark.parametrize("make, fragment", [

@@ -16,7 +16,6 @@ import os
 import torch
 from torch.profiler import ProfilerActivity
 
-from .cli import UsageError
 
 # The profiled window, in optimizer steps from the run's start (or resume). WAIT keeps the start-up
 # out (loader workers, cudnn autotuning, torch.compile, DDP rebuilding its buckets after step 1);
@@ -43,20 +42,12 @@ def profiler_activities(device: torch.device) -> list:
     return [ProfilerActivity.CPU, own] if recordable else [ProfilerActivity.CPU]
 
 
-def _make_dir(flag: str, path: str):
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"cannot write {flag} {path}: {exc.strerror or exc}") from None
-
-
 class Observers:
     def __init__(self, args, env, start_step: int = 0):
         self.env, self.profile_dir = env, getattr(args, "profile", None)
         self._profiler = self._writer = self._traced_up_to = None  # _traced_up_to: the last step in the trace
         self._step, self._window = start_step, profiled_steps(start_step)
         if self.profile_dir:
-            _make_dir("--profile", self.profile_dir)  # every rank: nodes may not share it
             # The profiler counts its own steps from here (each step() ends one): the window falls after
             # this run's warm-up, also after a resume. With one window (repeat=1), acc_events=True only
             # spares PyTorch 2.11's warning that events are not kept between windows.
@@ -66,7 +57,6 @@ class Observers:
             self._profiler.start()
         if getattr(args, "tensorboard", None) and env.is_main:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
-            _make_dir("--tensorboard", args.tensorboard)
             # A resumed run may repeat steps that an earlier attempt had logged after the checkpoint:
             # purge_step hides those, so each step shows one value.
             self._writer = SummaryWriter(args.tensorboard, purge_step=start_step + 1 if start_step else None)

@@ -86,22 +86,29 @@ class TrainingRun:
 
     def _claim_outputs(self):
         """Before anything trains, rank 0 locks the checkpoint directory (a lock that dies with the process) and
-        checks that it and the metrics file can be written; every rank learns the outcome: all stop together."""
-        error, path = None, self.args.metrics
+        makes sure that it, --metrics and --tensorboard can be written, every rank its --profile folder (nodes
+        may not share it); every rank learns the outcome: all stop together, the failing node saying why."""
+        args, error = self.args, None
+        outputs = [("--profile", getattr(args, "profile", None), None)]
         if self.env.is_main:
-            try:
-                if self.args.checkpoint_dir:
-                    checkpoint.lock_directory(self.args.checkpoint_dir)
-                if path:
-                    try:
-                        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-                        open(path, "a").close()
-                    except OSError as exc:
-                        raise UsageError(f"cannot write --metrics {path}: {exc.strerror or exc}") from None
-            except UsageError as exc:
-                error = exc
+            outputs += [("--metrics", args.metrics and os.path.dirname(os.path.abspath(args.metrics)), args.metrics),
+                        ("--tensorboard", getattr(args, "tensorboard", None), None)]
+        try:
+            if self.env.is_main and args.checkpoint_dir:
+                checkpoint.lock_directory(args.checkpoint_dir)
+            for flag, folder, file in outputs:
+                try:
+                    if folder:
+                        os.makedirs(folder, exist_ok=True)
+                    if folder and file:
+                        open(file, "a").close()
+                except OSError as exc:
+                    raise UsageError(f"cannot write {flag} {file or folder}: {exc.strerror or exc}") from None
+        except UsageError as exc:
+            error = exc
+            error.met_by = "node"
         if not all_ranks_ok(error is None, "TrainingRun(...), agreeing on the output paths"):
-            raise error or UsageError("rank 0 refused the output paths")
+            raise error or UsageError("an output path could not be written on another rank (its node says why)")
 
     # --- resume -------------------------------------------------------------------
 
