@@ -50,6 +50,9 @@ fi
 # torchrun (torch 2.5 and later) lends its own rendezvous store to the workers and keeps
 # it across restarts: a restarted rank can then read a peer's address from the attempt
 # before and fail to connect (pytorch/pytorch#135712). This gives each attempt a new store.
+# The price: its port (MASTER_PORT) is one the agent found free and let go (torch's
+# get_free_port, from the ephemeral range), which rank 0 binds seconds later; an outgoing
+# connection may take it in between (rarely: the attempt then fails, address in use).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 
 # --standalone: a private rendezvous on a free local port, so two jobs on one machine
