@@ -13,8 +13,8 @@ _ARCHS = {
 MODEL_NAMES = tuple(_ARCHS)
 
 
-def build_model(name: str, num_classes: int = 100, norm: str = "batch") -> ResNet:
+def build_model(name: str, num_classes: int = 100, **options) -> ResNet:
     if name not in _ARCHS:
         raise ValueError(f"unknown model {name!r}: choose from {', '.join(MODEL_NAMES)}")
     block, layers, width = _ARCHS[name]
-    return ResNet(block, layers, num_classes=num_classes, width=width, norm=norm)
+    return ResNet(block, layers, num_classes=num_classes, width=width, **options)

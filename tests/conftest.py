@@ -191,6 +191,12 @@ def patched_on_import(tmp_path, module: str, attribute: str, wrap) -> str:
     return str(folder)
 
 
+def group_norm(channels: int):
+    """build_model(..., norm_layer=group_norm): no batch statistics, which depend on how the batch is split."""
+    import torch.nn as nn
+    return nn.GroupNorm(min(32, channels), channels)
+
+
 def torchrun(nproc, script, args, timeout=240, check=True, extra_torchrun=(), env=None):
     return run_script(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                        *extra_torchrun, script, *args], timeout=timeout, check=check, env=env)

@@ -97,7 +97,7 @@ def _rank_norm(rank, port, out_dir, images, targets):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.manual_seed(0)
-    model = build_model("resnet_tiny", 100, norm="none")
+    model = build_model("resnet_tiny", 100, norm_layer=torch.nn.Identity)
     ddp_model = DDP(model)
     half = len(images) // 2
     F.cross_entropy(ddp_model(images[rank * half:(rank + 1) * half]), targets[rank * half:(rank + 1) * half]).backward()
@@ -121,7 +121,7 @@ def test_under_ddp_every_rank_clips_by_the_same_norm_that_of_the_averaged_gradie
     assert all(torch.equal(a, b) for a, b in zip(ranks[0]["grads"], ranks[1]["grads"]))
     # One process on the whole batch: the same norm (DDP averaged the halves' gradients).
     torch.manual_seed(0)
-    model = build_model("resnet_tiny", 100, norm="none")
+    model = build_model("resnet_tiny", 100, norm_layer=torch.nn.Identity)
     F.cross_entropy(model(images), targets).backward()
     whole = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
     assert whole.item() > MAX_NORM

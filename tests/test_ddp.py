@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
-from conftest import free_port
+from conftest import free_port, group_norm
 from models import build_model
 from utils import compat, data, metrics
 from utils import distributed as dist_utils
@@ -53,7 +53,7 @@ def global_batches():
 
 def new_model_and_optimizer():
     torch.manual_seed(0)
-    model = build_model("resnet_tiny", 100, norm="group")  # no batch statistics to depend on the split
+    model = build_model("resnet_tiny", 100, norm_layer=group_norm)  # no batch statistics to depend on the split
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
     return model, optimizer
 

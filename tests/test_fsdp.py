@@ -25,7 +25,7 @@ import signal
 import pytest
 import torch
 
-from conftest import ROOT, SMALL, assert_refused, expect_ok, read_metrics, run_script, torchrun
+from conftest import ROOT, SMALL, assert_refused, expect_ok, group_norm, read_metrics, run_script, torchrun
 from utils import checkpoint, sharded
 from utils.cli import UsageError
 
@@ -216,9 +216,9 @@ def test_sigterm_to_every_process_stops_and_resumes_bitwise(two_processes, tmp_p
 GROUP_NORM_RUNNER = """
 import runpy, sys
 sys.path.insert(0, {root!r})
-import models
+import models, torch
 build = models.build_model
-models.build_model = lambda name, classes, norm="batch": build(name, classes, norm="group")
+models.build_model = lambda name, classes: build(name, classes, norm_layer=lambda c: torch.nn.GroupNorm(min(32, c), c))
 sys.argv = [{script!r}, *sys.argv[1:]]
 runpy.run_path({script!r}, run_name="__main__")
 """
@@ -239,7 +239,7 @@ def test_resume_at_another_world_size(tmp_path, run_in_process, monkeypatch):
     import distributed_fsdp
     import models
     monkeypatch.setattr(distributed_fsdp, "build_model",
-                        lambda name, classes, norm="batch": models.build_model(name, classes, norm="group"))
+                        lambda name, classes: models.build_model(name, classes, norm_layer=group_norm))
     expect_ok(run_in_process("distributed_fsdp.py", [*flags, "--checkpoint-dir", tmp_path / "straight"]))
     torchrun(2, runner, [*flags, "--max-steps", "3", "--checkpoint-dir", tmp_path / "moved"])
     assert checkpoint.load(str(tmp_path / "moved" / "checkpoint.pt"))["world_size"] == 2

@@ -3,6 +3,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from conftest import group_norm
 from models import MODEL_NAMES, build_model
 
 # Parameter counts of the CIFAR ResNets with a 100-class head (3x3 stem, no max-pool).
@@ -62,7 +63,7 @@ def test_cifar_stem_keeps_the_full_resolution():
 
 
 def test_group_norm_variant_has_no_batch_statistics():
-    model = build_model("resnet_tiny", 100, norm="group")
+    model = build_model("resnet_tiny", 100, norm_layer=group_norm)
     assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     assert any(isinstance(m, nn.GroupNorm) for m in model.modules())
     assert list(model.buffers()) == []
@@ -76,7 +77,3 @@ def test_unknown_model_name_is_a_value_error():
     with pytest.raises(ValueError, match="resnet19"):
         build_model("resnet19", 100)
 
-
-def test_unknown_norm_is_a_value_error():
-    with pytest.raises(ValueError, match="layer"):
-        build_model("resnet_tiny", 100, norm="layer")
