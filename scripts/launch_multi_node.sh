@@ -38,8 +38,9 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 # again; the new workers resume from --checkpoint-dir by themselves.
 # scripts/torchrun_bounded.py is torchrun, plus what this node decides for itself: whether it
 # hosts the rendezvous (RDZV_HOST's name may resolve to 127.0.1.1 here, and torchrun would
-# not know itself), its own address toward RDZV_HOST as --local_addr (node 0's becomes every
-# rank's MASTER_ADDR) and as gloo's interface, and an end to the wait for a store it cannot
+# not know itself), its --local_addr (RDZV_HOST itself on the node it names, as every node
+# reaches it; elsewhere its address toward RDZV_HOST; node rank 0's becomes every rank's
+# MASTER_ADDR), gloo's interface toward RDZV_HOST, and an end to the wait for a store it cannot
 # reach once its workers are gone (a partition). NCCL chooses its own interfaces.
 job=(scripts/torchrun_bounded.py --nnodes="$NNODES" --nproc_per_node="$NPROC_PER_NODE"
      --rdzv-backend=c10d --rdzv-endpoint="$RDZV_HOST:$RDZV_PORT" --rdzv-id="$JOB_ID"

@@ -10,12 +10,15 @@ It is torchrun itself (torch.distributed.run, in this process), plus, with a c10
   0 elsewhere. torchrun recognises itself only by its host name: where that name resolves to
   127.0.1.1 (the default of Debian's and Ubuntu's installers), no node would host the store,
   and every node would fail two minutes later. An is_host given already is kept.
-- --local_addr: this node's address toward HOST. Node 0's becomes every rank's MASTER_ADDR;
-  without it torchrun hands out node 0's own name as socket.getfqdn() gives it, which is
-  "localhost" where /etc/hosts lists the name after localhost on the 127.0.0.1 line.
-- GLOO_SOCKET_IFNAME, unless set: the interface of that address. Otherwise gloo listens on
-  the address that the host name resolves to (loopback, or another network). NCCL is left to
-  choose its own interfaces.
+- --local_addr: c10d numbers the nodes in the order of this value, and node rank 0's becomes
+  every rank's MASTER_ADDR; without it torchrun hands out socket.getfqdn(), which is
+  "localhost" where /etc/hosts lists the name after localhost on the 127.0.0.1 line. On the
+  node that HOST names: HOST itself, as every node reaches the store there (that node's own
+  view of the name, a loopback line or an interface the others do not use, is no one else's).
+  Elsewhere: this node's address toward HOST.
+- GLOO_SOCKET_IFNAME, unless set: the interface toward HOST (utils/network.py way_out).
+  Otherwise gloo listens on the address that the host name resolves to (loopback, or another
+  network). NCCL is left to choose its own interfaces.
 
 then asks utils/network.py's decision, the one the training scripts make, and refuses in one
 line (exit status 2) what no setting here avoids. And one watch: once this node's training
@@ -69,16 +72,18 @@ def node_settings(argv: list) -> tuple:
         print_line(f"torchrun_bounded.py: error: {err}")
         sys.exit(2)
     decided, addresses = [], network.resolve(host)  # none: IPv6 or unknown (findings)
+    is_host = int(any(network.can_bind(address) for address in addresses))  # HOST names this node
     if "is_host" not in (args.rdzv_conf or "") and addresses:
-        is_host = int(any(network.can_bind(address) for address in addresses))
         conf = f"{args.rdzv_conf},is_host={is_host}" if args.rdzv_conf else f"is_host={is_host}"
         argv = [f"--rdzv-conf={conf}", *[a for i, a in enumerate(argv) if not _is_rdzv_conf(argv, i)]]
         decided.append(f"is_host={is_host}")
-    # On node 0, whose name may resolve to a loopback address here, the way the others reach it.
+    # HOST's node is reached at HOST as written, where every node reaches its store (its own view of the name,
+    # a loopback line or an interface the others do not use, is no one else's); another node, by its way there.
     interface, address = network.way_out(host) if addresses else (None, None)
-    if address and not args.local_addr:
-        argv = [f"--local_addr={address}", *argv]  # the spelling torchrun 2.11 knows too
-        decided.append(f"--local_addr={address}")
+    local_addr = host if is_host else address
+    if local_addr and not args.local_addr:
+        argv = [f"--local_addr={local_addr}", *argv]  # the spelling torchrun 2.11 knows too
+        decided.append(f"--local_addr={local_addr}")
     if interface and not os.environ.get("GLOO_SOCKET_IFNAME"):
         os.environ["GLOO_SOCKET_IFNAME"] = interface
         decided.append(f"GLOO_SOCKET_IFNAME={interface}")
@@ -87,8 +92,8 @@ def node_settings(argv: list) -> tuple:
 
 def refuse_what_no_setting_saves(args, endpoint):
     """The run's own network decision (exit status 2 in one line where it is sure), in this node's settings:
-    the job meets at node 0's --local_addr, the endpoint's address as node 0 reaches itself, with the
-    backend the script will use. args: torchrun's, as node_settings left them."""
+    the job meets at node 0's --local_addr, the endpoint, with the backend the script will use. args:
+    torchrun's, as node_settings left them."""
     from utils import network
     if endpoint is None or str(args.nnodes).split(":")[-1] == "1":
         return

@@ -480,7 +480,7 @@ def test_a_host_name_on_a_loopback_line_is_named_by_preflight_and_avoided_by_the
                       **({"RDZV_HOST": "nodea"} if endpoint == "name" else {}))
     launched.wait(180)
     logs = launched.log("nodea-launcher") + launched.log("nodeb-launcher")
-    assert "done: 8 steps" in logs and f"--local_addr={a}" in logs, logs
+    assert "done: 8 steps" in logs and f"--local_addr={a if endpoint == 'address' else 'nodea'}" in logs, logs
 
 
 def test_the_check_before_srun_accepts_the_job_that_the_launcher_runs(make_hosts, tmp_path):
@@ -594,6 +594,28 @@ def test_the_wrong_interface_is_named_by_preflight_and_the_variable_fixes_it(mak
                     GLOO_SOCKET_IFNAME="eth1")
     fixed.wait(180)
     assert "done: 8 steps" in fixed.log("fixed-nodea") + fixed.log("fixed-nodeb")
+
+
+def test_the_launcher_names_node_0_as_the_endpoint_not_as_node_0_resolves_its_name(make_hosts, tmp_path):
+    """The endpoint by name, as slurm.sbatch gives it (head_node); node A resolves its own name to eth0's
+    address, which no other host reaches (node B resolves it to eth1's); GLOO_SOCKET_IFNAME=eth1 on both,
+    the fix preflight names above. Node A's --local_addr, every rank's MASTER_ADDR where node A is node
+    rank 0, is the name as the other host reaches it: the job trains, and node A does not advise moving
+    gloo to eth0."""
+    hosts = make_hosts(two_interfaces=True)
+    job = Job(hosts, tmp_path)
+    for name in hosts.names:
+        # c10d numbers the nodes in the order of their --local_addr, as strings. Node B's is its name, as
+        # socket.getfqdn() gives it to bare torchrun: it sorts after node A's, an address or "nodea", so node
+        # A is node rank 0 whatever the slot's addresses, and its --local_addr is what every rank meets at.
+        own = [f"--local_addr={name}"] if name == "nodeb" else []
+        job.start(name, name, ["scripts/torchrun_bounded.py", *torchrun_across(hosts, 1, endpoint=f"nodea:{PORT}",
+                                                                               rdzv=own, launcher=()),
+                               "distributed.py", *TINY, "--train-samples", "64", "--batch-size", "32",
+                               "--workers", "0", "--dist-timeout", "20"], GLOO_SOCKET_IFNAME="eth1")
+    job.wait(120)
+    assert "done: 2 steps" in job.log("nodea"), job.log("nodea")  # global rank 0: node A is node rank 0
+    assert "reached through" not in job.log("nodea"), job.log("nodea")
 
 
 STORE_OF_A_LIVE_JOB = """

@@ -62,6 +62,13 @@ def is_own_name(host: str) -> bool:
     return host.split(".")[0].lower() == socket.gethostname().split(".")[0].lower()
 
 
+def is_address(host: str) -> bool:
+    """Whether `host` is an IP address as written, not a name."""
+    with contextlib.suppress(ValueError):
+        return ipaddress.ip_address(host) is not None
+    return False
+
+
 def is_loopback(address: str) -> bool:
     with contextlib.suppress(ValueError):
         return ipaddress.ip_address(address).is_loopback
@@ -134,15 +141,20 @@ def findings(meet_at, uses_gloo: bool, flag: str = "MASTER_ADDR") -> list:
             return [Finding(True, f"{flag} {meet_at}, where the ranks meet, does not resolve on this host ({name})",
                             "name it by its address, or add it to this host's /etc/hosts")]
         if is_loopback(addresses[0]) and not is_own_name(meet_at):
-            # Every node would meet at its own loopback; this host's own name is left to the gloo
-            # rule below: the other nodes may resolve it to this host's network address.
-            fix = (f"give {flag} node 0's network address" if flag != "MASTER_ADDR" else
+            # This host's own name is left to the gloo rule below: the other nodes may resolve it to this
+            # host's network address. Another host's name is this host's fault (a hosts file cloned from
+            # that host's); localhost (node 0's socket.getfqdn() under torchrun) or an address, every node's.
+            mine = not is_address(meet_at) and not meet_at.lower().startswith("localhost")
+            fix = (f"list {meet_at} in {name}'s own /etc/hosts with its network address, as the other nodes "
+                   "resolve it, not on a 127.x line" if mine else
+                   f"give {flag} node 0's network address" if flag != "MASTER_ADDR" else
                    "torchrun's c10d rendezvous sets it to node 0's own name as socket.getfqdn() gives it "
                    "there: list that name with node 0's network address in node 0's /etc/hosts, not on a "
                    "127.x line; or start torchrun with --local-addr=<the node's address> on every node "
                    "(scripts/launch_multi_node.sh does)")
-            return [Finding(True, f"{flag} {meet_at} is {addresses[0]} here, a loopback address: each node would "
-                                  "look for the others at its own, and the job would wait until its timeout", fix)]
+            who = f"this host ({name}) would look for it" if mine else "each node would look for the others"
+            return [Finding(True, f"{flag} {meet_at} is {addresses[0]} here, a loopback address: {who} at its "
+                                  "own, and the job would wait until its timeout", fix)]
         if ipv6:
             return [Finding(False, f"{flag} {meet_at} is IPv6 here, which this check does not read: it checked "
                                    "nothing more", "none if the nodes reach one another over IPv6")]
@@ -157,7 +169,8 @@ def findings(meet_at, uses_gloo: bool, flag: str = "MASTER_ADDR") -> list:
                               "nodes, which cannot reach this host there: the job would wait until its timeout",
                         f"{hosts_fix}, or export {iface_fix}")]
     gloo_iface = next((i for i, a in known.items() if a == gloo), None)
-    if iface and address and gloo_iface != iface and meet_at:
+    # A name of this host resolves here as it may nowhere else: the route to it says nothing of the others'.
+    if iface and address and gloo_iface != iface and meet_at and (is_address(meet_at) or not can_bind(address)):
         return [Finding(False, f"gloo will listen on {gloo} ({how}), but {meet_at} is reached through {iface} "
                                f"({address}): if the other nodes cannot reach {gloo}, the job waits until its "
                                "timeout", f"export {iface_fix}")]

@@ -1,0 +1,65 @@
+"""utils/network.py's decision, and the settings torchrun_bounded.py draws from it, on hosts described by
+hand: this host's name, its interfaces, what each name resolves to here. (The same on real hosts, each in a
+network namespace: tests/test_hosts.py.)"""
+import socket
+
+import pytest
+
+from utils import network
+
+# Node A: eth0 (listed first, and what its name resolves to on node A) reaches no other node; eth1 does.
+NODE_A = {"lo": "127.0.0.1", "eth0": "10.0.1.1", "eth1": "10.0.0.1"}
+
+
+@pytest.fixture
+def on_host(monkeypatch):
+    """on_host(name, interfaces, {host: address}): this process sees that host."""
+    def describe(name, known, names):
+        monkeypatch.setattr(network.socket, "gethostname", lambda: name)
+        monkeypatch.setattr(network, "interfaces", lambda: dict(known))
+        monkeypatch.setattr(network, "can_bind", lambda address: address in known.values())
+        monkeypatch.setattr(network, "resolve", lambda host, family=socket.AF_INET:
+                            [names.get(host, host)] if family == socket.AF_INET else [])
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "")  # what node_settings sets in os.environ goes with the test
+    return describe
+
+
+def test_another_hosts_name_on_a_loopback_line_here_is_this_hosts_fault(on_host):
+    """An image cloned from node A: node B's /etc/hosts has `127.0.1.1 nodea`, node A's is right. Node B's
+    line names node B's own hosts file; localhost (node 0's socket.getfqdn() under torchrun) keeps node 0's."""
+    on_host("nodeb", {"lo": "127.0.0.1", "eth0": "10.0.0.2"}, {"nodea": "127.0.1.1", "localhost": "127.0.0.1"})
+    [finding] = network.findings("nodea", uses_gloo=False)
+    assert finding.certain and "MASTER_ADDR nodea is 127.0.1.1 here, a loopback address" in finding.what
+    assert "this host (nodeb)" in finding.what and "node 0's /etc/hosts" not in finding.fix, finding.line
+    assert finding.fix == ("list nodea in nodeb's own /etc/hosts with its network address, as the other "
+                           "nodes resolve it, not on a 127.x line")
+    [finding] = network.findings("localhost", uses_gloo=False)
+    assert "node 0's /etc/hosts" in finding.fix and "--local-addr" in finding.fix, finding.line
+    [finding] = network.findings("127.0.0.1", uses_gloo=False, flag="--ip")
+    assert finding.fix == "give --ip node 0's network address"
+
+
+def test_a_name_of_this_host_says_nothing_of_the_interface_the_others_reach(on_host, monkeypatch):
+    """On node A, the job meets at its name, which resolves here to eth0's address; gloo is told eth1. The
+    others resolve the name themselves: no advice to move gloo to eth0. Met at an address (the one every node
+    is given), eth0 is where they reach this host: the warning stays."""
+    on_host("nodea", NODE_A, {"nodea": "10.0.1.1"})
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth1")
+    assert network.findings("nodea", uses_gloo=True) == []
+    [finding] = network.findings("10.0.1.1", uses_gloo=True)
+    assert not finding.certain and "10.0.1.1 is reached through eth0" in finding.what
+    assert finding.fix == "export GLOO_SOCKET_IFNAME=eth0"
+
+
+@pytest.mark.parametrize("endpoint, gloo", [("nodea", "eth0"), ("10.0.0.1", "eth1")])
+def test_the_endpoints_node_is_named_to_the_others_as_the_endpoint(on_host, endpoint, gloo):
+    """torchrun_bounded.py on node A, the rendezvous endpoint's node: --local_addr (every rank's MASTER_ADDR
+    where node A is node rank 0) is the endpoint as the user wrote it, which every node reaches, not the
+    address the name has here (eth0's, which no other node reaches)."""
+    from scripts import torchrun_bounded
+    on_host("nodea", NODE_A, {"nodea": "10.0.1.1"})
+    argv, decided, found = torchrun_bounded.node_settings(["--nnodes=2", "--rdzv-backend=c10d",
+                                                           f"--rdzv-endpoint={endpoint}:29500", "distributed.py"])
+    assert found == (endpoint, 29500)
+    assert decided == f"is_host=1 --local_addr={endpoint} GLOO_SOCKET_IFNAME={gloo}"
+    assert f"--local_addr={endpoint}" in argv and "--rdzv-conf=is_host=1" in argv
