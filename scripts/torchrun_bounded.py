@@ -197,8 +197,9 @@ def check_args(args, endpoint):
     """`SCRIPT ... --check-args` as this node's first training process would run it, in this node's settings
     (node_settings: args and os.environ have them): one of nnodes x nproc_per_node ranks, meeting where
     node 0 tells every rank to (its --local_addr; from another node, the endpoint; without c10d, torchrun's
-    --master-addr and --master-port). Exits with its status where that is not 0. The launchers run it
-    before torchrun: a refused worker would be restarted."""
+    --master-addr and --master-port). An elastic job (--nnodes=MIN:MAX) is checked at every node count it may
+    run with: a batch that 2 and 4 nodes split, 3 may not. Exits with its status where that is not 0. The
+    launchers run it before torchrun: a refused worker would be restarted."""
     import subprocess
     from torch.distributed.run import determine_local_world_size
     host, port = endpoint or (args.master_addr, args.master_port or 29500)  # None by default in 2.14, 29500 in 2.11
@@ -207,12 +208,14 @@ def check_args(args, endpoint):
     except ValueError as err:
         print_line(f"torchrun_bounded.py: error: --nproc_per_node={args.nproc_per_node}: {err}")
         sys.exit(2)
-    env = dict(os.environ, WORLD_SIZE=str(int(str(args.nnodes).split(":")[-1]) * nprocs), RANK="0",
-               LOCAL_RANK="0", LOCAL_WORLD_SIZE=str(nprocs), MASTER_PORT=str(port),
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE=str(nprocs), MASTER_PORT=str(port),
                MASTER_ADDR=args.local_addr if args.local_addr and "is_host=1" in (args.rdzv_conf or "") else host)
-    status = subprocess.run([sys.executable, args.training_script, *args.training_script_args], env=env).returncode
-    if status:
-        sys.exit(status)
+    fewest, _, most = str(args.nnodes).partition(":")  # N, or MIN:MAX
+    for nodes in range(int(most or fewest), int(fewest) - 1, -1):  # the most first: a fixed job's line
+        env["WORLD_SIZE"] = str(nodes * nprocs)
+        status = subprocess.run([sys.executable, args.training_script, *args.training_script_args], env=env).returncode
+        if status:
+            sys.exit(status)
 
 
 def main():

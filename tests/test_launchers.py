@@ -7,6 +7,7 @@ training script's own parser then checks every flag they pass. The SLURM test al
 walks the time-limit path: SIGUSR1 to the batch shell -> SIGTERM to the job step ->
 wait for it -> requeue.
 """
+import contextlib
 import json
 import os
 import re
@@ -214,6 +215,26 @@ def test_multi_node_launcher_refuses_bad_arguments_in_one_line(stubs, nproc, pro
                   "--batch-size", "1001", NPROC_PER_NODE=nproc, timeout=120)  # two imports of torch, under load
     assert proc.returncode == 2
     assert_one_line_error(proc, f"batch size 1001 is not divisible by {processes}")
+
+
+@pytest.mark.parametrize("nnodes, checked", [("2", [16]), ("1:2", [16, 8]), ("2:4", [32, 24])])
+def test_an_elastic_job_is_checked_at_every_node_count_it_may_run_with(monkeypatch, nnodes, checked):
+    # 8 processes a node: 2 and 4 nodes split a batch of 64, 3 do not, and a round of 3 would refuse on
+    # every node, --max-restarts times. The check stops at the first refusal, the largest job's first.
+    import subprocess
+    from torch.distributed.run import get_args_parser
+    from scripts import torchrun_bounded
+    sizes = []
+
+    def check(cmd, env):
+        sizes.append(int(env["WORLD_SIZE"]))
+        return subprocess.CompletedProcess(cmd, 2 if 64 % sizes[-1] else 0)
+    monkeypatch.setattr(subprocess, "run", check)
+    args = get_args_parser().parse_args([f"--nnodes={nnodes}", "--nproc_per_node=8", "distributed.py",
+                                         "--batch-size", "64", "--check-args"])
+    with pytest.raises(SystemExit) if 24 in checked else contextlib.nullcontext() as refused:
+        torchrun_bounded.check_args(args, ("10.0.0.1", 29500))
+    assert sizes == checked and (refused is None or refused.value.code == 2)
 
 
 # --- SLURM ---------------------------------------------------------------------------------
