@@ -79,8 +79,11 @@ def node_settings(argv: list) -> tuple:
         decided.append(f"is_host={is_host}")
     # HOST's node is reached at HOST as written, where every node reaches its store (its own view of the name,
     # a loopback line or an interface the others do not use, is no one else's); another node, by its way there.
+    # (A loopback HOST that is not this host's name, 127.0.0.1 or localhost, reaches no other node: several nodes
+    # are refused below, in the endpoint's words, which the training's own check at HOST would only repeat worse.)
     interface, address = network.way_out(host) if addresses else (None, None)
-    local_addr = host if is_host else address
+    named = is_host and (network.is_own_name(host) or not network.is_loopback(addresses[0]))
+    local_addr = host if named else address
     if local_addr and not args.local_addr:
         argv = [f"--local_addr={local_addr}", *argv]  # the spelling torchrun 2.11 knows too
         decided.append(f"--local_addr={local_addr}")
