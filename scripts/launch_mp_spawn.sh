@@ -19,7 +19,9 @@ NODES=${NODES:-2}                   # multi, file: nodes in the job
 NODE_RANK=${NODE_RANK:-0}           # multi, file: 0 on the first node, 1 on the next, ...
 HEAD=${HEAD:-node0.example.com}     # multi: node 0's address, reachable from every node
 PORT=${PORT:-29500}                 # multi: a free TCP port on node 0
-JOB_ID=${JOB_ID:-${SLURM_JOB_ID:-}}  # file: a new id for every job, the same on every node
+# file: a new id for every job, the same on every node. A requeued Slurm job keeps its id, so its
+# restart count goes with it: the start before may have been killed, and left its file.
+JOB_ID=${JOB_ID:-${SLURM_JOB_ID:+$SLURM_JOB_ID${SLURM_RESTART_COUNT:+.$SLURM_RESTART_COUNT}}}
 RDZV_FILE=${RDZV_FILE:-${JOB_ID:+/shared/path/rdzv.$JOB_ID}}  # file: on a file system all nodes see
 SCRIPT_ARGS=(--batch-size 128 --epochs 200 --checkpoint-dir checkpoints/mp_spawn
              --checkpoint-every 1000 --resume)   # --batch-size is the GLOBAL batch
@@ -42,9 +44,8 @@ case "$MODE" in
     args+=(--nodes "$NODES" --node-rank "$NODE_RANK" --ip "$HEAD" --port "$PORT") ;;
   file)
     # No open port needed: the processes meet in a file on a shared file system (NFS,
-    # Lustre). The file must not exist yet: one left by an earlier job would mix the two
-    # jobs (and its .refused, a node's refusal, would end the next), hence a name per job;
-    # delete both once the job is over.
+    # Lustre). Node 0 removes it and its .refused (a node's refusal) once its processes ran; a
+    # run killed outright leaves them, to mix two runs or end the next: hence a name per job.
     if [ -z "$RDZV_FILE" ]; then
       echo "MODE=file needs JOB_ID (or RDZV_FILE): a new name for every job, the same on every node" >&2
       exit 2

@@ -7,14 +7,15 @@ import socket
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
 import distributed_mp
 from utils import spawn
-from conftest import (ROOT, SMALL, fake_accelerator, free_port, left_in, patched_on_import, private_tmpdir, read_metrics, run_script,
-                      subprocess_env)
+from conftest import (ROOT, SMALL, fake_accelerator, free_port, left_in, patched_on_import, private_tmpdir,
+                      read_metrics, run_script, subprocess_env)
 
 
 def _one_error_line(proc):
@@ -118,6 +119,109 @@ def test_port_in_use_is_one_line_and_exit_2(capsys, monkeypatch, held_on):
         port = held.getsockname()[1]
         line = _run_in_process([*SMALL, "--port", str(port)], capsys, monkeypatch)  # no process may start
     assert f"port {port} on 127.0.0.1 is already in use" in line and "--port" in line.split("use;")[1]
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+def test_port_in_use_on_node_0_says_the_other_nodes_wait(capsys, monkeypatch):
+    """The other nodes would hear of node 0's refusal at that very port: none can be told, and the
+    line says what they do meanwhile (rank 0's store could not listen to tell them)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        line = _run_in_process([*SMALL, "--nproc-per-node", "1", "--nodes", "2", "--ip", "127.0.0.1",
+                                "--port", str(port)], capsys, monkeypatch)
+    assert f"port {port} on 127.0.0.1 is already in use" in line
+    assert f"hear of a refusal only at 127.0.0.1:{port}, so not of this one, and wait until their --dist-timeout: " \
+           "stop them" in line
+
+
+def two_nodes_here():
+    """(interface, address) for two nodes on this host: not loopback, where gloo listens for a job of
+    several nodes (utils/network.py refuses 127.x there); skipped without one."""
+    from utils import network
+    outside = [(name, address) for name, address in network.interfaces().items() if not network.is_loopback(address)]
+    if not outside:
+        pytest.skip("two nodes on one host need an interface whose address is not loopback")
+    return outside[0]
+
+
+@pytest.fixture
+def start_two_nodes():
+    """start(iface, *flags, nproc=1): distributed_mp.py --nodes 2, `nproc` processes each, started by hand as
+    a user does: node 0, then node 1 once node 0 says it starts its processes (or has ended). Returns the two
+    Popen (output piped); what is still running at the end of the test is killed, workers too."""
+    started = []
+
+    def node(iface, rank, flags, nproc):
+        started.append(subprocess.Popen(
+            [sys.executable, "distributed_mp.py", *map(str, SMALL), "--max-steps", "2", "--dist-timeout", "120",
+             "--nodes", "2", "--node-rank", str(rank), "--nproc-per-node", str(nproc), *map(str, flags)],
+            cwd=ROOT, env=subprocess_env(GLOO_SOCKET_IFNAME=iface), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, start_new_session=True))
+        return started[-1]
+
+    def start(iface, *flags, nproc=1):
+        node_0 = node(iface, 0, flags, nproc)
+        node_0.first_line = node_0.stdout.readline()  # "starting 1 process on node 0 of 2 ...", or "" if it ended
+        return node_0, node(iface, 1, flags, nproc)
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+
+
+def ended(node, timeout=240):
+    """(exit status, stdout, stderr) of a node that start_two_nodes started."""
+    out, err = node.communicate(timeout=timeout)
+    return node.returncode, getattr(node, "first_line", "") + out, err
+
+
+@pytest.mark.parametrize("meet", ["file", "tcp"])
+def test_a_refusal_then_the_corrected_command_run_again_and_again(tmp_path, meet, start_two_nodes):
+    """Two nodes on this host, as a user runs them: a refusal met by the workers (rank 0's --checkpoint-dir,
+    after the group formed), then the corrected command, started as soon as node 1 ended; with a file, that
+    command once more. Each run finds nothing of the one before. The parents used to tell the refusal again
+    once their workers were gone: node 0's on a store of its own on the job's port, held 10 s for reads that
+    never came (the rerun: "port in use"), or in a .refused file that ended the rerun with the old line. And
+    the rendezvous file outlived every run of several nodes: the next run's node 0 took node 1's old address
+    from it ("Connection refused", as if the network failed) while node 1 waited --dist-timeout."""
+    iface, address = two_nodes_here()
+    rendezvous = tmp_path / "rdzv"
+    meet_flags = (["--init-method", f"file://{rendezvous}"] if meet == "file"
+                  else ["--ip", address, "--port", spawn.free_port(address)])
+    not_a_folder = tmp_path / "not-a-folder"
+    not_a_folder.write_text("")
+    node_0, node_1 = start_two_nodes(iface, *meet_flags, "--checkpoint-dir", not_a_folder, nproc=2)
+    code_1, _, err_1 = ended(node_1)
+    runs = [start_two_nodes(iface, *meet_flags)]  # at once, as node 0 may still be ending
+    code_0, _, err_0 = ended(node_0)
+    assert (code_0, code_1) == (2, 2), err_0 + err_1
+    assert err_0.splitlines() == [f"distributed_mp.py: error: --checkpoint-dir {not_a_folder} is a file, "
+                                  "not a directory"], err_0
+    assert len(err_1.splitlines()) == 1, err_1  # that rank 0 refused, once
+    for run in range(2 if meet == "file" else 1):
+        if run:
+            runs.append(start_two_nodes(iface, *meet_flags))
+        (code_0, out_0, err_0), (code_1, _, err_1) = map(ended, runs[-1])
+        assert (code_0, code_1) == (0, 0) and "done: 2 steps" in out_0, f"run {run + 1}:\n{out_0}{err_0}{err_1}"
+        assert not rendezvous.exists() and not Path(f"{rendezvous}.refused").exists()
+
+
+def test_the_launcher_names_a_requeued_jobs_file_apart():
+    """A requeued Slurm job keeps its id: its start after a kill would join the file the killed start
+    left. Slurm's restart count names each start's file."""
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("JOB_ID", "RDZV_FILE", "SLURM_JOB_ID", "SLURM_RESTART_COUNT")}
+
+    def rendezvous(**slurm):
+        proc = subprocess.run(["bash", "scripts/launch_mp_spawn.sh"], cwd=ROOT, capture_output=True, text=True,
+                              env=dict(env, MODE="file", PYTHON="echo", **slurm), timeout=30)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.split("--init-method ")[1].split()[0]
+    assert rendezvous(SLURM_JOB_ID="4242") == "file:///shared/path/rdzv.4242"
+    assert rendezvous(SLURM_JOB_ID="4242", SLURM_RESTART_COUNT="1") == "file:///shared/path/rdzv.4242.1"
 
 
 def rank_1_tells_late(tell, lifecycle):

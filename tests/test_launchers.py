@@ -121,7 +121,8 @@ def stubs(tmp_path):
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=str(bin_dir / "python"),
                STUB_LOG=str(log))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "JOB_ID", "SLURM_JOB_ID", "RDZV_FILE"):  # a job's own
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "JOB_ID", "SLURM_JOB_ID", "SLURM_RESTART_COUNT",
+                "RDZV_FILE"):  # a job's own
         env.pop(key, None)
 
     def calls():

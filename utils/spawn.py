@@ -73,10 +73,17 @@ def check_launch(args) -> int:
         raise cli.UsageError(f"--nproc-per-node {args.nproc_per_node} but only {gpus} GPU{'s' if gpus != 1 else ''} "
                              f"visible: use {gpus} or fewer (one process per GPU), or --device cpu", met_by="node")
     if url.scheme == "tcp" and args.node_rank == 0:  # rank 0 listens there: check now that it can
-        bind_port(host, port)
+        try:
+            bind_port(host, port)
+        except cli.UsageError as refusal:
+            if args.nodes == 1:
+                raise
+            raise cli.UsageError(f"{refusal}. The other nodes hear of a refusal only at {host}:{port}, so not of "
+                                 "this one, and wait until their --dist-timeout: stop them") from None
     if url.scheme == "file" and not os.path.isdir(os.path.dirname(url.path) or "/"):
         raise cli.UsageError(f"--init-method {args.init_method}: directory {os.path.dirname(url.path)} does not exist")
-    # A crashed run's file would be joined as this run's (several nodes: a peer may have made it).
+    # A crashed run's file would be joined as this run's (several nodes: a peer may have made it; node 0
+    # removes it at the end of each run, Supervisor).
     if url.scheme == "file" and args.nodes == 1 and os.path.exists(url.path) and os.path.getsize(url.path) > 0:
         raise cli.UsageError(f"--init-method {args.init_method}: the file exists (left by an earlier "
                              "run?); delete it or name a new file")
@@ -150,6 +157,10 @@ class Supervisor:
         if args.node_rank == 0:
             print(f"starting {n} process{'es' if n > 1 else ''} on node 0 of {args.nodes} (world size "
                   f"{args.nodes * n}), rendezvous at {args.init_method}", flush=True)
+        # From here on a refusal is a worker's, told by that worker (worker_exit), which exit_like raises here
+        # again: told once more, after every worker is gone, it would hold the job's port for a store of its
+        # own (a corrected rerun: "port in use") or leave a file:// refusal that would end the next run.
+        lifecycle.meets_at(None, 0, 1)  # no one to tell
 
     def __enter__(self):
         return self
@@ -166,13 +177,15 @@ class Supervisor:
             exit_like(err, self.args, self.errors)
 
     def __exit__(self, *exc_info):
-        # The workers' lines; mp.spawn's traceback files, which PyTorch reads and never removes; the file store's
-        # file, which the next run would join (one node: all its users are gone); node 0: a refusal's file.
+        # The workers' lines; mp.spawn's traceback files, which PyTorch reads and never removes. On node 0, whose
+        # workers (rank 0 among them) are gone, so the job is over: the file store's file, which the next run on the
+        # same path would join and take stale addresses from (FileStore removes it as its last user goes, which the
+        # workers' os._exit skips: lifecycle.leave), and a refusal's file. After a run that ended well no rank uses
+        # the store any more: rank 0 waited (2 s at most) for each one's "left" (distributed.cleanup).
         leftovers = [*error_files(self.errors), *(getattr(self.workers, "error_files", None) or [])]
-        if self.args.init_method.startswith("file://"):
+        if self.args.init_method.startswith("file://") and self.args.node_rank == 0:
             path = urlparse(self.args.init_method).path
-            leftovers += [path] if self.args.nodes == 1 else []
-            leftovers += [lifecycle.refusal_file(path)] if self.args.node_rank == 0 else []
+            leftovers += [path, lifecycle.refusal_file(path)]
         for path in leftovers:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
