@@ -51,6 +51,17 @@ def test_a_name_of_this_host_says_nothing_of_the_interface_the_others_reach(on_h
     assert finding.fix == "export GLOO_SOCKET_IFNAME=eth0"
 
 
+def test_another_hosts_name_reached_through_another_interface_than_gloo_s_is_warned_of(on_host, monkeypatch):
+    """Node B, whose own name resolves to eth0, meets at nodea (distributed_mp.py --ip nodea, or bare torchrun's
+    MASTER_ADDR, node 0's name), which its route reaches through eth1: gloo would give the others eth0's."""
+    on_host("nodeb", {"lo": "127.0.0.1", "eth0": "10.0.1.2", "eth1": "10.0.0.2"},
+            {"nodeb": "10.0.1.2", "nodea": "10.0.0.1"})
+    monkeypatch.setattr(network, "route_toward", lambda host, known: ("eth1", "10.0.0.2"))
+    [finding] = network.findings("nodea", uses_gloo=True)
+    assert not finding.certain and "gloo will listen on 10.0.1.2" in finding.what, finding.line
+    assert "nodea is reached through eth1 (10.0.0.2)" in finding.what and finding.fix == "export GLOO_SOCKET_IFNAME=eth1"
+
+
 @pytest.mark.parametrize("endpoint, gloo", [("nodea", "eth0"), ("10.0.0.1", "eth1")])
 def test_the_endpoints_node_is_named_to_the_others_as_the_endpoint(on_host, endpoint, gloo):
     """torchrun_bounded.py on node A, the rendezvous endpoint's node: --local_addr (every rank's MASTER_ADDR

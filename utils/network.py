@@ -170,7 +170,8 @@ def findings(meet_at, uses_gloo: bool, flag: str = "MASTER_ADDR") -> list:
                         f"{hosts_fix}, or export {iface_fix}")]
     gloo_iface = next((i for i, a in known.items() if a == gloo), None)
     # A name of this host resolves here as it may nowhere else: the route to it says nothing of the others'.
-    if iface and address and gloo_iface != iface and meet_at and (is_address(meet_at) or not can_bind(address)):
+    itself = not is_address(meet_at or "") and any(can_bind(own) for own in resolve(meet_at or ""))
+    if iface and address and gloo_iface != iface and meet_at and not itself:
         return [Finding(False, f"gloo will listen on {gloo} ({how}), but {meet_at} is reached through {iface} "
                                f"({address}): if the other nodes cannot reach {gloo}, the job waits until its "
                                "timeout", f"export {iface_fix}")]
