@@ -301,7 +301,7 @@ def script_runner(monkeypatch, capture):
     monkeypatch.setattr(lifecycle, "_joined_a_group", False)
     monkeypatch.setattr(lifecycle, "_job", None)
     monkeypatch.setattr(lifecycle, "_group_store", None)
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    saved = {sig: signal.getsignal(sig) for sig in lifecycle.SIGNALS}
 
     def run(script, argv, **env):
         for key, value in env.items():

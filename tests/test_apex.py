@@ -17,7 +17,7 @@ import torch
 
 from conftest import (ROOT, SMALL, assert_refused, gpu_subprocess_env, keep_on_cpu, read_metrics, run_script,
                       subprocess_env, torchrun)
-from utils import precision
+from utils import lifecycle, precision
 from utils.cli import UsageError
 from utils.precision import cpu_autocast_works
 
@@ -94,7 +94,7 @@ def run_in_this_process(argv):
     """The script's main() in the test process (no interpreter start-up to pay), on the
     CPU also where there is a GPU, leaving the process's signal handlers as they were
     (the run installs its own)."""
-    signals = [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1]
+    signals = lifecycle.SIGNALS
     saved = {sig: signal.getsignal(sig) for sig in signals}
     try:
         with pytest.MonkeyPatch.context() as mp:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from conftest import SMALL, assert_refused
 from models import MODEL_NAMES, build_model
-from utils import checkpoint, cli, schedule
+from utils import checkpoint, cli, lifecycle, schedule
 from utils.distributed import DistEnv
 from utils.run import TrainingRun
 
@@ -114,8 +114,8 @@ def test_missing_checkpoint_is_a_usage_error(tmp_path):
 
 @pytest.fixture
 def keep_signal_handlers():
-    # TrainingRun installs SIGTERM/SIGINT/SIGUSR1 handlers (clean stop); give pytest its own back.
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    # TrainingRun installs handlers of the stop signals (clean stop); give pytest its own back.
+    saved = {sig: signal.getsignal(sig) for sig in lifecycle.SIGNALS}
     yield
     for sig, handler in saved.items():
         signal.signal(sig, handler)

@@ -9,6 +9,7 @@ SIGKILLed afterwards, including workers that torchrun put in sessions of their o
 "The same weights" means bitwise: torch.equal on every tensor of the model and of the
 optimizer state, against an uninterrupted run with the same flags.
 """
+import contextlib
 import faulthandler
 import hashlib
 import json
@@ -334,6 +335,38 @@ def test_ctrl_c_to_one_process_with_loader_workers(python_reference, tmp_path):
     assert "done:" not in output  # stopped, not finished
     expect(run(["distributed.py", *TINY, *WORKERS, "--checkpoint-dir", tmp_path, "--resume"]))
     assert_same_training_state(ckpt, python_reference[0] / "checkpoint.pt")
+
+
+def test_a_terminal_that_hangs_up_stops_the_run_with_its_checkpoint(python_reference, tmp_path):
+    # A closed terminal or a dropped ssh session: SIGHUP to the process group, loader workers included, and from
+    # then on every write to the terminal fails (EIO). Here the terminal is gone from the start and the signal
+    # comes at step 3: the run stops as on SIGTERM, unheard, with its checkpoint and exit status 0.
+    import pty
+    master, terminal = pty.openpty()
+    proc = subprocess.Popen([sys.executable, FAULTS, "--fault", "signal-group", "--send", "HUP", "--step", "3", "--",
+                             "distributed.py", *TINY, *WORKERS, "--checkpoint-dir", tmp_path],
+                            cwd=ROOT, env=subprocess_env(), stdin=subprocess.DEVNULL, stdout=terminal, stderr=terminal,
+                            start_new_session=True)
+    os.close(terminal)
+    os.close(master)  # hung up
+    try:
+        assert proc.wait(180) == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert checkpoint.load(tmp_path / "checkpoint.pt")["global_step"] == 3
+    expect(run(["distributed.py", *TINY, *WORKERS, "--checkpoint-dir", tmp_path, "--resume"]))
+    assert_same_training_state(tmp_path / "checkpoint.pt", python_reference[0] / "checkpoint.pt")
+
+
+def test_a_run_started_with_nohup_trains_on_when_its_terminal_hangs_up(tmp_path):
+    # nohup: SIGHUP is ignored, by the mp.spawn parent and the workers it starts alike; the run trains to its end.
+    proc = Proc(["distributed_mp.py", *LONG_RUN, "--nproc-per-node", "2", "--checkpoint-dir", tmp_path],
+                program=("nohup", sys.executable))
+    wait_for_file(tmp_path / "checkpoint.pt", proc)
+    os.killpg(proc.popen.pid, signal.SIGHUP)
+    output = expect(proc.wait(240))
+    assert f"done: {LONG_STEPS} steps" in output and "stopping" not in output, output
 
 
 def wait_for_file(path, proc, timeout=120):

@@ -443,7 +443,7 @@ def run_script_here(monkeypatch, capsys, tmp_path, cifar):
     monkeypatch.setattr(lifecycle, "watch_launcher", lambda *a, **k: None)  # nobody to watch in here
     monkeypatch.setattr(spawn, "forward_stop_signals", lambda workers: None)
     monkeypatch.setattr(distributed_mp.mp, "spawn", InlineSpawn)
-    saved_handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    saved_handlers = {sig: signal.getsignal(sig) for sig in lifecycle.SIGNALS}
     port = free_port()
     baselines = {}
     spies = {}

@@ -6,6 +6,7 @@ same things in the same words. Bad input raises `UsageError` (one line, exit sta
 `run_main`). The ground floor: it imports nothing of the package.
 """
 import argparse
+import contextlib
 import importlib.util
 import math
 import os
@@ -34,8 +35,9 @@ def first_line(err: BaseException, limit: int = 200) -> str:
 def print_line(line: str):
     """`line` and its newline on stderr in one write: unbuffered (torchrun's `python -u`), print() writes
     them apart and another thread's output can land between; a pipe takes up to 4096 bytes whole."""
-    sys.stderr.write(f"{line}\n")
-    sys.stderr.flush()
+    with contextlib.suppress(OSError):  # a terminal that hung up (EIO): the line is lost, not the run
+        sys.stderr.write(f"{line}\n")
+        sys.stderr.flush()
 
 
 def error_line(message, kind: str = "error") -> str:

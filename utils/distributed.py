@@ -283,7 +283,8 @@ def is_main() -> bool:
 
 def print0(*args, **kwargs):
     if is_main():
-        print(*args, **kwargs, flush=True)
+        with contextlib.suppress(OSError):  # a terminal that hung up (EIO): the run goes on, or stops, unheard
+            print(*args, **kwargs, flush=True)
 
 
 # --- meeting points -----------------------------------------------------------------------------

@@ -305,6 +305,11 @@ def refusal_said(store: list):
 
 # --- loader workers -------------------------------------------------------------------------
 
+def stop_signals() -> list:
+    """SIGNALS, less SIGHUP where this process ignores it: started by nohup, the run outlives its terminal."""
+    return [sig for sig in SIGNALS if sig != signal.SIGHUP or signal.getsignal(sig) != signal.SIG_IGN]
+
+
 def ignore_stop_signals():
     """In a DataLoader worker: the stop signals are its rank's. (A forked worker would run its copy
     of the rank's handler, or die of them, and the rank fail at its next batch, unsaved.)"""

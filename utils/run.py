@@ -38,7 +38,7 @@ import torch
 from . import checkpoint, observe
 from .cli import UsageError, first_line, given, plain_config
 from .distributed import DistEnv, all_ranks_ok, any_rank, device_name, is_main, meeting, print0
-from .lifecycle import SIGNALS, stop_under_way
+from .lifecycle import stop_signals, stop_under_way
 from .metrics import EpochTimer, TrainMeter, peak_memory_mb, reset_peak_memory
 
 
@@ -342,7 +342,7 @@ class StopSignal:
         self.received = None
         # One agreement per `check_every` steps: each waits for the slowest rank.
         self.check_every = check_every if distributed else 1
-        self._previous = {sig: signal.signal(sig, self._handler) for sig in SIGNALS}
+        self._previous = {sig: signal.signal(sig, self._handler) for sig in stop_signals()}
 
     def close(self):
         """Give the signals back to whoever handled them before (the default: exit)."""

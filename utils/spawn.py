@@ -225,7 +225,7 @@ def forward_stop_signals(workers):
         for pid in workers.pids():
             with contextlib.suppress(ProcessLookupError):  # already gone
                 os.kill(pid, signum)
-    for sig in lifecycle.SIGNALS:
+    for sig in lifecycle.stop_signals():
         signal.signal(sig, forward)
 
 
