@@ -136,6 +136,22 @@ def test_port_in_use_on_node_0_says_the_other_nodes_wait(capsys, monkeypatch):
            "stop them" in line
 
 
+def test_a_refusal_left_by_a_node_s_flags_is_named_by_node_0_of_the_next_run(tmp_path, capsys, monkeypatch):
+    # Node 1 refused its flags before any process started: its line waits in PATH.refused for the other nodes,
+    # and no node 0 ran to remove it. The corrected command on node 0 names it, instead of every node ending
+    # at once with the old line as this run's.
+    iface, _ = two_nodes_here()
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", iface)
+    rendezvous = tmp_path / "rdzv"
+    meet = ["--nodes", "2", "--nproc-per-node", "1", "--init-method", f"file://{rendezvous}"]
+    node_1 = run_script(["distributed_mp.py", *SMALL, *meet, "--node-rank", "1", "--batch-size", "33"], check=False,
+                        env=subprocess_env(GLOO_SOCKET_IFNAME=iface))
+    assert node_1.returncode == 2 and "batch size 33 is not divisible by 2 processes" in node_1.stderr, node_1.stderr
+    line = _run_in_process([*SMALL, *meet, "--node-rank", "0"], capsys, monkeypatch)
+    assert f"{rendezvous}.refused holds rank 1's refusal (batch size 33 is not divisible" in line, line
+    assert "if an earlier one's, delete it" in line
+
+
 def two_nodes_here():
     """(interface, address) for two nodes on this host: not loopback, where gloo listens for a job of
     several nodes (utils/network.py refuses 127.x there); skipped without one."""
