@@ -136,6 +136,7 @@ def test_port_in_use_on_node_0_says_the_other_nodes_wait(capsys, monkeypatch):
            "stop them" in line
 
 
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 def test_a_refusal_left_by_a_node_s_flags_is_named_by_node_0_of_the_next_run(tmp_path, capsys, monkeypatch):
     # Node 1 refused its flags before any process started: its line waits in PATH.refused for the other nodes,
     # and no node 0 ran to remove it. The corrected command on node 0 names it, instead of every node ending
