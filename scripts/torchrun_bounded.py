@@ -95,8 +95,9 @@ def node_settings(argv: list) -> tuple:
 
 def refuse_what_no_setting_saves(args, endpoint):
     """The run's own network decision (exit status 2 in one line where it is sure), in this node's settings:
-    the job meets at node 0's --local_addr, the endpoint, with the backend the script will use. args:
-    torchrun's, as node_settings left them."""
+    here, where the job meets at the endpoint, with the backend the script will use. (The ranks meet at node
+    rank 0's --local_addr, which c10d picks by their order as strings; the endpoint's node, named by name,
+    sorts after the others' addresses.) args: torchrun's, as node_settings left them."""
     from utils import network
     if endpoint is None or str(args.nnodes).split(":")[-1] == "1":
         return
@@ -198,8 +199,8 @@ def _watch(pid: int):
 
 def check_args(args, endpoint):
     """`SCRIPT ... --check-args` as this node's first training process would run it, in this node's settings
-    (node_settings: args and os.environ have them): one of nnodes x nproc_per_node ranks, meeting where
-    node 0 tells every rank to (its --local_addr; from another node, the endpoint; without c10d, torchrun's
+    (node_settings: args and os.environ have them): one of nnodes x nproc_per_node ranks, meeting at this
+    node's --local_addr on the endpoint's node, elsewhere at the endpoint (without c10d, torchrun's
     --master-addr and --master-port). An elastic job (--nnodes=MIN:MAX) is checked at every node count it may
     run with: a batch that 2 and 4 nodes split, 3 may not. Exits with its status where that is not 0. The
     launchers run it before torchrun: a refused worker would be restarted."""
