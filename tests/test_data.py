@@ -144,8 +144,9 @@ def test_sample_limits_take_the_first_images(small_cifar):
 
 
 @pytest.mark.parametrize("no_lock", [errno.ENOLCK, errno.ENOSYS])
-def test_a_folder_on_a_file_system_without_locks_is_read_without_one(small_cifar, monkeypatch, no_lock):
-    # NFS without its lock daemon, Lustre mounted noflock: the files there are read all the same.
+def test_a_folder_on_a_file_system_without_locks_is_read_without_one(small_cifar, monkeypatch, no_lock, tmp_path):
+    # NFS without its lock daemon, Lustre mounted noflock: the files there are read all the same, and missing
+    # ones are not downloaded: every process would, at once, into the same folder.
     def lockf(*_):
         raise OSError(no_lock, os.strerror(no_lock))
     monkeypatch.setattr(data.fcntl, "lockf", lockf)
@@ -153,6 +154,9 @@ def test_a_folder_on_a_file_system_without_locks_is_read_without_one(small_cifar
     train_set, test_set = data.build_datasets(args_for("--dataset", "cifar100", "--data-dir", root),
                                               ONE_CPU_PROCESS)
     assert (len(train_set), len(test_set)) == (40, 12)
+    with pytest.raises(cli.UsageError) as refused:
+        data.build_datasets(args_for("--dataset", "cifar100", "--data-dir", tmp_path), ONE_CPU_PROCESS)
+    assert f"CIFAR-100 is not in --data-dir {tmp_path}, and no lock can be taken there" in str(refused.value)
 
 
 def test_corrupt_dataset_file_is_a_usage_error(tmp_path, small_cifar):

@@ -102,7 +102,10 @@ def _cifar100(data_dir: str, train: bool):
         def __init__(self, root, train):
             torchvision.datasets.VisionDataset.__init__(self, root)
             self.train = train
-            with _download_lock(root):  # the download alone: the ranks of a node then read the files at once
+            with _download_lock(root) as lock:  # the download alone: the ranks of a node then read the files at once
+                if isinstance(lock, OSError) and not self._check_integrity():  # every process would download
+                    raise UsageError(f"CIFAR-100 is not in --data-dir {root}, and no lock can be taken there "
+                                     f"({lock.strerror or lock}) to download it once: put cifar-100-python/ there")
                 self.download()  # torchvision's: skipped when the files are there
             folder = os.path.join(self.root, self.base_folder)
             # (torchvision downloads when train or test is missing; a missing meta: read_cifar_file says so)
@@ -127,18 +130,19 @@ def _cifar100(data_dir: str, train: bool):
 
 def _download_lock(data_dir: str):
     """One download into `data_dir` at a time, however many processes (or nodes) share it; the others
-    then find the files. A folder where no lock can be taken is read without one: read-only, or on a
-    file system without locks (NFS without its lock daemon: ENOLCK; Lustre mounted noflock: ENOSYS)."""
+    then find the files. A folder where no lock can be taken (read-only; a file system without locks: NFS
+    without its lock daemon, ENOLCK; Lustre mounted noflock, ENOSYS) is read without one: the context is
+    then the OSError, and nothing may be downloaded there."""
     lock = None
     try:
         os.makedirs(data_dir, exist_ok=True)
         lock = open(os.path.join(data_dir, ".download.lock"), "a")
         fcntl.lockf(lock, fcntl.LOCK_EX)
         return lock  # leaving its `with` closes the file, which releases the lock
-    except OSError:
+    except OSError as exc:
         if lock is not None:
             lock.close()
-        return contextlib.nullcontext()
+        return contextlib.nullcontext(exc)
 
 
 def _load_cifar100(args):
