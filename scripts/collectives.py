@@ -566,9 +566,10 @@ def demo_data_parallel(rank: int, world_size: int, steps: int = 3) -> None:
         say(f"  rank {r}: |hand-rolled - DDP| <= {to_ddp:.1e}, "
             f"|hand-rolled - whole batch in one process| <= {to_single:.1e} (weights moved up to {moved_r:.3f})")
     say("  DDP automates what the hand-rolled loop spells out: it broadcasts rank 0's parameters and\n"
-        "  buffers at construction (and by default the buffers again before each forward that follows\n"
-        "  a training one), groups gradients into buckets (~25 MiB) and all-reduces each bucket as soon\n"
-        "  as backward has filled it, overlapping communication with the rest of backward.")
+        "  buffers at construction (and by default the buffers again before the first forward and each\n"
+        "  one after a forward whose gradients it synchronised), groups gradients into buckets (~25 MiB)\n"
+        "  and all-reduces each bucket as soon as backward has filled it, overlapping communication\n"
+        "  with the rest of backward.")
 
     check(torch.equal(params["after_ddp_init"], params["initial"]), "DDP broadcasts rank 0's initial weights")
     check(moved > 1e-4, "training changed the weights", f"moved {moved}")

@@ -107,7 +107,8 @@ def evaluate(model: torch.nn.Module, loader, device, autocast=None, inputs=None)
         buffer.copy_(own)
     count_safe = max(count, 1)
     result = {"test_loss": loss_sum / count_safe, "test_acc1": 100.0 * top1 / count_safe, "test_samples": int(count)}
-    # With 5 classes or fewer every target is among the top 5: no top-5 figure at all.
+    # With 5 classes or fewer every target is among the top 5: no top-5 figure at all. (None: this rank's
+    # shard was empty; it reports one, as the ranks that saw logits do with more classes.)
     if classes is None or classes > 5:
         result["test_acc5"] = 100.0 * top5 / count_safe
     return result
