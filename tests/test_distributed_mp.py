@@ -149,8 +149,8 @@ def test_a_refusal_left_by_a_node_s_flags_is_named_by_node_0_of_the_next_run(tmp
                         env=subprocess_env(GLOO_SOCKET_IFNAME=iface))
     assert node_1.returncode == 2 and "batch size 33 is not divisible by 2 processes" in node_1.stderr, node_1.stderr
     line = _run_in_process([*SMALL, *meet, "--node-rank", "0"], capsys, monkeypatch)
-    assert f"{rendezvous}.refused holds rank 1's refusal (batch size 33 is not divisible" in line, line
-    assert "if an earlier one's, delete it" in line
+    assert ": error: rank 1 refused to start: batch size 33 is not divisible" in line, line
+    assert f"(as {rendezvous}.refused says; if an earlier run left it, delete it)" in line
 
 
 def two_nodes_here():

@@ -87,14 +87,15 @@ def check_launch(args) -> int:
     if url.scheme == "file" and args.nodes == 1 and os.path.exists(url.path) and os.path.getsize(url.path) > 0:
         raise cli.UsageError(f"--init-method {args.init_method}: the file exists (left by an earlier "
                              "run?); delete it or name a new file")
-    # A refusal's file that a node left before its processes started (its flags): node 0 removes it only after
-    # its own processes ran. Every node would take it for this run's.
+    # A refusal that a node left before its processes started (its flags): this run's other node's, said at once,
+    # or an earlier run's (node 0 removes the file only once its own processes ran), which every node would take
+    # for this run's: the line says where it is.
     refused = lifecycle.refusal_file(url.path)
     if url.scheme == "file" and args.node_rank == 0 and os.path.exists(refused):
         with open(refused, errors="replace") as f:
             peer, _, line = f.read().partition("\n")
-        raise cli.UsageError(f"--init-method {args.init_method}: {refused} holds rank {peer}'s refusal ({line}): "
-                             "this run's, or an earlier run's; if an earlier one's, delete it, or name a new file")
+        raise cli.UsageError(f"rank {peer} refused to start: {line} (as {refused} says; if an earlier run "
+                             "left it, delete it)")
     if args.nodes > 1:
         flag = "--ip" if cli.given(args, "ip") else "--init-method"
         dist_utils.check_network(host, torch.device(device_type), flag=flag)
