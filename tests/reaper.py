@@ -123,8 +123,9 @@ def reap(owner: int):
         left = owned_by(owner)
     if slots:
         import netns_hosts
-        for slot in slots:
-            netns_hosts.remove_slot(slot)  # with every process on them, marked or not
+        with netns_hosts.slots_locked():  # the removal whole before anyone claims the slot again
+            for slot in slots:
+                netns_hosts.remove_slot(slot)  # with every process on them, marked or not
 
 
 def main():
