@@ -467,10 +467,6 @@ def bounded(fn, seconds, device=None):
     return box.get("value")
 
 
-def first_line(exc) -> str:
-    return f"{type(exc).__name__}: {cli.first_line(exc)}"
-
-
 def copy_between_peers(count):
     """Copy 1 MB from every GPU to every other one and compare: some machines report
     peer access but deliver wrong data or never finish (IOMMU/ACS on consumer boards)."""
@@ -539,7 +535,7 @@ def communicate(role: Role, args, device, node_facts) -> tuple:
             result[name] = {"status": "timed out", "error": str(exc)}
             return result, True
         except Exception as exc:  # a communication failure is a finding, not a crash
-            result[name] = {"status": "error", "error": first_line(exc)}
+            result[name] = {"status": "error", "error": cli.first_line(exc, typed=True)}
             return result, False
     return result, False
 

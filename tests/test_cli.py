@@ -480,3 +480,9 @@ def test_an_error_s_first_line_leaves_out_gloo_s_source_location():
     assert cli.first_line(RuntimeError("[/__w/1/s/third_party/gloo/gloo/transport/tcp/pair.cc:152] Connection "
                                        "closed by peer [10.0.0.1]:1234")) == "Connection closed by peer [10.0.0.1]:1234"
     assert cli.first_line(ValueError()) == "ValueError" and len(cli.first_line(OSError("x" * 999))) == 200
+
+
+def test_an_error_s_typed_first_line_names_its_type_once():
+    # An error raised with no message reads "EOFError" in a refusal, not "EOFError: EOFError".
+    assert cli.first_line(EOFError(), typed=True) == "EOFError"
+    assert cli.first_line(EOFError("Ran out of input"), typed=True) == "EOFError: Ran out of input"

@@ -108,7 +108,7 @@ def read_file(path: str, what: str = "checkpoint"):
                              "and plain values, which are not loaded because loading them could run "
                              "code; it was not written by these scripts") from None
         raise UsageError(f"cannot read {what} {path}: it is corrupt or not a PyTorch file "
-                         f"({type(exc).__name__}: {first_line(exc)})") from None
+                         f"({first_line(exc, typed=True)})") from None
 
 
 def load(path: str) -> dict:

@@ -25,11 +25,12 @@ class UsageError(Exception):
         self.met_by = met_by
 
 
-def first_line(err: BaseException, limit: int = 200) -> str:
+def first_line(err: BaseException, limit: int = 200, typed: bool = False) -> str:
     """An error's first line, without the C++ source location gloo puts in front ("[/__w/.../pair.cc:152] ",
-    "[enforce fail at .../tcp.cc:80] "), or its type's name if it has no message."""
-    line = (str(err).strip().splitlines() or [type(err).__name__])[0]
-    return re.sub(r"\[(?:enforce fail at )?[^\]\s]*\.(?:cc|cpp|h|hpp):\d+\] ?", "", line)[:limit]
+    "[enforce fail at .../tcp.cc:80] "), after its type's name when `typed`; the name alone if it has no message."""
+    line = (str(err).strip().splitlines() or [""])[0]
+    line, name = re.sub(r"\[(?:enforce fail at )?[^\]\s]*\.(?:cc|cpp|h|hpp):\d+\] ?", "", line), type(err).__name__
+    return (f"{name}: {line}" if typed and line else line or name)[:limit]
 
 
 def print_line(line: str):

@@ -80,7 +80,7 @@ def read_cifar_file(path: str) -> dict:
         with open(path, "rb") as f:
             entry = _CifarUnpickler(f, encoding="latin1").load()
     except Exception as exc:  # refused global, truncated file, not a pickle at all, ...
-        raise UsageError(f"cannot read CIFAR-100 file {path}: {type(exc).__name__}: {first_line(exc)}") from None
+        raise UsageError(f"cannot read CIFAR-100 file {path}: {first_line(exc, typed=True)}") from None
     if not isinstance(entry, dict):
         raise UsageError(f"cannot read CIFAR-100 file {path}: it holds a {type(entry).__name__}, not a dict")
     if (data := entry.get("data")) is not None and not (isinstance(data, np.ndarray) and data.dtype == np.uint8):
@@ -159,7 +159,7 @@ def _load_cifar100(args):
         raise UsageError("CIFAR-100 could not be loaded on another rank (its node says why)")
     if not isinstance(error, UsageError):  # a UsageError: the files are there but cannot be read, it says which
         error = UsageError(f"CIFAR-100 is not in --data-dir {args.data_dir} and could not be downloaded "
-                           f"({type(error).__name__}: {first_line(error)}); put "
+                           f"({first_line(error, typed=True)}); put "
                            "cifar-100-python/ there or use --dataset synthetic for an offline run")
     error.met_by = "node"  # printed on the node that failed, not only by rank 0
     raise error

@@ -119,7 +119,12 @@ def leave(code: int = 0, message: str = None):
         os._exit(code)
 
 
-# --- the launcher ----------------------------------------------------------------------------
+# --- the launcher and the stop signals -------------------------------------------------------
+
+def stop_signals() -> list:
+    """SIGNALS, less SIGHUP where this process ignores it: started by nohup, the run outlives its terminal."""
+    return [sig for sig in SIGNALS if sig != signal.SIGHUP or signal.getsignal(sig) != signal.SIG_IGN]
+
 
 def stop_under_way():
     """This process has a stop signal, its own or another rank's: watch_launcher sends none."""
@@ -304,11 +309,6 @@ def refusal_said(store: list):
 
 
 # --- loader workers -------------------------------------------------------------------------
-
-def stop_signals() -> list:
-    """SIGNALS, less SIGHUP where this process ignores it: started by nohup, the run outlives its terminal."""
-    return [sig for sig in SIGNALS if sig != signal.SIGHUP or signal.getsignal(sig) != signal.SIG_IGN]
-
 
 def ignore_stop_signals():
     """In a DataLoader worker: the stop signals are its rank's. (A forked worker would run its copy

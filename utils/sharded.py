@@ -156,7 +156,7 @@ def check_sharded_folder(folder: str):
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
     except Exception as exc:
-        raise UsageError(f"cannot read sharded checkpoint {folder}: {type(exc).__name__}: {first_line(exc)}") from None
+        raise UsageError(f"cannot read sharded checkpoint {folder}: {first_line(exc, typed=True)}") from None
     items = getattr(metadata, "state_dict_metadata", None)
     if not isinstance(items, dict) or not all(isinstance(v, TensorStorageMetadata) for v in items.values()):
         raise UsageError(f"sharded checkpoint {folder} holds items other than tensors: "
