@@ -122,7 +122,7 @@ def train(args, env, per_device_batch):
                 break
         # Evaluate the unwrapped model: exact over all ranks, see metrics.evaluate.
         # All ranks: evaluate and end_epoch communicate (utils/run.py lists every collective).
-        if metrics.evaluation_due(epoch, args, last=run.done()):  # --eval-every
+        if metrics.evaluation_due(epoch, args, last=run.trained()):  # --eval-every
             run.end_epoch(metrics.evaluate(model, test_loader, env.device, inputs=to_model))
         else:
             run.end_epoch(metrics.NOT_EVALUATED)

@@ -608,6 +608,23 @@ def test_signal_during_evaluation_stops_right_after_it(tmp_path):
     assert [r["event"] for r in read_metrics(tmp_path / "m.jsonl")] == ["epoch", "epoch", "end"]
 
 
+def test_a_stop_at_an_epoch_s_end_evaluates_only_what_eval_every_asks(tmp_path):
+    # 10 steps an epoch: a SIGTERM at step 5 is agreed at step 10, the last of epoch 1, which --eval-every 2
+    # does not evaluate. The stop must not add an evaluation there: its checkpoint would wait for it (within
+    # the launcher's grace period), and the record would differ from an uninterrupted run's.
+    two_epochs = [*TINY, *WORKERS, "--train-samples", "320", "--epochs", "2", "--eval-every", "2",
+                  "--checkpoint-dir", tmp_path, "--metrics", tmp_path / "m.jsonl"]
+    output = torchrun([FAULTS, "--fault", "sigterm-self", "--rank", "0", "--step", "5", "--",
+                       "distributed.py", *two_epochs]).output()
+    assert "stopping at step 10 on SIGTERM: checkpoint saved" in output, output
+    [stopped] = read_metrics(tmp_path / "m.jsonl")
+    assert stopped["epoch_complete"] and stopped["test_samples"] == 0, stopped  # not evaluated, as uninterrupted
+    resumed = expect(torchrun(["distributed.py", *two_epochs, "--resume"]))
+    assert "done: 20 steps" in resumed, resumed
+    records = read_metrics(tmp_path / "m.jsonl")
+    assert [(r["event"], r["test_samples"]) for r in records] == [("epoch", 0), ("epoch", 64), ("end", 64)]
+
+
 # --- no orphans ------------------------------------------------------------------------
 
 def wait_until_gone(proc, timeout=40):

@@ -68,8 +68,10 @@ class TrainMeter:
 
 
 def evaluation_due(epoch: int, args, last: bool) -> bool:
-    """--eval-every N: every N-th epoch and the last (`last`: the run stops here); alike on all ranks (a collective)."""
-    return last or (epoch + 1) % (getattr(args, "eval_every", None) or 1) == 0 or epoch + 1 >= args.epochs
+    """--eval-every N: every N-th epoch and the last (`last`: the run has trained all it was asked to); alike on
+    all ranks (a collective). Not for a stop signal: the checkpoint waits for the evaluation, within the grace
+    period the launcher gives, and the epoch's record would differ from an uninterrupted run's."""
+    return last or (epoch + 1) % (getattr(args, "eval_every", None) or 1) == 0
 
 
 @torch.no_grad()
