@@ -159,6 +159,17 @@ def test_a_folder_on_a_file_system_without_locks_is_read_without_one(small_cifar
     assert f"CIFAR-100 is not in --data-dir {tmp_path}, and no lock can be taken there" in str(refused.value)
 
 
+def test_a_data_dir_with_a_tilde_is_locked_where_it_is_read(small_cifar, monkeypatch, tmp_path):
+    # `--data-dir=~/data` reaches the program unexpanded; torchvision expands it, and so must the download
+    # lock: it was taken in ./~/data, a folder of its own beside the data.
+    root, _ = small_cifar
+    monkeypatch.setenv("HOME", str(root.parent))
+    monkeypatch.chdir(tmp_path)
+    train_set, _ = data.build_datasets(args_for("--dataset", "cifar100", "--data-dir", f"~/{root.name}"),
+                                       ONE_CPU_PROCESS)
+    assert len(train_set) == 40 and (root / ".download.lock").exists() and not (tmp_path / "~").exists()
+
+
 def test_corrupt_dataset_file_is_a_usage_error(tmp_path, small_cifar):
     root, _ = small_cifar
     folder = tmp_path / "cifar-100-python"

@@ -102,7 +102,9 @@ def _cifar100(data_dir: str, train: bool):
         def __init__(self, root, train):
             torchvision.datasets.VisionDataset.__init__(self, root)
             self.train = train
-            with _download_lock(root) as lock:  # the download alone: the ranks of a node then read the files at once
+            # The download alone: the ranks of a node then read the files at once. In self.root, where torchvision
+            # reads: `~` expanded (--data-dir=~/data reaches the program unexpanded).
+            with _download_lock(self.root) as lock:
                 if isinstance(lock, OSError) and not self._check_integrity():  # every process would download
                     raise UsageError(f"CIFAR-100 is not in --data-dir {root}, and no lock can be taken there "
                                      f"({lock.strerror or lock}) to download it once: put cifar-100-python/ there")
