@@ -1,5 +1,6 @@
 """Checkpoints: atomic writes, weights_only reads, and one-line errors for files
 that are not ours."""
+import errno
 import os
 import random
 import signal
@@ -175,6 +176,25 @@ def test_checkpoint_reads_with_weights_only_and_resumes(tmp_path, keep_signal_ha
         assert torch.equal(a, b), name
     assert resumed.scheduler.last_epoch == run.scheduler.last_epoch == 1
     assert optimizer2.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
+
+
+@pytest.mark.parametrize("no_lock", [errno.ENOLCK, errno.ENOSYS])
+def test_a_checkpoint_folder_without_locks_trains_with_a_warning(tmp_path, keep_signal_handlers, monkeypatch,
+                                                                  capsys, no_lock):
+    # NFS without its lock daemon, Lustre mounted noflock: often the only folder every node sees. The run
+    # trains and checkpoints there, saying that a second run at the same time would not be refused.
+    def lockf(*_):
+        raise OSError(no_lock, os.strerror(no_lock))
+    monkeypatch.setattr(checkpoint.fcntl, "lockf", lockf)
+    directory = tmp_path / "run"
+    run, model, optimizer = make_run(args_for("--checkpoint-dir", directory))
+    take_one_step(run, model, optimizer)
+    assert checkpoint.load(directory / "checkpoint.pt")["global_step"] == 1
+    warning = capsys.readouterr().err
+    assert f"warning: cannot lock --checkpoint-dir {directory} ({os.strerror(no_lock)})" in warning, warning
+    # A fresh run there is still refused once the folder holds a checkpoint.
+    with pytest.raises(cli.UsageError, match="already holds a checkpoint"):
+        make_run(args_for("--checkpoint-dir", directory))
 
 
 def test_resume_refuses_another_model(tmp_path, keep_signal_handlers):

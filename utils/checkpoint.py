@@ -13,7 +13,7 @@ import tempfile
 import numpy as np
 import torch
 
-from .cli import UsageError, first_line
+from .cli import UsageError, error_line, first_line, print_line
 
 FORMAT = "multi-gpu-training-checkpoint/1"
 FILENAME = "checkpoint.pt"
@@ -121,7 +121,7 @@ def load(path: str) -> dict:
 
 def lock_directory(directory: str):
     """`directory` this run's alone while this process lives (UsageError for a second run, or a folder that
-    cannot be made or written): a POSIX record lock (fcntl.lockf) on DIRECTORY/.lock, which the kernel
+    cannot be made or written; a warning where its file system has no locks): a POSIX record lock (fcntl.lockf) on DIRECTORY/.lock, which the kernel
     releases however the process ends (no stale lock after a crash or a kill). Unlike flock(), forked
     loader workers do not inherit it, and NFS honours it. The file names the holder, for the refusal."""
     try:
@@ -142,9 +142,12 @@ def lock_directory(directory: str):
         holder = os.pread(fd, 200, 0).decode(errors="replace").strip() if exc.errno in (
             errno.EACCES, errno.EAGAIN) else None
         os.close(fd)
-        if holder is None:  # ENOLCK and the like: a file system without locks
-            raise UsageError(f"cannot lock --checkpoint-dir {directory} ({exc.strerror}): its file system "
-                             "offers no locks; use a local or lock-capable shared directory") from None
+        if holder is None:  # ENOLCK, ENOSYS: NFS without its lock daemon, Lustre mounted noflock. Train all the
+            # same (a folder every node sees may be only there); a fresh run still refuses a checkpoint it finds.
+            print_line(error_line(f"cannot lock --checkpoint-dir {directory} ({exc.strerror}): its file system "
+                                  "offers no locks, so a second run started on it at the same time would not be "
+                                  "refused; start one run per folder", kind="warning"))
+            return
         raise UsageError(f"--checkpoint-dir {directory} is in use by another run ({holder or 'unknown holder'}): "
                          "wait until it ends, or choose another directory") from None
     os.ftruncate(fd, 0)
