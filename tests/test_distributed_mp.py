@@ -136,6 +136,26 @@ def test_port_in_use_on_node_0_says_the_other_nodes_wait(capsys, monkeypatch):
            "stop them" in line
 
 
+def test_a_node_waiting_where_no_store_answers_says_so(tmp_path):
+    """The other side of node 0's taken port: a node joining at HOST:PORT where another program listens and
+    never answers (TCPStore's client waits past its own timeout there) ends --dist-timeout + 10 s later,
+    saying that no store ever answered there, not that a rank did not come."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        join = ("import torch; from utils import distributed as d; "
+                f"d.setup(d.DistEnv(1, 0, 2, 1, distributed=True, init_method='tcp://127.0.0.1:{port}'), "
+                "torch.device('cpu'), timeout_s=2)")
+        proc = subprocess.run([sys.executable, "-c", join], cwd=ROOT, capture_output=True, text=True, timeout=90,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "-c: error: rank 1 did not join the gloo process group within --dist-timeout 2 s: no store ever answered "
+        f"at 127.0.0.1:{port}: rank 0 did not start one (it was not started, or failed first), another program "
+        "holds that port, or this node cannot reach it; scripts/preflight.py checks each node's network"), proc.stderr
+
+
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 def test_a_refusal_left_by_a_node_s_flags_is_named_by_node_0_of_the_next_run(tmp_path, capsys, monkeypatch):
     # Node 1 refused its flags before any process started: its line waits in PATH.refused for the other nodes,

@@ -215,12 +215,14 @@ def joining(job: DistEnv, timeout_s: float, backend: str):
     """Around forming the group: a rank not joined `timeout_s` + JOIN_GRACE_S later ends with one
     line and status 1; one whose peer refused to start (lifecycle.tell_the_job) with that peer's
     line and status 2; on several nodes a failure to join is one line, not a trace from gloo."""
-    joined = threading.Event()
+    joined, answered = threading.Event(), threading.Event()
 
     def watch():  # another rank's refusal, every second
         store = [None]
         while not joined.wait(1.0):
             refused = lifecycle.refusal_of_a_peer(job.rendezvous, store)
+            if store[0] is not None:  # a store answers at the rendezvous
+                answered.set()
             if refused is not None and not joined.is_set():
                 peer, line = refused.split("\n", 1)
                 line = error_line(f"rank {job.rank} could not join: rank {peer} refused to start: {line}")
@@ -230,10 +232,17 @@ def joining(job: DistEnv, timeout_s: float, backend: str):
                 lifecycle.refusal_said(store)  # the refusing rank may end now: nothing after this uses the store
                 os._exit(2)
 
-    late = error_line(f"rank {job.rank} did not join the {backend} process group within --dist-timeout "
-                      f"{timeout_s:g} s: a rank did not come (it failed before joining, or cannot reach "
-                      f"{job.meets_at or 'the rendezvous'}), or cannot be reached by the others; "
-                      "scripts/preflight.py checks each node's network")
+    def late():
+        late = f"rank {job.rank} did not join the {backend} process group within --dist-timeout {timeout_s:g} s: "
+        if job.rank and job.rendezvous.startswith("tcp://") and not answered.is_set():
+            # Not a rank that failed to come: nothing ever answered where they all meet.
+            late += (f"no store ever answered at {job.rendezvous[len('tcp://'):]}: rank 0 did not start one (it "
+                     "was not started, or failed first), another program holds that port, or this node cannot reach it")
+        else:
+            late += (f"a rank did not come (it failed before joining, or cannot reach "
+                     f"{job.meets_at or 'the rendezvous'}), or cannot be reached by the others")
+        return error_line(late + "; scripts/preflight.py checks each node's network")
+
     watcher = threading.Thread(target=watch, name="joining", daemon=True)
     watcher.start()
     try:

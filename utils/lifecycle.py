@@ -154,12 +154,13 @@ def watch_launcher(grace_s: float = 30.0, poll_s: float = 1.0):
 
 
 @contextlib.contextmanager
-def deadline(seconds: float, line: str = None, code: int = 1):
+def deadline(seconds: float, line=None, code: int = 1):
     """Inside, this process ends (with `line` on stderr and in torchrun's error file, and exit status `code`)
-    once `seconds` have passed: for waits that keep no timeout of their own. A TCPStore call across a network
-    partition waits until the kernel drops the connection, about 15 minutes with Linux's tcp_retries2 (two
-    hosts, a cut link: get, add and check still waiting 45 s into a 5 s timeout, PyTorch 2.14); gloo's
-    full-mesh connect, 150 s into 30. One watchdog thread checks every deadline; it does no I/O."""
+    once `seconds` have passed (`line` may be a function, called then: what was learnt meanwhile): for waits
+    that keep no timeout of their own. A TCPStore call across a network partition waits until the kernel drops
+    the connection, about 15 minutes with Linux's tcp_retries2 (two hosts, a cut link: get, add and check still
+    waiting 45 s into a 5 s timeout, PyTorch 2.14); gloo's full-mesh connect, 150 s into 30. One watchdog thread
+    checks every deadline; it does no I/O."""
     global _watchdog
     key = object()
     _deadlines[key] = (time.monotonic() + seconds, line, code)
@@ -177,6 +178,7 @@ def _watch_deadlines():
         time.sleep(0.5)
         for when, line, code in list(_deadlines.values()):
             if time.monotonic() >= when:
+                line = line() if callable(line) else line
                 if line:
                     print_line(line)
                     record_for_torchrun(line)
