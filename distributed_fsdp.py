@@ -30,8 +30,9 @@ them) and checkpoints hold rank 0's, so both see the model DDP's checkpoint woul
 
 Checkpoints (--checkpoint-dir) are sharded: every rank writes its own part of the model
 and optimizer with torch.distributed.checkpoint into a folder beside checkpoint.pt, which
-rank 0 writes last and which names that folder. They load at any number of processes:
-stop at 8 GPUs, resume at 4. scripts/compare_models.py reads them without processes.
+rank 0 writes last and which names that folder; so every node must see that directory (the
+first save checks). They load at any number of processes: stop at 8 GPUs, resume at 4.
+scripts/compare_models.py reads them without processes.
 """
 import argparse
 import datetime
@@ -39,6 +40,8 @@ import datetime
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from models import MODEL_NAMES, build_model
 from utils import cli, data, distributed as dist_utils, lifecycle, metrics, schedule
@@ -46,17 +49,13 @@ from utils.sharded import ShardedState
 from utils.device_data import DeviceEvalLoader, DeviceTrainLoader
 from utils.run import TrainingRun
 
-try:  # public since PyTorch 2.6
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-except ImportError:
-    fully_shard = None
-
 
 def main(argv=None):
     # --- arguments --------------------------------------------------------------------
     parser = cli.build_parser(__doc__, MODEL_NAMES)
-    cli.add_fast_path_flags(parser, data_on_gpu=True)
+    # No --compile: inductor fails to compile the sharded model's backward on 2 CPU processes
+    # (InductorError: "Cannot convert expression to float", PyTorch 2.14).
+    cli.add_fast_path_flags(parser, data_on_gpu=True, torch_compile=False)
     g = parser.add_argument_group("sharding")
     g.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                    help="free each residual stage's gathered parameters after its forward and gather them "
@@ -88,14 +87,12 @@ def main(argv=None):
 def check(args) -> cli.Plan:
     """Bad input that needs no process group to be seen, refused in one line (UsageError)
     before anything starts. --check-args runs exactly this (scripts/slurm.sbatch, before srun)."""
-    if fully_shard is None:
-        raise cli.UsageError(f"distributed_fsdp.py needs PyTorch 2.6 or newer (torch.distributed.fsdp."
-                             f"fully_shard); this is {torch.__version__}")
-    # Not offered: inductor fails to compile the sharded model's backward on 2 CPU processes
-    # (InductorError: "Cannot convert expression to float", PyTorch 2.14).
-    if args.compile:
-        raise cli.UsageError("--compile is not supported by distributed_fsdp.py: leave it out")
     job = dist_utils.job_from_env(check_only=args.check_args)  # who this process is, as torchrun said
+    # Even the group of one that plain python forms takes the backend PyTorch names for MPS, gloo,
+    # which moves CPU and CUDA tensors only: its first collective on the device would fail.
+    if dist_utils.device_type(args.device) == "mps":
+        raise cli.UsageError("distributed_fsdp.py does not run on Apple's MPS devices (its process group, "
+                             "even of one process, cannot move MPS tensors): use --device cpu")
     per_device_batch = cli.split_batch(args.batch_size, job.world_size)
     device = dist_utils.check_job(job, args.device, args.check_args)  # its device; several nodes: the network
     cli.check_flags(args)

@@ -240,8 +240,6 @@ SCRIPT_FLAGS = {
         ("--local-rank", "--local_rank"): [Refused([FLAG, "0"], "starts and numbers its own processes")],
     },
     "distributed_fsdp.py": {
-        ("--compile",): [Refused([FLAG], "--compile is not supported by distributed_fsdp.py")],
-        ("--compile-mode",): [Refused([FLAG, "max-autotune"], "add --compile")],
         # NHWC activations; the weights stay as fully_shard wants them (see distributed_fsdp.py).
         ("--channels-last",): [Works([FLAG], lambda r: r.layouts == {torch.channels_last})],
         # What a residual stage holds once its forward is done (seen as the next stage starts):

@@ -25,7 +25,8 @@ import signal
 import pytest
 import torch
 
-from conftest import ROOT, SMALL, assert_refused, expect_ok, group_norm, read_metrics, run_script, torchrun
+from conftest import (ROOT, SMALL, assert_refused, expect_ok, fake_accelerator, group_norm, read_metrics,
+                      run_script, torchrun)
 from utils import checkpoint, sharded
 from utils.cli import UsageError
 
@@ -289,6 +290,122 @@ def test_checkpoints_refuse_what_does_not_fit(run_in_process, one_process, tmp_p
         sharded.load_full(str(copy / "checkpoint.pt"))
 
 
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
+def test_a_resume_that_fails_in_dcp_names_the_cause(run_in_process, one_process, tmp_path, monkeypatch):
+    # DCP's own failure (CheckpointException) says only which ranks failed: the line gives each
+    # one's error, and tells a shard file that cannot be read from a model that does not fit.
+    saved = one_process / "distributed_fsdp.py"
+    copy = tmp_path / "copy"
+    shutil.copytree(saved, copy)
+    os.truncate(copy / "sharded-step8" / "__0_0.distcp", 1000)
+    line = assert_refused(run_in_process("distributed_fsdp.py", [*SMALL, "--resume", copy / "checkpoint.pt"]),
+                          f"cannot read sharded checkpoint {copy / 'sharded-step8'}: rank 0: RuntimeError: ")
+    assert "CheckpointException" not in line  # the reader's own error (a zip archive cut short here)
+    import distributed_fsdp
+    import models
+    monkeypatch.setattr(distributed_fsdp, "build_model", lambda name, classes: models.build_model(name, classes + 1))
+    line = assert_refused(run_in_process("distributed_fsdp.py", [*SMALL, "--resume", saved / "checkpoint.pt"]),
+                          "does not fit this model/optimizer: rank 0: ValueError: Size mismatch")
+    assert "fc.weight" in line
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
+def test_a_checkpoint_kept_under_another_name_keeps_its_shards(run_in_process, tmp_path):
+    # Renamed, and resumed from in the run's own folder (nothing left to train): its folder stays,
+    # whatever the file's name (not *.pt here).
+    run = tmp_path / "run"
+    expect_ok(run_in_process("distributed_fsdp.py", [*ONE, "--max-steps", "2", "--checkpoint-dir", run]))
+    os.rename(run / "checkpoint.pt", run / "checkpoint.pt.bak")
+    expect_ok(run_in_process("distributed_fsdp.py", [*ONE, "--max-steps", "2", "--checkpoint-dir", run,
+                                                     "--resume", run / "checkpoint.pt.bak"]))
+    assert (run / "sharded-step2" / ".metadata").exists()
+    # A copy kept beside checkpoint.pt (*.pt): the saves that follow (steps 4, 6) replace checkpoint.pt's
+    # folder, not the one the copy names.
+    shutil.copy(run / "checkpoint.pt.bak", run / "checkpoint.pt")
+    os.rename(run / "checkpoint.pt.bak", run / "best.pt")
+    expect_ok(run_in_process("distributed_fsdp.py", [*ONE, "--max-steps", "6", "--checkpoint-dir", run, "--resume"]))
+    assert sorted(p.name for p in run.glob("sharded-step*")) == ["sharded-step2", "sharded-step6"]
+    assert sharded.load_full(str(run / "best.pt"))["global_step"] == 2
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
+def test_resume_through_a_symbolic_link(run_in_process, one_process, tmp_path):
+    link = tmp_path / "latest.pt"
+    link.symlink_to(one_process / "distributed_fsdp.py" / "checkpoint.pt")
+    out = expect_ok(run_in_process("distributed_fsdp.py", [*SMALL, "--resume", link]))
+    assert f"resumed from {link}: " in out and "8 steps in all" in out, out
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
+def test_mps_is_refused_in_one_line(run_in_process, monkeypatch):
+    # The group of one that a single process forms takes gloo for MPS, which moves no MPS tensor.
+    # No MPS here: a stand-in machine, and --check-args, which runs the same check as the run.
+    fake_accelerator(monkeypatch, "mps", 1)
+    for launched in ({}, {"RANK": 0, "LOCAL_RANK": 0, "WORLD_SIZE": 2, "LOCAL_WORLD_SIZE": 2,
+                          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 1}):
+        assert_refused(run_in_process("distributed_fsdp.py", [*SMALL, "--check-args"], **launched),
+                       "distributed_fsdp.py does not run on Apple's MPS devices", "use --device cpu")
+        for key in launched:
+            monkeypatch.delenv(key)
+    assert "arguments OK" in expect_ok(run_in_process("distributed_fsdp.py", [*SMALL, "--device", "cpu",
+                                                                              "--check-args"]))
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
+def test_compile_is_not_offered(run_in_process):
+    # inductor fails on the sharded model's backward: the flags are not offered at all.
+    assert "--compile" not in expect_ok(run_in_process("distributed_fsdp.py", ["--help"]))
+    for flags in (["--compile"], ["--compile-mode", "default"]):
+        assert_refused(run_in_process("distributed_fsdp.py", [*SMALL, *flags]), f"unrecognized arguments: {flags[0]}")
+
+
+ON_RANK_1 = """
+import os, runpy, sys
+sys.path.insert(0, {root!r})
+if os.environ["RANK"] == "1":
+    {patch}
+sys.argv = [{script!r}, *sys.argv[1:]]
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def on_rank_1(tmp_path, patch: str):
+    """An entry point for torchrun: distributed_fsdp.py, after `patch` on rank 1."""
+    runner = tmp_path / "on_rank_1.py"
+    runner.write_text(ON_RANK_1.format(root=str(ROOT), script=str(ROOT / "distributed_fsdp.py"), patch=patch))
+    return runner
+
+
+def test_a_failed_sharded_save_names_each_ranks_error(tmp_path):
+    # Rank 1 may write files of 100 kB at most (a quota; Python ignores SIGXFSZ: the write fails
+    # with EFBIG); its shards take 400 kB. No loader worker: their batches would hit it too.
+    runner = on_rank_1(tmp_path, "import resource; resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))")
+    proc = torchrun(2, runner, [*TWO, "--workers", "0", "--max-steps", "2", "--checkpoint-dir", tmp_path / "ck"],
+                    check=False)
+    output = proc.stdout + proc.stderr
+    line = (f"SaveFailed: the sharded checkpoint could not be written to {tmp_path / 'ck' / 'sharded-step2'}: "
+            "rank 1: OSError: [Errno 27] File too large")
+    assert proc.returncode == 1 and line in output, output
+    # An ordinary exception: in torchrun's error file (its summary's root cause), not DCP's BaseException.
+    root_cause = output.split("Root Cause (first observed failure):", 1)[1]
+    assert "error_file: <N/A>" not in root_cause and "CheckpointException" not in output, output
+    assert not (tmp_path / "ck" / "checkpoint.pt").exists()
+
+
+def test_a_checkpoint_dir_that_not_every_rank_sees_is_refused_at_the_first_save(tmp_path):
+    # As on two nodes that each have a folder of that name: rank 1 writes its shards elsewhere.
+    ck = tmp_path / "ck"
+    runner = on_rank_1(tmp_path, 'sys.argv[sys.argv.index("--checkpoint-dir") + 1] += "-elsewhere"')
+    proc = torchrun(2, runner, [*TWO, "--checkpoint-every", "2", "--checkpoint-dir", ck], check=False)
+    line = (f"distributed_fsdp.py: error: --checkpoint-dir {ck}: another rank does not see the checkpoint that "
+            f"rank 0 wrote into {ck / 'sharded-step2'}: every node must see the same folder (a shared file system)")
+    lines = [text for text in proc.stderr.splitlines() if text.strip()]
+    assert proc.returncode != 0 and lines[0] == line, proc.stderr
+    assert "exitcode  : 2" in proc.stderr and "exitcode  : 1" not in proc.stderr, proc.stderr
+    assert "this node does not see" in proc.stderr  # rank 1's own line, from its error file
+    assert not (ck / "checkpoint.pt").exists() and "epoch 1/1" not in proc.stdout
+
+
 class _EnumsByName(pickle.Pickler):
     """Pickles an Enum member as early Python 3.11 releases do (Debian 12's 3.11.2 among them):
     getattr(its class, its name). Later ones, and 3.10, pickle it by value."""
@@ -374,15 +491,6 @@ def test_a_metadata_that_reads_one_way_when_checked_and_another_when_used_writes
     assert not marker.exists()
 
 
-def test_refuses_a_pytorch_without_fully_shard(monkeypatch, capsys):
-    import importlib
-    script = importlib.import_module("distributed_fsdp")
-    monkeypatch.setattr(script, "fully_shard", None)
-    from utils.cli import UsageError
-    with pytest.raises(UsageError, match=r"needs PyTorch 2.6 or newer .* this is 2\."):
-        script.main([*SMALL])
-
-
 def test_compare_models_reads_a_sharded_checkpoint(two_processes, tmp_path):
     ddp = two_processes / "distributed.py" / "checkpoint.pt"
     fsdp = two_processes / "distributed_fsdp.py" / "checkpoint.pt"
@@ -401,6 +509,7 @@ def test_compare_models_reads_a_sharded_checkpoint(two_processes, tmp_path):
     proc = run_script(["scripts/compare_models.py", ddp, broken], check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "cannot read sharded checkpoint" in proc.stderr
+    assert f"{broken}: EOFError" in proc.stderr and "CheckpointException" not in proc.stderr, proc.stderr
 
 
 

@@ -179,11 +179,12 @@ def build_parser(doc: str, model_names, own_data: bool = False, images: bool = T
     return parser
 
 
-def add_fast_path_flags(parser, data_on_gpu: bool = False):
-    """Opt-in speed for the DDP scripts; --channels-last where the data is images, and
-    --data-on-gpu (our CIFAR images held in device memory) where the script asks for it."""
+def add_fast_path_flags(parser, data_on_gpu: bool = False, torch_compile: bool = True):
+    """Opt-in speed for the DDP scripts; --channels-last where the data is images, --data-on-gpu
+    (our CIFAR images held in device memory) where the script asks for it, and --compile,
+    --compile-mode unless it cannot compile (torch_compile=False)."""
     g = parser.add_argument_group("fast path")
-    parser.set_defaults(data_on_gpu=False, channels_last=False)  # what a script without them reads
+    parser.set_defaults(data_on_gpu=False, channels_last=False, compile=False)  # what a script without them reads
     if data_on_gpu and not getattr(parser, "own_data", False):
         g.add_argument("--data-on-gpu", action="store_true",
                        help="images: keep the uint8 CIFAR training set in device memory and augment it there "
@@ -192,13 +193,14 @@ def add_fast_path_flags(parser, data_on_gpu: bool = False):
         g.add_argument("--channels-last", action="store_true",
                        help="images: NHWC memory format for the model and its inputs (tensor-core convolutions "
                             "on GPUs)")
-    g.add_argument("--compile", action="store_true",
-                   help="torch.compile the model (compilation happens in the first steps, outside the timing)")
-    g.add_argument("--compile-mode", default="default",
-                   choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
-                   help="torch.compile's mode (needs --compile). reduce-overhead and max-autotune replay CUDA "
-                        "graphs (fewer kernel launches from the CPU): for one process, where no DDP wrapper "
-                        "runs hooks between the graphs; max-autotune* tune kernels for minutes first")
+    if torch_compile:
+        g.add_argument("--compile", action="store_true",
+                       help="torch.compile the model (compilation happens in the first steps, outside the timing)")
+        g.add_argument("--compile-mode", default="default",
+                       choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
+                       help="torch.compile's mode (needs --compile). reduce-overhead and max-autotune replay CUDA "
+                            "graphs (fewer kernel launches from the CPU): for one process, where no DDP wrapper "
+                            "runs hooks between the graphs; max-autotune* tune kernels for minutes first")
     g.add_argument("--eval-every", type=positive_int, default=1, metavar="N",
                    help="evaluate after every N-th epoch and after the last one (the others record NaN)")
 

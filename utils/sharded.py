@@ -8,6 +8,7 @@ checkpoint.pt naming the previous, complete folder. Only tensors go through DCP,
 DCP never unpickles a value (it would, with torch.load(weights_only=False)); the
 optimizer's param_groups (plain values) go into checkpoint.pt.
 """
+import contextlib
 import enum
 import os
 import pickle
@@ -18,6 +19,7 @@ import torch
 
 from .checkpoint import load
 from .cli import UsageError, first_line
+from .distributed import all_ranks_ok
 
 SHARDED_PREFIX = "sharded-step"
 _DCP_METADATA = ".metadata"
@@ -33,6 +35,8 @@ class ShardedState:
         self.model, self.optimizer = model, optimizer
         self.folder = self.param_groups = None  # the folder this run's checkpoint.pt names
         self.previous = None  # the folder it named before the last save
+        self.resumed = None  # the folder that a checkpoint not this run's own, resumed from, names
+        self.seen_by_all = False  # whether every rank has seen a save of this run (its first save checks)
 
     def check(self, state: dict, path: str):
         if "sharded" not in state:
@@ -44,32 +48,64 @@ class ShardedState:
         """A collective: the whole run fails alike if the shards do not fit. own: `path` is this
         run's own checkpoint.pt, whose folder a later save replaces."""
         shards = state["sharded"]
-        load_sharded(self.model, self.optimizer, sharded_folder(path, shards["folder"]), shards["param_groups"])
+        folder = sharded_folder(path, shards["folder"])
+        load_sharded(self.model, self.optimizer, folder, shards["param_groups"])
         if own:
             self.folder, self.param_groups = shards["folder"], shards["param_groups"]
+        else:
+            self.resumed = folder
 
     def save(self, step: int, path: str) -> dict:
         """A collective: every rank writes its shards; DCP returns once all have."""
         name = f"{SHARDED_PREFIX}{step}"
         if name != self.folder:  # not saved at this step yet (a folder left by a crash is gone: tidy)
             self.previous, self.folder = self.folder, name
-            self.param_groups = save_sharded(self.model, self.optimizer, sharded_folder(path, name))
+            # Beside the checkpoint.pt to come: atomic_save replaces a symbolic link there by the file.
+            folder = os.path.join(_directory(path), name)
+            self.param_groups = save_sharded(self.model, self.optimizer, folder)
+            if not self.seen_by_all:
+                check_seen_by_all(folder, path)
+                self.seen_by_all = True
         return {"sharded": {"folder": self.folder, "param_groups": self.param_groups}}
 
     def saved(self, path: str):
-        """Once checkpoint.pt names the new folder (the commit), the one it named before goes."""
-        if self.previous is not None and self.previous != self.folder:
-            shutil.rmtree(sharded_folder(path, self.previous), ignore_errors=True)
+        """Once checkpoint.pt names the new folder (the commit), the one it named before goes,
+        unless another checkpoint names it too (a copy kept: cp checkpoint.pt best.pt)."""
+        if self.previous is not None and self.previous not in self.kept(path):
+            shutil.rmtree(os.path.join(_directory(path), self.previous), ignore_errors=True)
         self.previous = None
 
     def tidy(self, path: str):
-        """At the start (rank 0): the folders of saves that never became the checkpoint (a crash)."""
-        remove_unreferenced_shards(os.path.dirname(os.path.abspath(path)), keep=self.folder)
+        """At the start (rank 0): the folders of saves that never became a checkpoint (a crash)."""
+        remove_unreferenced_shards(_directory(path), keep=self.kept(path))
+
+    def kept(self, path: str) -> set:
+        """The folders beside checkpoint.pt (`path`) that stay: the one it names, those that another
+        checkpoint there names (*.pt: a copy, or one renamed), the one that this run resumed from."""
+        directory = os.path.realpath(_directory(path))
+        return named_folders(directory) | {self.folder, self.resumed and os.path.relpath(self.resumed, directory)}
+
+
+def _directory(path: str) -> str:
+    return os.path.dirname(os.path.abspath(path))
 
 
 def sharded_folder(checkpoint_path: str, name: str) -> str:
-    """The shards' folder that a checkpoint.pt names: beside that file, wherever it is."""
-    return os.path.join(os.path.dirname(os.path.abspath(checkpoint_path)), name)
+    """The shards' folder that a checkpoint.pt names: beside that file, wherever it is (beside
+    its target, for a symbolic link: latest.pt -> run1/checkpoint.pt names run1's folder)."""
+    return os.path.join(os.path.dirname(os.path.realpath(checkpoint_path)), name)
+
+
+def check_seen_by_all(folder: str, path: str):
+    """Every rank sees the metadata that rank 0 wrote into `folder` (a collective): each rank writes
+    its shards where it stands, so a --checkpoint-dir that is another folder on every node would
+    leave each node a part, found incomplete only at a resume. UsageError on every rank if not."""
+    seen = os.path.isfile(os.path.join(folder, _DCP_METADATA))
+    if not all_ranks_ok(seen, "the first sharded save, agreeing that every rank sees its folder"):
+        where = "this node does not see" if not seen else "another rank does not see"
+        raise UsageError(f"--checkpoint-dir {os.path.dirname(path)}: {where} the checkpoint that rank 0 "
+                         f"wrote into {folder}: every node must see the same folder (a shared file system)",
+                         met_by="node" if not seen else "job")
 
 
 def save_sharded(model, optimizer, folder: str) -> list:
@@ -80,13 +116,52 @@ def save_sharded(model, optimizer, folder: str) -> list:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    class Writer(dcp.FileSystemWriter):
+        def write_data(self, *args, **kwargs):
+            try:
+                return super().write_data(*args, **kwargs)
+            except Exception as exc:
+                raise storage_error(exc) from exc
+
     model_state, optim_state = get_state_dict(model, optimizer)
     # Buffers (batch-norm statistics) are whole on every rank but differ between ranks; DCP
     # writes one copy of such a tensor, by default from whichever rank has the least to write.
     # dedup_save_to_lowest_rank: rank 0's, the buffers a DDP checkpoint holds.
-    dcp.save({"model": model_state, "optimizer": optim_state["state"]}, checkpoint_id=folder,
-             planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+    try:
+        dcp.save({"model": model_state, "optimizer": optim_state["state"]}, storage_writer=Writer(folder),
+                 planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+    except dcp.CheckpointException as exc:  # a BaseException, which no handler of failures would see
+        raise SaveFailed(f"the sharded checkpoint could not be written to {folder}: {causes(exc)}") from None
     return optim_state["param_groups"]
+
+
+class SaveFailed(Exception):
+    """A sharded save failed on some rank (a disk full, a quota, an I/O error): every rank raises it."""
+
+
+class StorageError(Exception):
+    """A shard file that DCP could not write or read (unlike a checkpoint that does not fit the model),
+    with the first line of the error that started it: DCP hands it to rank 0 pickled, without its chain."""
+
+
+def storage_error(exc: Exception) -> StorageError:
+    # An OSError in the chain is the cause (a disk full, a quota, an I/O error): torch.save's writer
+    # reports one as a RuntimeError of its own ("unexpected pos 704 vs 598"), the OSError its context.
+    cause = exc
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    return StorageError(first_line(cause or exc, typed=True))
+
+
+def causes(exc) -> str:
+    """The first line of each rank's error in a CheckpointException (DCP's failure, raised on every
+    rank): "rank 1: OSError: [Errno 28] No space left on device"; ranks that failed alike share one."""
+    ranks = {}
+    for rank, (err, _) in sorted(exc.failures.items()):
+        line = str(err) if isinstance(err, StorageError) else first_line(err, typed=True)
+        ranks.setdefault(line, []).append(str(rank))
+    return "; ".join(f"rank{'s' * (len(r) > 1)} {', '.join(r)}: {line}" for line, r in ranks.items())
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -133,13 +208,19 @@ def _checked_reader(folder: str, metadata):
 
     class CheckedReader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
-            if kwargs.get("rank") is not None:  # a rank's own metadata file: these scripts write none
-                raise FileNotFoundError(f"no metadata of rank {kwargs['rank']} in {folder}")
             # What FileSystemReader.read_metadata does after its pickle.load (PyTorch 2.11 to 2.14).
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
             return metadata
+
+        def read_data(self, *args, **kwargs):
+            # A file cut short or missing fails as EOFError, OSError, RuntimeError...: told apart from a
+            # model that does not fit, which fails before, in the plan.
+            try:
+                return super().read_data(*args, **kwargs)
+            except Exception as exc:
+                raise storage_error(exc) from exc
 
     return CheckedReader(folder)
 
@@ -176,10 +257,16 @@ def load_sharded(model, optimizer, folder: str, param_groups: list):
     state = {"model": model_state, "optimizer": optim_state["state"]}
     try:
         dcp.load(state, storage_reader=_checked_reader(folder, metadata))
+    except dcp.CheckpointException as exc:  # on every rank: a shard unreadable, a missing key, another shape
+        what = (f"cannot read sharded checkpoint {folder}" if any(isinstance(err, StorageError) for err, _ in
+                exc.failures.values()) else f"sharded checkpoint {folder} does not fit this model/optimizer")
+        raise UsageError(f"{what}: {causes(exc)}") from None
+    try:
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict={"state": state["optimizer"], "param_groups": param_groups})
-    except (Exception, dcp.CheckpointException) as exc:  # a missing key or another shape: on every rank
-        raise UsageError(f"sharded checkpoint {folder} does not fit this model/optimizer: {first_line(exc)}") from None
+    except Exception as exc:
+        raise UsageError(f"sharded checkpoint {folder} does not fit this model/optimizer: "
+                         f"{first_line(exc, typed=True)}") from None
 
 
 def read_sharded(folder: str) -> dict:
@@ -193,10 +280,10 @@ def read_sharded(folder: str) -> dict:
         warnings.simplefilter("ignore", UserWarning)
         try:
             dcp.load(state, storage_reader=_checked_reader(folder, metadata), no_dist=True)
-        except (Exception, dcp.CheckpointException) as exc:  # a shard file cut short or missing (the
-            # latter a BaseException: DCP's own failures would otherwise pass `except Exception`)
-            raise UsageError(f"cannot read sharded checkpoint {folder}: {type(exc).__name__}: "
-                             f"{first_line(exc)}") from None
+        except dcp.CheckpointException as exc:  # a BaseException: `except Exception` would miss it
+            # The template is the metadata's own: it fits. This one process is DCP's "rank 0".
+            cause = causes(exc).removeprefix("rank 0: ")
+            raise UsageError(f"cannot read sharded checkpoint {folder}: {cause}") from None
     return state
 
 
@@ -224,10 +311,21 @@ def load_full(path: str) -> dict:
     return dict(state, model=model, optimizer={"state": optim_state, "param_groups": numbered})
 
 
-def remove_unreferenced_shards(directory: str, keep: str = None):
-    """Delete the shard folders in `directory` but `keep` (the one checkpoint.pt names): what a
-    crash during a sharded save left behind, finished or not."""
+def named_folders(directory: str) -> set:
+    """The shard folders that the checkpoints in `directory` (its *.pt files) name."""
+    names = set()
+    for entry in os.scandir(directory):
+        # Not any file: closing one that this process holds a lock on (.lock) would release the lock.
+        if entry.name.endswith(".pt") and entry.is_file():
+            with contextlib.suppress(Exception):  # not a checkpoint of ours
+                names.add(torch.load(entry.path, map_location="cpu", weights_only=True)["sharded"]["folder"])
+    return names
+
+
+def remove_unreferenced_shards(directory: str, keep=()):
+    """Delete the shard folders in `directory` but those in `keep`: what a crash during a sharded
+    save left behind, finished or not."""
     if os.path.isdir(directory):
         for entry in os.listdir(directory):
-            if entry.startswith(SHARDED_PREFIX) and entry != keep:
+            if entry.startswith(SHARDED_PREFIX) and entry not in keep:
                 shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
