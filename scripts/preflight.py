@@ -392,7 +392,7 @@ def endpoint_findings(endpoint: str) -> list:
             True, f"this host is the rendezvous endpoint {endpoint}, but torchrun's c10d rendezvous will not host "
                   f"its store here: it recognises itself by its name, and {name} resolves to "
                   f"{', '.join(network.resolve(name)) or 'nothing'}; every node then waits for a store that "
-                  "nobody serves, and fails 2 to 3 minutes later with RendezvousConnectionError",
+                  "nobody serves, and fails 1.5 to 3 minutes later with RendezvousConnectionError",
             f"map {name} to {endpoint} in /etc/hosts; or add --rdzv-conf is_host=1 to torchrun on this node only "
             "(scripts/torchrun_bounded.py, which the launchers use, does); or use the static rendezvous: "
             f"--master-addr {endpoint} --master-port PORT --node-rank 0 here (1, 2... elsewhere)")]

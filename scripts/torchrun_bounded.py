@@ -9,7 +9,7 @@ It is torchrun itself (torch.distributed.run, in this process), plus, with a c10
 - whether it hosts the rendezvous store: --rdzv-conf is_host=1 on the node that HOST names,
   0 elsewhere. torchrun recognises itself only by its host name: where that name resolves to
   127.0.1.1 (the default of Debian's and Ubuntu's installers), no node would host the store,
-  and every node would fail two minutes later. An is_host given already is kept.
+  and every node would fail 1.5 to 3 minutes later. An is_host given already is kept.
 - --local_addr: c10d numbers the nodes in the order of this value, and node rank 0's becomes
   every rank's MASTER_ADDR; without it torchrun hands out socket.getfqdn(), which is
   "localhost" where /etc/hosts lists the name after localhost on the 127.0.0.1 line. On the
