@@ -425,9 +425,9 @@ class Loader(DataLoader):
             _shm_unchecked.add(self)
 
     def start_workers(self):
-        """Fork the persistent workers now, before the model's first collective (DDP's broadcast). A
-        process-group thread may still hold the GIL after a collective, and Python 3.11.9 and older
-        (CPython gh-112275) can leave a child forked then waiting forever: a worker that never starts."""
+        """Fork the persistent workers now, before the model's first collective (DDP's broadcast). After a
+        collective a process-group thread may hold the interpreter's lock on its thread states, and Python
+        3.11.9 and older (CPython gh-112275) leave a child forked then waiting for it: a worker that never starts."""
         context = self.multiprocessing_context or torch.multiprocessing  # DataLoader's, with no context
         if self.num_workers and self.persistent_workers and context.get_start_method() == "fork":
             self._batches()  # DataLoader keeps a persistent-worker iterator for the next iter()
