@@ -197,6 +197,15 @@ def test_a_checkpoint_folder_without_locks_trains_with_a_warning(tmp_path, keep_
         make_run(args_for("--checkpoint-dir", directory))
 
 
+def test_a_lock_that_fails_otherwise_is_refused(tmp_path, monkeypatch):
+    # Only a file system without locks trains unlocked; any other failure to lock is a refusal.
+    def lockf(*_):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+    monkeypatch.setattr(checkpoint.fcntl, "lockf", lockf)
+    with pytest.raises(cli.UsageError, match=f"cannot lock --checkpoint-dir {tmp_path}: Input/output error"):
+        checkpoint.lock_directory(str(tmp_path))
+
+
 def test_resume_refuses_another_model(tmp_path, keep_signal_handlers):
     directory = tmp_path / "run"
     run, model, optimizer = make_run(args_for("--checkpoint-dir", directory))

@@ -406,6 +406,24 @@ def test_a_checkpoint_dir_that_not_every_rank_sees_is_refused_at_the_first_save(
     assert not (ck / "checkpoint.pt").exists() and "epoch 1/1" not in proc.stdout
 
 
+def test_the_first_save_looks_again_for_a_file_its_node_sees_late(tmp_path):
+    # NFS: a node that asked for .metadata before rank 0 wrote it (DCP's overwrite check) may trust
+    # "no such file" until its cached view of the folder expires: a shared folder, seen a few seconds late.
+    import threading
+    folder = tmp_path / "sharded-step2"
+    folder.mkdir()
+    threading.Timer(2.0, (folder / ".metadata").touch).start()
+    sharded.check_seen_by_all(str(folder), str(tmp_path / "checkpoint.pt"))  # one process: its own vote
+
+
+def test_a_failure_on_many_ranks_is_still_one_short_line():
+    import torch.distributed.checkpoint as dcp
+    failures = {rank: (OSError(13, f"Permission denied: '/ck/__{rank}_0.distcp'"), None) for rank in range(64)}
+    line = sharded.causes(dcp.CheckpointException("failed", failures))
+    assert line.startswith("rank 0: PermissionError: [Errno 13] Permission denied: '/ck/__0_0.distcp'; rank 1: ")
+    assert line.endswith("; and 61 more") and line.count("rank ") == 3 and "\n" not in line, line
+
+
 class _EnumsByName(pickle.Pickler):
     """Pickles an Enum member as early Python 3.11 releases do (Debian 12's 3.11.2 among them):
     getattr(its class, its name). Later ones, and 3.10, pickle it by value."""

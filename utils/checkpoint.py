@@ -121,9 +121,10 @@ def load(path: str) -> dict:
 
 def lock_directory(directory: str):
     """`directory` this run's alone while this process lives (UsageError for a second run, or a folder that
-    cannot be made or written; a warning where its file system has no locks): a POSIX record lock (fcntl.lockf) on DIRECTORY/.lock, which the kernel
-    releases however the process ends (no stale lock after a crash or a kill). Unlike flock(), forked
-    loader workers do not inherit it, and NFS honours it. The file names the holder, for the refusal."""
+    cannot be made or written; a warning where its file system has no locks): a POSIX record lock
+    (fcntl.lockf) on DIRECTORY/.lock, which the kernel releases however the process ends (no stale lock
+    after a crash or a kill). Unlike flock(), forked loader workers do not inherit it, and NFS honours it.
+    The file names the holder, for the refusal."""
     try:
         os.makedirs(directory, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
@@ -142,12 +143,15 @@ def lock_directory(directory: str):
         holder = os.pread(fd, 200, 0).decode(errors="replace").strip() if exc.errno in (
             errno.EACCES, errno.EAGAIN) else None
         os.close(fd)
-        if holder is None:  # ENOLCK, ENOSYS: NFS without its lock daemon, Lustre mounted noflock. Train all the
-            # same (a folder every node sees may be only there); a fresh run still refuses a checkpoint it finds.
+        if exc.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):  # NFS without its lock daemon, Lustre
+            # mounted noflock: train all the same (a folder every node sees may be only there); a fresh run still
+            # refuses a checkpoint it finds.
             print_line(error_line(f"cannot lock --checkpoint-dir {directory} ({exc.strerror}): its file system "
                                   "offers no locks, so a second run started on it at the same time would not be "
                                   "refused; start one run per folder", kind="warning"))
             return
+        if holder is None:
+            raise UsageError(f"cannot lock --checkpoint-dir {directory}: {exc.strerror}") from None
         raise UsageError(f"--checkpoint-dir {directory} is in use by another run ({holder or 'unknown holder'}): "
                          "wait until it ends, or choose another directory") from None
     os.ftruncate(fd, 0)

@@ -13,6 +13,7 @@ import enum
 import os
 import pickle
 import shutil
+import time
 import warnings
 
 import torch
@@ -100,7 +101,11 @@ def check_seen_by_all(folder: str, path: str):
     """Every rank sees the metadata that rank 0 wrote into `folder` (a collective): each rank writes
     its shards where it stands, so a --checkpoint-dir that is another folder on every node would
     leave each node a part, found incomplete only at a resume. UsageError on every rank if not."""
-    seen = os.path.isfile(os.path.join(folder, _DCP_METADATA))
+    # NFS: each node asked for .metadata before rank 0 wrote it (DCP's overwrite check), and may trust that
+    # "no such file" until its cached view of the folder expires (acdirmax, 60 s by default): look again.
+    seen, until = False, time.monotonic() + 60
+    while not (seen := os.path.isfile(os.path.join(folder, _DCP_METADATA))) and time.monotonic() < until:
+        time.sleep(1)
     if not all_ranks_ok(seen, "the first sharded save, agreeing that every rank sees its folder"):
         where = "this node does not see" if not seen else "another rank does not see"
         raise UsageError(f"--checkpoint-dir {os.path.dirname(path)}: {where} the checkpoint that rank 0 "
@@ -161,7 +166,8 @@ def causes(exc) -> str:
     for rank, (err, _) in sorted(exc.failures.items()):
         line = str(err) if isinstance(err, StorageError) else first_line(err, typed=True)
         ranks.setdefault(line, []).append(str(rank))
-    return "; ".join(f"rank{'s' * (len(r) > 1)} {', '.join(r)}: {line}" for line, r in ranks.items())
+    said = [f"rank{'s' * (len(r) > 1)} {', '.join(r)}: {line}" for line, r in ranks.items()]
+    return "; ".join(said[:3]) + (f"; and {len(said) - 3} more" if len(said) > 3 else "")  # one line, at any size
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -318,7 +324,8 @@ def named_folders(directory: str) -> set:
         # Not any file: closing one that this process holds a lock on (.lock) would release the lock.
         if entry.name.endswith(".pt") and entry.is_file():
             with contextlib.suppress(Exception):  # not a checkpoint of ours
-                names.add(torch.load(entry.path, map_location="cpu", weights_only=True)["sharded"]["folder"])
+                # mmap: what a large file holds is not read (this runs at every save).
+                names.add(torch.load(entry.path, map_location="cpu", weights_only=True, mmap=True)["sharded"]["folder"])
     return names
 
 
