@@ -124,7 +124,7 @@ def train(args, env, per_process_batch, device_ids, amp_dtype):
     # float16 gradients can underflow to zero: the scaler multiplies the loss before backward
     # and divides the gradients before the step. bfloat16 has float32's range: no scaler.
     scaler = torch.amp.GradScaler(env.device.type, enabled=amp_dtype == torch.float16)
-    run = TrainingRun(args, env, model, optimizer, scheduler, steps_per_epoch=steps_per_epoch,
+    run = TrainingRun(args, env, model, optimizer, scheduler, train_size=len(train_set),
                       strategy="dataparallel", scaler=scaler,  # resumes here with --resume
                       extra_record={"gpus": len(device_ids), "amp": args.amp or "fp32"})
     # Evaluation runs the unwrapped model in this thread: autocast is entered here.

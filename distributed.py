@@ -98,7 +98,7 @@ def train(args, env, per_device_batch):
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum, nesterov=args.nesterov,
                                 weight_decay=args.weight_decay, fused=True if env.device.type != "cpu" else None)
     scheduler = schedule.warmup_multistep(optimizer, args, steps_per_epoch)
-    run = TrainingRun(args, env, model, optimizer, scheduler, steps_per_epoch=steps_per_epoch,
+    run = TrainingRun(args, env, model, optimizer, scheduler, train_size=len(train_set),
                       strategy="ddp-torchrun")  # all ranks meet here; resumes with --resume
 
     # --- training loop ----------------------------------------------------------------

@@ -173,7 +173,7 @@ def train(args, env, per_device_batch, precision):
         # all-reduces still overlap backward. The first steps compile (excluded from timing).
         ddp_model = torch.compile(ddp_model, mode=args.compile_mode)
     scheduler = schedule.warmup_multistep(optimizer, args, steps_per_epoch)
-    run = TrainingRun(args, env, model, optimizer, scheduler, steps_per_epoch=steps_per_epoch,
+    run = TrainingRun(args, env, model, optimizer, scheduler, train_size=len(train_set),
                       strategy=f"ddp-amp-{args.amp_impl}",  # all ranks meet here
                       scaler=apex_amp or scaler,  # the loss scale is checkpointed and resumed too
                       extra_record={"amp": precision.name, "amp_impl": args.amp_impl,

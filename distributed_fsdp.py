@@ -214,7 +214,7 @@ def train(args, env, per_device_batch):
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum,
                                 nesterov=args.nesterov, weight_decay=args.weight_decay)
     scheduler = schedule.warmup_multistep(optimizer, args, steps_per_epoch)
-    run = TrainingRun(args, env, model, optimizer, scheduler, steps_per_epoch=steps_per_epoch,
+    run = TrainingRun(args, env, model, optimizer, scheduler, train_size=len(train_set),
                       strategy="fsdp2",  # all ranks meet here; resumes with --resume
                       state=ShardedState(model, optimizer))  # each rank's shards in a folder beside checkpoint.pt
 

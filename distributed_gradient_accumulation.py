@@ -107,7 +107,7 @@ def train(args, env, micro_batch):
                                 nesterov=args.nesterov, weight_decay=args.weight_decay,
                                 fused=True if env.device.type != "cpu" else None)
     scheduler = schedule.warmup_multistep(optimizer, args, steps_per_epoch)
-    run = TrainingRun(args, env, model, optimizer, scheduler, steps_per_epoch=steps_per_epoch,
+    run = TrainingRun(args, env, model, optimizer, scheduler, train_size=len(train_set),
                       strategy="ddp-accum", extra_record={"accum_steps": accum_steps})  # all ranks meet here
 
     # --- training loop ----------------------------------------------------------------

@@ -157,6 +157,27 @@ def test_changed_optimizer_flags_on_resume_are_refused(run_in_process, finished_
                    f"was written with {flag}", f"{flag} {float(value)}", "resume with the same value")
 
 
+def test_resume_on_a_training_set_of_another_size_is_refused(run_in_process, tmp_path):
+    # Your own data that gained samples, no flag changed: 64 then 72 images are 4 steps of 16 either way,
+    # but each epoch's order is a permutation of another size, so step 2 would name other samples.
+    rng = np.random.default_rng(0)
+
+    def write(n):
+        write_cifar100(tmp_path, rng.integers(0, 256, (n, 3, 32, 32), dtype=np.uint8), rng.integers(0, 100, n),
+                       rng.integers(0, 256, (8, 3, 32, 32), dtype=np.uint8), rng.integers(0, 100, 8))
+    argv = ["--dataset", "cifar100", "--data-dir", tmp_path, "--model", "resnet_tiny", "--workers", "0",
+            "--epochs", "1", "--batch-size", "16", "--checkpoint-dir", tmp_path / "ck"]
+    write(64)
+    expect_ok(run_in_process("distributed.py", [*argv, "--max-steps", "2"]))
+    saved = (tmp_path / "ck" / "checkpoint.pt").read_bytes()
+    write(72)
+    assert_refused(run_in_process("distributed.py", [*argv, "--resume"]),
+                   "was trained on 64 training samples, this run has 72", "resume with the same data")
+    assert (tmp_path / "ck" / "checkpoint.pt").read_bytes() == saved
+    write(64)  # 64 samples again (the size is what is checked, not the pixels): it resumes
+    assert "epoch 1, step 2 of 4 in it" in expect_ok(run_in_process("distributed.py", [*argv, "--resume"]))
+
+
 def test_resume_through_a_symbolic_link_is_the_same_checkpoint(run_in_process, finished_run, tmp_path):
     link = tmp_path / "latest.pt"
     link.symlink_to(finished_run / "checkpoint.pt")

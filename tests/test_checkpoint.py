@@ -132,7 +132,8 @@ def make_run(args, model_name="resnet_tiny"):
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * args.batch_size / 128, momentum=args.momentum,
                                 weight_decay=args.weight_decay)
     scheduler = schedule.warmup_multistep(optimizer, args, 8)
-    run = TrainingRun(args, ONE_CPU_PROCESS, model, optimizer, scheduler, steps_per_epoch=8, strategy="test")
+    run = TrainingRun(args, ONE_CPU_PROCESS, model, optimizer, scheduler, train_size=8 * args.batch_size,
+                      strategy="test")
     return run, model, optimizer
 
 

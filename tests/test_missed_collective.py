@@ -25,7 +25,7 @@ def main(argv):
         model = torch.nn.Linear(4, 2)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         scheduler = schedule.warmup_multistep(optimizer, args, 20)
-        run = TrainingRun(args, env, model, optimizer, scheduler, steps_per_epoch=20, strategy="test")
+        run = TrainingRun(args, env, model, optimizer, scheduler, train_size=20 * args.batch_size, strategy="test")
         for epoch in run.epochs():
             for step in range(20):
                 loss = model(torch.randn(2, 4)).square().mean()

@@ -37,6 +37,7 @@ import torch
 
 from . import checkpoint, observe
 from .cli import UsageError, first_line, given, plain_config
+from .data import steps_per_epoch
 from .distributed import DistEnv, all_ranks_ok, any_rank, device_name, is_main, meeting, print0
 from .lifecycle import stop_signals, stop_under_way
 from .metrics import EpochTimer, TrainMeter, peak_memory_mb, reset_peak_memory
@@ -51,7 +52,7 @@ def _same_file(a: str, b: str) -> bool:
 
 
 class TrainingRun:
-    def __init__(self, args, env: DistEnv, model, optimizer, scheduler, *, steps_per_epoch: int,
+    def __init__(self, args, env: DistEnv, model, optimizer, scheduler, *, train_size: int,
                  strategy: str, scaler=None, extra_record=None, state=None):
         # A flag of the recipe's SGD that the script's optimizer lacks (AdamW has no momentum) would be
         # accepted and ignored: refused, on every rank alike, before anything is written.
@@ -60,7 +61,8 @@ class TrainingRun:
                 flag = "--" + name.replace("_", "-")
                 raise UsageError(f"{flag}: this script's optimizer, {type(optimizer).__name__}, has no {name}; "
                                  f"leave {flag} out, or give the optimizer {name}")
-        self.args, self.env, self.steps_per_epoch, self.strategy = args, env, steps_per_epoch, strategy
+        self.args, self.env, self.train_size, self.strategy = args, env, train_size, strategy
+        self.steps_per_epoch = steps_per_epoch(train_size, args.batch_size)  # as the script's sampler and schedule
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.state = state or checkpoint.WholeState(model, optimizer)  # or sharded across ranks (utils/sharded.py)
         self.extra_record = dict(extra_record or {})
@@ -166,6 +168,13 @@ class TrainingRun:
                 flag = "--" + key.replace("_", "-")
                 raise UsageError(f"checkpoint {path} was written with {flag} {saved[key]}, this run has "
                                  f"{flag} {getattr(self.args, key)}: resume with the same value")
+        # Your own data that gained or lost samples: each epoch's order is a permutation of the set's size,
+        # so the resumed position would name other samples (some seen twice, some skipped) and the schedule
+        # other steps.
+        if state.get("train_size", self.train_size) != self.train_size:
+            raise UsageError(f"checkpoint {path} was trained on {state['train_size']:,} training samples, this run "
+                             f"has {self.train_size:,}: resume with the same data, or start a new run in another "
+                             "--checkpoint-dir")
         try:
             self.state.load(state, path, own=_same_file(path, self.checkpoint_path or ""))
             self.scheduler.load_state_dict(state["scheduler"])
@@ -194,8 +203,8 @@ class TrainingRun:
         state = {"format": checkpoint.FORMAT, **model_and_optimizer, "scheduler": self.scheduler.state_dict(),
                  "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                  "epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": self.global_step,
-                 "train_sums": sums, "rng": checkpoint.rng_state(self.env.device), "config": plain_config(self.args),
-                 "world_size": self.env.world_size, "strategy": self.strategy}
+                 "train_sums": sums, "train_size": self.train_size, "rng": checkpoint.rng_state(self.env.device),
+                 "config": plain_config(self.args), "world_size": self.env.world_size, "strategy": self.strategy}
         checkpoint.atomic_save(state, self.checkpoint_path)  # the commit
         self.state.saved(self.checkpoint_path)
 
