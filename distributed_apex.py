@@ -159,8 +159,8 @@ def train(args, env, per_device_batch, precision):
     if env.distributed:  # under a launcher, a group of one too; wrapped last, after apex.amp may have recast the model
         # DDP broadcasts rank 0's weights to every rank here, then all-reduces (averages)
         # gradients bucket by bucket while backward is still running.
-        # gradient_as_bucket_view: .grad tensors are views into DDP's all-reduce buckets,
-        # which saves a copy of every gradient and the memory for it.
+        # gradient_as_bucket_view: .grad tensors are views into DDP's all-reduce buckets: the
+        # memory of a second copy of the gradients, and the copy of the average back out, saved.
         # buffers_synced_once: rank 0's batch-norm statistics go to every rank here, and are
         # not broadcast again before every forward (evaluation and checkpoints take rank 0's
         # anyway); the flag for it was renamed in PyTorch 2.13, see utils/compat.py.
