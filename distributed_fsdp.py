@@ -30,9 +30,10 @@ them) and checkpoints hold rank 0's, so both see the model DDP's checkpoint woul
 
 Checkpoints (--checkpoint-dir) are sharded: every rank writes its own part of the model
 and optimizer with torch.distributed.checkpoint into a folder beside checkpoint.pt, which
-rank 0 writes last and which names that folder; so every node must see that directory (the
-first save checks). They load at any number of processes: stop at 8 GPUs, resume at 4.
-scripts/compare_models.py reads them without processes.
+rank 0 writes last and which names that folder; so every node must see that directory (as
+under DDP, where every rank reads the checkpoint to resume: checked at the start). They load
+at any number of processes: stop at 8 GPUs, resume at 4. scripts/compare_models.py reads
+them without processes.
 """
 import argparse
 import datetime

@@ -202,6 +202,23 @@ def torchrun(nproc, script, args, timeout=240, check=True, extra_torchrun=(), en
                        *extra_torchrun, script, *args], timeout=timeout, check=check, env=env)
 
 
+ON_RANK_1 = """
+import os, runpy, sys
+sys.path.insert(0, {root!r})
+if os.environ["RANK"] == "1":
+    {patch}
+sys.argv = [{script!r}, *sys.argv[1:]]
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def on_rank_1(tmp_path, script: str, patch: str):
+    """An entry point for torchrun: `script`, after `patch` (one line of Python) on rank 1."""
+    runner = tmp_path / "on_rank_1.py"
+    runner.write_text(ON_RANK_1.format(root=str(ROOT), script=str(ROOT / script), patch=patch))
+    return runner
+
+
 def samples_by_index(train_set, args, world_size, global_batch, epoch=1) -> dict:
     """{index: (input, label)} of one epoch as data.train_loader delivers it to `world_size`
     ranks together (each rank's loader built in turn, here in one process)."""

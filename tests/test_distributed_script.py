@@ -1,13 +1,14 @@
 """distributed.py end to end through its real launchers: torchrun with two CPU
 processes, plain `python`, exact resume, and the one-line errors for bad input."""
 import math
+import os
 import re
 import sys
 
 import pytest
 import torch
 
-from conftest import SMALL, expect_ok, read_metrics, torchrun
+from conftest import SMALL, expect_ok, on_rank_1, read_metrics, torchrun
 from utils import cli, lifecycle
 from utils import distributed as dist_utils
 
@@ -177,6 +178,49 @@ def test_bad_input_under_torchrun_is_the_first_line_and_the_root_cause():
     stopped_first = re.search(r"rank\s*: 0 \(local_rank: 0\)\n\s*exitcode\s*: -15", proc.stderr)
     assert stopped_first or lines[0].startswith(line), proc.stderr
     assert proc.stdout == ""
+
+
+def test_a_checkpoint_dir_that_not_every_node_sees_is_refused_at_the_start(tmp_path):
+    # As on two nodes that each have a folder of that name on their own disk: the saves would succeed,
+    # and the resume fail (rank 1 would not find the checkpoint). Rank 1 looks for half of --dist-timeout
+    # (60 s at most), then refuses.
+    ck = tmp_path / "ck"
+    runner = on_rank_1(tmp_path, "distributed.py", 'sys.argv[sys.argv.index("--checkpoint-dir") + 1] += "-elsewhere"')
+    proc = torchrun(2, runner, [*SMALL, "--checkpoint-dir", ck, "--dist-timeout", "20"], check=False, timeout=180)
+    lines = [text for text in proc.stderr.splitlines() if text.strip()]
+    assert proc.returncode != 0 and lines[0].startswith(
+        f"distributed.py: error: --checkpoint-dir {ck}: another rank does not see the line of rank 0 (host ") and \
+        lines[0].endswith("): every node must see the same folder (a shared file system), and one run use it at a "
+                          "time"), proc.stderr
+    assert "exitcode  : 2" in proc.stderr and "exitcode  : 1" not in proc.stderr, proc.stderr
+    # Rank 1's own line, in its error file:
+    assert f"--checkpoint-dir {ck}-elsewhere: this node finds no .lock with the line of rank 0 (host " in proc.stderr
+
+    assert os.listdir(ck) == [".lock"] and "epoch 1/1" not in proc.stdout
+
+
+LATE = """
+import threading
+from utils import checkpoint
+i = sys.argv.index("--checkpoint-dir") + 1
+shared, sys.argv[i] = sys.argv[i], sys.argv[i] + "-late"
+appears = threading.Timer(2.0, os.symlink, (shared, sys.argv[i]))
+looked_up = checkpoint.holder
+
+def holder(directory):  # the folder's entry appears 2 s after this rank first looks for it
+    if appears.ident is None:
+        appears.start()
+    return looked_up(directory)
+checkpoint.holder = holder
+"""
+
+
+def test_a_checkpoint_dir_that_a_node_sees_late_is_looked_at_again(tmp_path):
+    # NFS may answer from its cached view of a folder for up to 60 s (acdirmax): seen late, not refused.
+    (tmp_path / "late.py").write_text(LATE)
+    runner = on_rank_1(tmp_path, "distributed.py", f"exec(open({str(tmp_path / 'late.py')!r}).read())")
+    torchrun(2, runner, [*SMALL, "--max-steps", "2", "--checkpoint-dir", tmp_path / "ck"])  # exit status 0
+    assert (tmp_path / "ck" / "checkpoint.pt").is_file() and (tmp_path / "ck-late").is_symlink()
 
 
 @pytest.fixture

@@ -671,18 +671,22 @@ def test_workers_stop_when_the_mp_spawn_parent_is_killed(tmp_path):
 
 # --- one run per checkpoint directory ------------------------------------------------------
 
-def test_second_run_on_the_same_directory_is_refused_and_no_lock_outlives_a_run(tmp_path):
+@pytest.mark.parametrize("launcher", [[], ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]],
+                         ids=["python", "torchrun"])
+def test_second_run_on_the_same_directory_is_refused_and_no_lock_outlives_a_run(tmp_path, launcher):
     # The first run checkpoints step 2 and then sleeps in it (as a long step would, without
     # using the CPU the second run needs to start): still running whatever the machine's speed.
+    # Under torchrun its ranks have read the folder's .lock too (every rank checks it sees it):
+    # rank 0 must still hold the lock.
     longer = [*TINY, "--train-samples", "8192", "--epochs", "50", *WORKERS, "--checkpoint-dir", tmp_path]
-    first = Proc([FAULTS, "--fault", "pause", "--step", "2", "--pause-seconds", "600", "--marker",
-                  tmp_path / "paused", "--", "distributed.py", *longer])
+    first = Proc([*launcher, FAULTS, "--fault", "pause", "--rank", "-1", "--step", "2", "--pause-seconds", "600",
+                  "--marker", tmp_path / "paused", "--", "distributed.py", *longer], **FRESH_STORE)
     try:
         wait_for_file(tmp_path / "paused.0", first)
         second = run_script(["distributed.py", *longer, "--resume"], check=False, timeout=120)
         line = assert_one_line_error(second, f"--checkpoint-dir {tmp_path} is in use by another run",
-                                     f"pid {first.popen.pid}")
-        assert "host " in line
+                                     "pid " if launcher else f"pid {first.popen.pid}")
+        assert "host " in line and ", since 20" in line
     finally:
         first.kill()  # SIGKILL: no chance to clean up, and still no stale lock
     resumed = run_script(["distributed.py", *longer, "--resume", "--max-steps", "4"], timeout=180)

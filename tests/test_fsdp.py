@@ -25,8 +25,8 @@ import signal
 import pytest
 import torch
 
-from conftest import (ROOT, SMALL, assert_refused, expect_ok, fake_accelerator, group_norm, read_metrics,
-                      run_script, torchrun)
+from conftest import (ROOT, SMALL, assert_refused, expect_ok, fake_accelerator, group_norm, on_rank_1,
+                      read_metrics, run_script, torchrun)
 from utils import checkpoint, sharded
 from utils.cli import UsageError
 
@@ -359,27 +359,11 @@ def test_compile_is_not_offered(run_in_process):
         assert_refused(run_in_process("distributed_fsdp.py", [*SMALL, *flags]), f"unrecognized arguments: {flags[0]}")
 
 
-ON_RANK_1 = """
-import os, runpy, sys
-sys.path.insert(0, {root!r})
-if os.environ["RANK"] == "1":
-    {patch}
-sys.argv = [{script!r}, *sys.argv[1:]]
-runpy.run_path({script!r}, run_name="__main__")
-"""
-
-
-def on_rank_1(tmp_path, patch: str):
-    """An entry point for torchrun: distributed_fsdp.py, after `patch` on rank 1."""
-    runner = tmp_path / "on_rank_1.py"
-    runner.write_text(ON_RANK_1.format(root=str(ROOT), script=str(ROOT / "distributed_fsdp.py"), patch=patch))
-    return runner
-
-
 def test_a_failed_sharded_save_names_each_ranks_error(tmp_path):
     # Rank 1 may write files of 100 kB at most (a quota; Python ignores SIGXFSZ: the write fails
     # with EFBIG); its shards take 400 kB. No loader worker: their batches would hit it too.
-    runner = on_rank_1(tmp_path, "import resource; resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))")
+    runner = on_rank_1(tmp_path, "distributed_fsdp.py",
+                       "import resource; resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))")
     proc = torchrun(2, runner, [*TWO, "--workers", "0", "--max-steps", "2", "--checkpoint-dir", tmp_path / "ck"],
                     check=False)
     output = proc.stdout + proc.stderr
@@ -390,30 +374,6 @@ def test_a_failed_sharded_save_names_each_ranks_error(tmp_path):
     root_cause = output.split("Root Cause (first observed failure):", 1)[1]
     assert "error_file: <N/A>" not in root_cause and "CheckpointException" not in output, output
     assert not (tmp_path / "ck" / "checkpoint.pt").exists()
-
-
-def test_a_checkpoint_dir_that_not_every_rank_sees_is_refused_at_the_first_save(tmp_path):
-    # As on two nodes that each have a folder of that name: rank 1 writes its shards elsewhere.
-    ck = tmp_path / "ck"
-    runner = on_rank_1(tmp_path, 'sys.argv[sys.argv.index("--checkpoint-dir") + 1] += "-elsewhere"')
-    proc = torchrun(2, runner, [*TWO, "--checkpoint-every", "2", "--checkpoint-dir", ck], check=False)
-    line = (f"distributed_fsdp.py: error: --checkpoint-dir {ck}: another rank does not see the checkpoint that "
-            f"rank 0 wrote into {ck / 'sharded-step2'}: every node must see the same folder (a shared file system)")
-    lines = [text for text in proc.stderr.splitlines() if text.strip()]
-    assert proc.returncode != 0 and lines[0] == line, proc.stderr
-    assert "exitcode  : 2" in proc.stderr and "exitcode  : 1" not in proc.stderr, proc.stderr
-    assert "this node does not see" in proc.stderr  # rank 1's own line, from its error file
-    assert not (ck / "checkpoint.pt").exists() and "epoch 1/1" not in proc.stdout
-
-
-def test_the_first_save_looks_again_for_a_file_its_node_sees_late(tmp_path):
-    # NFS: a node that asked for .metadata before rank 0 wrote it (DCP's overwrite check) may trust
-    # "no such file" until its cached view of the folder expires: a shared folder, seen a few seconds late.
-    import threading
-    folder = tmp_path / "sharded-step2"
-    folder.mkdir()
-    threading.Timer(2.0, (folder / ".metadata").touch).start()
-    sharded.check_seen_by_all(str(folder), str(tmp_path / "checkpoint.pt"))  # one process: its own vote
 
 
 def test_a_failure_on_many_ranks_is_still_one_short_line():

@@ -1,7 +1,6 @@
 """Full-state checkpoints (TrainingRun.save, utils/run.py: all that continuing with the exact next batch
 needs), written atomically. Only tensors and plain values go in, so `torch.load(path, weights_only=True)`
-reads it without running pickled code.
-"""
+reads it without running pickled code."""
 import contextlib
 import errno
 import fcntl
@@ -9,6 +8,7 @@ import os
 import random
 import socket
 import tempfile
+import time
 
 import numpy as np
 import torch
@@ -104,9 +104,8 @@ def read_file(path: str, what: str = "checkpoint"):
     except Exception as exc:
         if "Unsupported global" in str(exc):  # a class weights_only will not import; none in our files
             # Not torch's hint, weights_only=False: for a file from elsewhere it runs whatever code it holds.
-            raise UsageError(f"cannot read {what} {path}: it holds Python objects other than tensors "
-                             "and plain values, which are not loaded because loading them could run "
-                             "code; it was not written by these scripts") from None
+            raise UsageError(f"cannot read {what} {path}: it holds Python objects other than tensors and plain values, "
+                             "left unloaded as loading them could run code; these scripts did not write it") from None
         raise UsageError(f"cannot read {what} {path}: it is corrupt or not a PyTorch file "
                          f"({first_line(exc, typed=True)})") from None
 
@@ -120,11 +119,11 @@ def load(path: str) -> dict:
 
 
 def lock_directory(directory: str):
-    """`directory` this run's alone while this process lives (UsageError for a second run, or a folder that
-    cannot be made or written; a warning where its file system has no locks): a POSIX record lock
-    (fcntl.lockf) on DIRECTORY/.lock, which the kernel releases however the process ends (no stale lock
-    after a crash or a kill). Unlike flock(), forked loader workers do not inherit it, and NFS honours it.
-    The file names the holder, for the refusal."""
+    """`directory` this run's alone while this process lives (UsageError for a second run, or a folder that cannot
+    be made or written; a warning where its file system has no locks): a POSIX record lock (fcntl.lockf) on
+    DIRECTORY/.lock, which the kernel releases however the process ends (no stale lock after a crash or a kill).
+    Unlike flock(), forked loader workers do not inherit it, and NFS honours it. Returns the line it writes there:
+    the holder, named in a refusal and compared by the other nodes."""
     try:
         os.makedirs(directory, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
@@ -140,23 +139,32 @@ def lock_directory(directory: str):
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
-        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() if exc.errno in (
-            errno.EACCES, errno.EAGAIN) else None
-        os.close(fd)
-        if exc.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):  # NFS without its lock daemon, Lustre
-            # mounted noflock: train all the same (a folder every node sees may be only there); a fresh run still
-            # refuses a checkpoint it finds.
-            print_line(error_line(f"cannot lock --checkpoint-dir {directory} ({exc.strerror}): its file system "
-                                  "offers no locks, so a second run started on it at the same time would not be "
-                                  "refused; start one run per folder", kind="warning"))
-            return
-        if holder is None:
-            raise UsageError(f"cannot lock --checkpoint-dir {directory}: {exc.strerror}") from None
-        raise UsageError(f"--checkpoint-dir {directory} is in use by another run ({holder or 'unknown holder'}): "
-                         "wait until it ends, or choose another directory") from None
+        if exc.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):
+            held_by = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown holder"
+            os.close(fd)
+            raise UsageError(f"--checkpoint-dir {directory} is in use by another run ({held_by}): wait until it ends, "
+                             "or choose another directory" if exc.errno in (errno.EACCES, errno.EAGAIN) else
+                             f"cannot lock --checkpoint-dir {directory}: {exc.strerror}") from None
+        # NFS without its lock daemon (ENOLCK), Lustre mounted noflock (ENOSYS): train all the same (a folder every
+        # node sees may be only there); a fresh run still refuses a checkpoint it finds.
+        print_line(error_line(f"cannot lock --checkpoint-dir {directory} ({exc.strerror}): its file system offers "
+                              "no locks, so a second run started on it at the same time would not be refused; start "
+                              "one run per folder", kind="warning"))
+    # Written through: this process keeps the file open, and NFS would write it to the server only on close.
+    line = f"host {socket.gethostname()}, pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}\n".encode(), 0)
+    os.pwrite(fd, f"{line}\n".encode(), 0)
+    with contextlib.suppress(OSError):  # a file system without fsync (some FUSE mounts)
+        os.fsync(fd)
     _held_locks.append(fd)
+    return line
+
+
+def holder(directory: str):
+    """The line of the run that holds `directory` (lock_directory), or None. Never in the process that holds the
+    lock: closing any descriptor of a file releases the process's POSIX locks on it."""
+    with contextlib.suppress(OSError), open(os.path.join(directory, LOCKNAME), errors="replace") as f:
+        return f.read().strip()
 
 
 class WholeState:

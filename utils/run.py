@@ -18,15 +18,15 @@ order, or the others wait in it until --dist-timeout and fail with an error that
 (`meeting(...)`, utils/distributed.py): no rank may skip a `step_done()` or leave the loop on its own.
 
 - `TrainingRun(...)`: agreements (`all_ranks_ok`, through the job's store) on the output files, on
-  whether a checkpoint exists, on whether this is a launcher's restart and, with --resume, on whether
-  every rank loaded it (a sharded model loads in a collective).
+  whether every rank sees --checkpoint-dir (after a broadcast of rank 0's lock line), whether a
+  checkpoint exists, whether this is a launcher's restart and, with --resume, whether every rank
+  loaded it (a sharded model loads in a collective).
 - `step_done()`: every `check_every` steps (10 under a launcher, 1 alone) a stop-signal agreement; when a
   checkpoint is due, an all-reduce of the epoch's training sums (`save`) and a sharded model's save.
 - `end_epoch()`: an all-reduce of the training sums for the summary, another in `save`, then a stop
   agreement (for a signal that came during evaluation). The script's `metrics.evaluate` before it
   makes its own (the broadcasts of batch-norm buffers, one all-reduce).
-- `finish()` and `epochs()` communicate nothing.
-"""
+- `finish()` and `epochs()` communicate nothing."""
 import json
 import os
 import signal
@@ -90,14 +90,14 @@ class TrainingRun:
         """Before anything trains, rank 0 locks the checkpoint directory (a lock that dies with the process) and
         makes sure that it, --metrics and --tensorboard can be written, every rank its --profile folder (nodes
         may not share it); every rank learns the outcome: all stop together, the failing node saying why."""
-        args, error = self.args, None
+        args, error, line = self.args, None, None
         outputs = [("--profile", getattr(args, "profile", None), None)]
         if self.env.is_main:
             outputs += [("--metrics", args.metrics and os.path.dirname(os.path.abspath(args.metrics)), args.metrics),
                         ("--tensorboard", getattr(args, "tensorboard", None), None)]
         try:
             if self.env.is_main and args.checkpoint_dir:
-                checkpoint.lock_directory(args.checkpoint_dir)
+                line = checkpoint.lock_directory(args.checkpoint_dir)
             for flag, folder, file in outputs:
                 try:
                     if folder:
@@ -111,6 +111,27 @@ class TrainingRun:
             error.met_by = "node"
         if not all_ranks_ok(error is None, "TrainingRun(...), agreeing on the output paths"):
             raise error or UsageError("an output path could not be written on another rank (its node says why)")
+        if args.checkpoint_dir and self.env.distributed:
+            self._check_shared(args.checkpoint_dir, line)
+
+    def _check_shared(self, directory: str, line):
+        """Every rank reads in --checkpoint-dir's .lock the `line` that rank 0 wrote (rank 0 must not: that drops its
+        lock). A resume reads the checkpoint on every rank: a folder on each node's own disk would fail only then."""
+        held = [line]
+        with meeting("TrainingRun(...), rank 0's line in --checkpoint-dir's .lock"):
+            torch.distributed.broadcast_object_list(held, src=0)
+        found = line = held[0]
+        # NFS may answer from its cached view of a folder for up to 60 s (acdirmax): look again before refusing,
+        # within --dist-timeout, the time the other ranks wait for this one.
+        until = time.monotonic() + min(60.0, self.args.dist_timeout / 2)
+        while not self.env.is_main and (found := checkpoint.holder(directory)) != line and time.monotonic() < until:
+            time.sleep(1)
+        if not all_ranks_ok(found == line, "TrainingRun(...), agreeing that every rank sees --checkpoint-dir"):
+            seen = "another rank does not see" if found == line else "this node finds no .lock with" if not found \
+                else f"this node reads {found!r} in .lock, not"
+            raise UsageError(f"--checkpoint-dir {os.path.abspath(directory)}: {seen} the line of rank 0 ({line}): "
+                             "every node must see the same folder (a shared file system), and one run use it at a "
+                             "time", met_by="job" if found == line else "node")
 
     # --- resume -------------------------------------------------------------------
 
@@ -153,28 +174,27 @@ class TrainingRun:
         try:
             state = checkpoint.load(path)  # every rank reads the file: no broadcast needed
             self.state.check(state, path)
+            saved = state.get("config", {})
+            for key in self._MUST_MATCH:
+                if key in saved and saved[key] != getattr(self.args, key, saved[key]):
+                    flag = "--" + key.replace("_", "-")
+                    raise UsageError(f"checkpoint {path} was written with {flag} {saved[key]}, this run has "
+                                     f"{flag} {getattr(self.args, key)}: resume with the same value")
+            # Your own data that gained or lost samples: each epoch's order is a permutation of the set's size, so
+            # the resumed position would name other samples, and the schedule other steps.
+            if state.get("train_size", self.train_size) != self.train_size:
+                raise UsageError(f"checkpoint {path} was trained on {state['train_size']:,} training samples, this "
+                                 f"run has {self.train_size:,}: resume with the same data, or start a new run in "
+                                 "another --checkpoint-dir")
         except UsageError as exc:
             error = exc
-        # A file that only some ranks can read stops all of them, rather than leave the others waiting.
+        # A file that some ranks cannot read, or data of another size on one node, stops every rank, not only those.
         if not all_ranks_ok(error is None, "TrainingRun(...), agreeing that every rank resumed"):
-            raise error or UsageError(f"checkpoint {path} could not be read on another rank")
+            raise error or UsageError(f"checkpoint {path} could not be read, or does not fit, on another rank")
         missing = [key for key in (*self.state.needed, *self._NEEDED) if key not in state]
         if missing:
             raise UsageError(f"checkpoint {path} lacks {', '.join(missing)}: it is not a complete "
                              "checkpoint of these scripts")
-        saved = state.get("config", {})
-        for key in self._MUST_MATCH:
-            if key in saved and saved[key] != getattr(self.args, key, saved[key]):
-                flag = "--" + key.replace("_", "-")
-                raise UsageError(f"checkpoint {path} was written with {flag} {saved[key]}, this run has "
-                                 f"{flag} {getattr(self.args, key)}: resume with the same value")
-        # Your own data that gained or lost samples: each epoch's order is a permutation of the set's size,
-        # so the resumed position would name other samples (some seen twice, some skipped) and the schedule
-        # other steps.
-        if state.get("train_size", self.train_size) != self.train_size:
-            raise UsageError(f"checkpoint {path} was trained on {state['train_size']:,} training samples, this run "
-                             f"has {self.train_size:,}: resume with the same data, or start a new run in another "
-                             "--checkpoint-dir")
         try:
             self.state.load(state, path, own=_same_file(path, self.checkpoint_path or ""))
             self.scheduler.load_state_dict(state["scheduler"])

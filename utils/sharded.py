@@ -13,14 +13,12 @@ import enum
 import os
 import pickle
 import shutil
-import time
 import warnings
 
 import torch
 
 from .checkpoint import load
 from .cli import UsageError, first_line
-from .distributed import all_ranks_ok
 
 SHARDED_PREFIX = "sharded-step"
 _DCP_METADATA = ".metadata"
@@ -37,7 +35,6 @@ class ShardedState:
         self.folder = self.param_groups = None  # the folder this run's checkpoint.pt names
         self.previous = None  # the folder it named before the last save
         self.resumed = None  # the folder that a checkpoint not this run's own, resumed from, names
-        self.seen_by_all = False  # whether every rank has seen a save of this run (its first save checks)
 
     def check(self, state: dict, path: str):
         if "sharded" not in state:
@@ -64,9 +61,6 @@ class ShardedState:
             # Beside the checkpoint.pt to come: atomic_save replaces a symbolic link there by the file.
             folder = os.path.join(_directory(path), name)
             self.param_groups = save_sharded(self.model, self.optimizer, folder)
-            if not self.seen_by_all:
-                check_seen_by_all(folder, path)
-                self.seen_by_all = True
         return {"sharded": {"folder": self.folder, "param_groups": self.param_groups}}
 
     def saved(self, path: str):
@@ -95,22 +89,6 @@ def sharded_folder(checkpoint_path: str, name: str) -> str:
     """The shards' folder that a checkpoint.pt names: beside that file, wherever it is (beside
     its target, for a symbolic link: latest.pt -> run1/checkpoint.pt names run1's folder)."""
     return os.path.join(os.path.dirname(os.path.realpath(checkpoint_path)), name)
-
-
-def check_seen_by_all(folder: str, path: str):
-    """Every rank sees the metadata that rank 0 wrote into `folder` (a collective): each rank writes
-    its shards where it stands, so a --checkpoint-dir that is another folder on every node would
-    leave each node a part, found incomplete only at a resume. UsageError on every rank if not."""
-    # NFS: each node asked for .metadata before rank 0 wrote it (DCP's overwrite check), and may trust that
-    # "no such file" until its cached view of the folder expires (acdirmax, 60 s by default): look again.
-    seen, until = False, time.monotonic() + 60
-    while not (seen := os.path.isfile(os.path.join(folder, _DCP_METADATA))) and time.monotonic() < until:
-        time.sleep(1)
-    if not all_ranks_ok(seen, "the first sharded save, agreeing that every rank sees its folder"):
-        where = "this node does not see" if not seen else "another rank does not see"
-        raise UsageError(f"--checkpoint-dir {os.path.dirname(path)}: {where} the checkpoint that rank 0 "
-                         f"wrote into {folder}: every node must see the same folder (a shared file system)",
-                         met_by="node" if not seen else "job")
 
 
 def save_sharded(model, optimizer, folder: str) -> list:
