@@ -3,8 +3,7 @@
 The ImageNet ResNet starts with a 7x7 stride-2 convolution and a max-pool, which
 would shrink a 32x32 image to 8x8 before the first block. The CIFAR variant used
 in the literature (and here) starts with a 3x3 stride-1 convolution and no pool,
-so the four stages see 32, 16, 8 and 4 pixels.
-"""
+so the four stages see 32, 16, 8 and 4 pixels."""
 import torch.nn as nn
 
 

@@ -3,8 +3,7 @@
 A script builds its parser with `build_parser`, adds a group of its own, calls `parse_args`, then
 `validated(args, check)`, after which --check-args stops: a batch script's check and the run refuse the
 same things in the same words. Bad input raises `UsageError` (one line, exit status 2: utils/lifecycle.py's
-`run_main`). The ground floor: it imports nothing of the package.
-"""
+`run_main`). The ground floor: it imports nothing of the package."""
 import argparse
 import contextlib
 import importlib.util
@@ -102,8 +101,7 @@ def build_parser(doc: str, model_names, own_data: bool = False, images: bool = T
     first_line = doc.strip().splitlines()[0] if doc else None
     # allow_abbrev=False: the launchers read some flags from the extra arguments themselves
     # (scripts/slurm.sbatch: --checkpoint-dir), which an abbreviation (--checkpoint-d) would pass unseen.
-    parser = Parser(description=first_line, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                    allow_abbrev=False)
+    parser = Parser(description=first_line, formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     parser.own_data, parser.images = own_data, images
 
     g = parser.add_argument_group("data")
@@ -211,7 +209,6 @@ def given(args, name: str) -> bool:
 
 
 def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
-    """The parsed arguments, checked for what the command line alone can tell."""
     args = parser.parse_args(argv)
     # Which flags were given: parsed again into a namespace that already holds a marker for
     # every destination (argparse fills in a default only where the namespace has none).
@@ -272,9 +269,8 @@ def check_flags(args):
         raise UsageError("--momentum 0 with Nesterov momentum (on by default): add --no-nesterov, "
                          "or give a momentum above 0")
     if args.local_rank is not None and not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
-        raise UsageError(f"--local-rank {args.local_rank} without RANK and WORLD_SIZE: it comes from "
-                         "torch.distributed.launch, which sets those too; under plain python "
-                         "(one process) leave it out")
+        raise UsageError(f"--local-rank {args.local_rank} without RANK and WORLD_SIZE: torch.distributed.launch sets "
+                         "it with them; under plain python (one process) leave it out")
 
 
 def split_batch(global_batch: int, world_size: int, accum_steps: int = 1, unit: str = "process") -> int:

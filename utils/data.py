@@ -6,8 +6,7 @@ it (TrainImages, SeededSamples): so runs compare across strategies and numbers o
 workers, resumes in the middle of an epoch are exact, and --data-on-gpu augments as the loader does.
 
 Loader workers hand their batches over in shared memory (/dev/shm), which Docker keeps at 64 MB
-unless told otherwise; a worker that finds it full dies of a bus error: warn_if_shm_short.
-"""
+unless told otherwise; a worker that finds it full dies of a bus error: warn_if_shm_short."""
 
 import contextlib
 import fcntl

@@ -3,8 +3,7 @@ device (the accelerator's, else the CPU with gloo), and the few helpers every ra
 
 Agreements (`all_ranks_ok`, `any_rank`: may the run go on, has any rank a stop signal) go through the
 job's rendezvous store, not a collective: beside NCCL they need no second network stack and never wait
-behind the GPU's queue, and no backend thread touches a Python object before the loaders fork workers.
-"""
+behind the GPU's queue, and no backend thread touches a Python object before the loaders fork workers."""
 import contextlib
 import dataclasses
 import datetime
@@ -61,13 +60,11 @@ class DistEnv:
         return self.world_size > self.local_world_size
 
 
-LAUNCHER_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
 def job_from_env(check_only: bool = False) -> DistEnv:
     """This process's place in its job, from the launcher's variables; one process without
     WORLD_SIZE. check_only (--check-args): a missing RANK stands for rank 0."""
-    read = " ".join(f"{name}={os.environ[name]}" for name in LAUNCHER_VARIABLES if name in os.environ)
+    launcher_variables = ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    read = " ".join(f"{name}={os.environ[name]}" for name in launcher_variables if name in os.environ)
     if "WORLD_SIZE" not in os.environ:
         if "RANK" in os.environ:
             raise UsageError(f"RANK={os.environ['RANK']} without WORLD_SIZE: a launcher (torchrun, srun) sets both; "

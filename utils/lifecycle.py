@@ -1,7 +1,6 @@
 """A training process's life: how it ends (`run_main`, `leave`), its loader workers, and the stop signals
 (Ctrl-C, `scancel --signal`, preemption), which reach the whole process group, workers included: these leave
-them to their rank (`ignore_stop_signals`), which stops at a step all ranks agree on (utils/run.py).
-"""
+them to their rank (`ignore_stop_signals`), which stops at a step all ranks agree on (utils/run.py)."""
 import atexit
 import contextlib
 import datetime
@@ -390,10 +389,9 @@ def bus_error_message(err: BaseException):
             return None
     free = shm_free_bytes()
     where = f"{SHM_DIR}: {free / 2**20:.0f} MB free now" if free is not None else f"no {SHM_DIR} here"
-    return (f"a DataLoader worker died of a bus error, which in a loader worker almost always means "
-            f"that the shared-memory folder ran out ({where}). "
-            "In Docker run with --ipc=host or --shm-size=2g; elsewhere make the folder larger "
-            "(mount -o remount,size=2G /dev/shm) or lower --workers or --batch-size; "
+    return (f"a DataLoader worker died of a bus error, which in a loader worker almost always means that the "
+            f"shared-memory folder ran out ({where}). In Docker run with --ipc=host or --shm-size=2g; elsewhere "
+            "make the folder larger (mount -o remount,size=2G /dev/shm) or lower --workers or --batch-size; "
             "scripts/preflight.py shows what the workers need")
 
 

@@ -52,7 +52,6 @@ class TrainMeter:
         self.norms[1] += finite
 
     def local_loss(self) -> float:
-        """This rank's mean loss so far (one device sync; for the progress bar)."""
         loss_sum, _, n = self.sums.tolist()
         return loss_sum / max(n, 1)
 

@@ -13,8 +13,7 @@ What the libraries do, as their sources say:
 - NCCL chooses its interfaces by rules of its own (NCCL_SOCKET_IFNAME overrides them, NCCL_DEBUG=INFO
   prints them): nothing here imitates it.
 IPv4 only (a job that meets at an IPv6 address is not checked); Linux (interface addresses are read
-with ioctl).
-"""
+with ioctl)."""
 import contextlib
 import ipaddress
 import os
@@ -148,10 +147,9 @@ def findings(meet_at, uses_gloo: bool, flag: str = "MASTER_ADDR") -> list:
             fix = (f"list {meet_at} in {name}'s own /etc/hosts with its network address, as the other nodes "
                    "resolve it, not on a 127.x line" if mine else
                    f"give {flag} node 0's network address" if flag != "MASTER_ADDR" else
-                   "torchrun's c10d rendezvous sets it to node 0's own name as socket.getfqdn() gives it "
-                   "there: list that name with node 0's network address in node 0's /etc/hosts, not on a "
-                   "127.x line; or start torchrun with --local-addr=<the node's address> on every node "
-                   "(scripts/launch_multi_node.sh does)")
+                   "torchrun's c10d rendezvous sets it to node 0's own name as socket.getfqdn() gives it there: list "
+                   "that name with node 0's network address in node 0's /etc/hosts, not on a 127.x line; or start "
+                   "torchrun with --local-addr=<the node's address> on every node (scripts/launch_multi_node.sh does)")
             who = f"this host ({name}) would look for it" if mine else "each node would look for the others"
             return [Finding(True, f"{flag} {meet_at} is {addresses[0]} here, a loopback address: {who} at its "
                                   "own, and the job would wait until its timeout", fix)]

@@ -8,8 +8,7 @@ threads on the CPU): that makes DDP fast. A run ending inside the window writes 
 --tensorboard DIR: rank 0 writes each epoch record's scalars at its global step, flushed for a live
 `tensorboard --logdir DIR`; the optional tensorboard package is imported only then.
 
-TrainingRun (utils/run.py) makes every call (Observers(...), step, epoch, close) on every rank; none communicates.
-"""
+TrainingRun (utils/run.py) makes every call (Observers(...), step, epoch, close) on every rank; none communicates."""
 import math
 import os
 

@@ -1,8 +1,7 @@
 """Keeping DDP's replicas in agreement: --sync-bn and an end-of-run check, --verify-sync.
 
 DDP keeps parameters identical by averaging gradients; batch-norm running statistics are updated from
-each rank's own slice of the batch and drift apart, unless SyncBatchNorm computes them over the global batch.
-"""
+each rank's own slice of the batch and drift apart, unless SyncBatchNorm computes them over the global batch."""
 import torch
 import torch.distributed as dist
 import torch.nn as nn
