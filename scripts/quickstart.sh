@@ -14,8 +14,10 @@ if [ "$gpus" -gt 0 ]; then
 else
   nproc=2
   export OMP_NUM_THREADS=1
-  # 2 CPU cores: 60 steps of 64 images and 1,000 test images end in a few minutes.
-  budget=(--epochs 1 --train-samples 3840 --test-samples 1000 --batch-size 64 --warmup-epochs 0.1 --workers 1)
+  # 2 CPU cores: 60 steps of 64 images and 1,000 test images end in a few minutes. --device cpu: on a
+  # Mac, the default would pick Apple's MPS device, which DDP cannot use.
+  budget=(--device cpu --epochs 1 --train-samples 3840 --test-samples 1000 --batch-size 64 --warmup-epochs 0.1
+          --workers 1)
 fi
 
 if $PY -c "import torchvision; torchvision.datasets.CIFAR100('./data', train=True, download=True); torchvision.datasets.CIFAR100('./data', train=False, download=True)" >/dev/null 2>&1; then
