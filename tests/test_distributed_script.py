@@ -186,7 +186,8 @@ def test_a_checkpoint_dir_that_not_every_node_sees_is_refused_at_the_start(tmp_p
     # (60 s at most), then refuses.
     ck = tmp_path / "ck"
     runner = on_rank_1(tmp_path, "distributed.py", 'sys.argv[sys.argv.index("--checkpoint-dir") + 1] += "-elsewhere"')
-    proc = torchrun(2, runner, [*SMALL, "--checkpoint-dir", ck, "--dist-timeout", "20"], check=False, timeout=180)
+    workers_on = with_flag(SMALL, "--workers", 1)  # as users run it: loader workers forked before the check
+    proc = torchrun(2, runner, [*workers_on, "--checkpoint-dir", ck, "--dist-timeout", "40"], check=False, timeout=180)
     lines = [text for text in proc.stderr.splitlines() if text.strip()]
     assert proc.returncode != 0 and lines[0].startswith(
         f"distributed.py: error: --checkpoint-dir {ck}: another rank does not see the line of rank 0 (host ") and \
@@ -219,7 +220,7 @@ def test_a_checkpoint_dir_that_a_node_sees_late_is_looked_at_again(tmp_path):
     # NFS may answer from its cached view of a folder for up to 60 s (acdirmax): seen late, not refused.
     (tmp_path / "late.py").write_text(LATE)
     runner = on_rank_1(tmp_path, "distributed.py", f"exec(open({str(tmp_path / 'late.py')!r}).read())")
-    torchrun(2, runner, [*SMALL, "--max-steps", "2", "--checkpoint-dir", tmp_path / "ck"])  # exit status 0
+    torchrun(2, runner, [*with_flag(SMALL, "--workers", 1), "--max-steps", "2", "--checkpoint-dir", tmp_path / "ck"])
     assert (tmp_path / "ck" / "checkpoint.pt").is_file() and (tmp_path / "ck-late").is_symlink()
 
 
