@@ -2,10 +2,10 @@
 
 `python scripts/benchmark.py --memory` runs this: one torchrun launch per world size
 (1, 2 and 4 processes by default), each measuring four strategies in turn on a fresh
-model: DDP as distributed.py wraps it (the bare model with one process, as the script
-runs it), and FSDP2 as distributed_fsdp.py shards it, with and without
---reshard-after-forward, and with --mp-policy bf16. Each rank trains two steps of SGD with momentum on random
-images, then counts, after the second step:
+model: DDP as distributed.py wraps it (under torchrun, one process too), and FSDP2 as
+distributed_fsdp.py shards it, with and without --reshard-after-forward, and with
+--mp-policy bf16. Each rank trains two steps of SGD with momentum on random images, then
+counts, after the second step:
 
 - parameter, gradient and optimizer-state bytes: the bytes of the distinct storages
   behind its parameters (the local shard of a DTensor), their .grad (DDP's buckets when
@@ -31,6 +31,7 @@ import json
 import math
 import os
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -133,6 +134,21 @@ def live_tensor_bytes() -> int:
     return storage_bytes(tensors)
 
 
+def release_finished_collectives(rounds: int = 3):
+    """NCCL's process group keeps the tensors of a collective that no one called wait() on (DDP's
+    gradient buckets: its reducer waits on their futures) until its watchdog has seen the collective
+    end and a later call of the group's lets them go (ProcessGroupNCCL.hpp, shelvesToUnstash_, 2.11
+    and 2.14). The watchdog looks every 100 ms: a few barriers after it has looked free them. Before
+    this, the previous strategy's gradients (once or twice over) counted in the next one's figures on
+    a GPU. The same number of rounds on every rank: each is a collective."""
+    import torch.distributed as dist
+    torch.cuda.synchronize()
+    for _ in range(rounds):
+        time.sleep(0.25)
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    torch.cuda.synchronize()
+
+
 def measure_strategy(name: str, reshard, mp_policy, spec: dict, env) -> dict:
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -142,6 +158,8 @@ def measure_strategy(name: str, reshard, mp_policy, spec: dict, env) -> dict:
     from utils import compat, distributed as dist_utils
 
     use_cuda = env.device.type == "cuda"
+    if use_cuda:
+        release_finished_collectives()
     before = live_tensor_bytes()
     allocated_before = torch.cuda.memory_allocated() if use_cuda else None
     dist_utils.seed_everything(spec["seed"])

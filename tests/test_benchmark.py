@@ -240,7 +240,7 @@ def test_the_ceilings_on_a_gpu(tmp_path):
                 "--row-timeout", "120", "--out", tmp_path], timeout=140, env=gpu_subprocess_env())
     report = json.loads((tmp_path / "benchmark.json").read_text())
     rows = rows_by_name(report)
-    assert list(rows) == names
+    assert sorted(rows) == sorted(names)  # in the table's order, not --rows'
     for name in names:
         assert rows[name]["status"] == "ok", rows[name]
         assert rows[name]["min_images_per_second"] <= rows[name]["max_images_per_second"]

@@ -37,6 +37,7 @@ import numpy as np
 import pytest
 import torch
 
+import test_gpu_scripts
 from conftest import ROOT, free_port, freeze_the_imports, keep_on_cpu, read_metrics, torchrun
 from utils import checkpoint, cli, data, lifecycle, sharded
 
@@ -604,6 +605,16 @@ def test_a_flag_without_an_entry_fails():
     ids = [param.id for param in flag_cases()]
     assert "distributed.py---batch_size-0" in ids and not any(i.endswith("no-entry") for i in ids), \
         [i for i in ids if i.endswith("no-entry")]
+
+
+@pytest.mark.parametrize("script, extra, launcher", test_gpu_scripts.CUDA_RUNS)
+def test_the_cuda_runs_command_lines_are_accepted(run_script_here, tmp_path, script, extra, launcher):
+    """test_gpu_scripts.py's runs wait for a GPU to be run at all: their flags are checked here, so
+    that a flag a script no longer offers fails on every machine, not at the next GPU check."""
+    argv = [str(tmp_path / "ckpt") if a == "CKPT" else a for a in extra]
+    result, code = run_script_here(script, [*argv, "--check-args"])
+    assert code in (0, None) and "arguments OK" in result.stdout, f"{script} {' '.join(argv)}: exit {code}\n" \
+                                                                   f"{result.stdout}\n{result.stderr}"
 
 
 # --- what needs several processes: one torchrun launch --------------------------------------------
