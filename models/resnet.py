@@ -1,9 +1,8 @@
 """ResNets for 32x32 images (CIFAR).
 
-The ImageNet ResNet starts with a 7x7 stride-2 convolution and a max-pool, which
-would shrink a 32x32 image to 8x8 before the first block. The CIFAR variant used
-in the literature (and here) starts with a 3x3 stride-1 convolution and no pool,
-so the four stages see 32, 16, 8 and 4 pixels."""
+The ImageNet ResNet starts with a 7x7 stride-2 convolution and a max-pool, which would shrink a 32x32 image to 8x8
+before the first block. The CIFAR variant used in the literature (and here) starts with a 3x3 stride-1 convolution
+and no pool, so the four stages see 32, 16, 8 and 4 pixels."""
 import torch.nn as nn
 
 
@@ -19,9 +18,7 @@ class BasicBlock(nn.Module):
         self.relu = nn.ReLU(inplace=True)
         self.shortcut = nn.Sequential()
         if stride != 1 or in_planes != planes:
-            self.shortcut = nn.Sequential(
-                nn.Conv2d(in_planes, planes, 1, stride, bias=False), norm_layer(planes)
-            )
+            self.shortcut = nn.Sequential(nn.Conv2d(in_planes, planes, 1, stride, bias=False), norm_layer(planes))
 
     def forward(self, x):
         out = self.relu(self.bn1(self.conv1(x)))
@@ -44,9 +41,8 @@ class Bottleneck(nn.Module):
         self.relu = nn.ReLU(inplace=True)
         self.shortcut = nn.Sequential()
         if stride != 1 or in_planes != out_planes:
-            self.shortcut = nn.Sequential(
-                nn.Conv2d(in_planes, out_planes, 1, stride, bias=False), norm_layer(out_planes)
-            )
+            self.shortcut = nn.Sequential(nn.Conv2d(in_planes, out_planes, 1, stride, bias=False),
+                                          norm_layer(out_planes))
 
     def forward(self, x):
         out = self.relu(self.bn1(self.conv1(x)))

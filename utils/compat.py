@@ -7,11 +7,10 @@ import inspect
 import torch
 import torch.distributed as dist
 
-# DDP's switch for broadcasting rank 0's buffers (batch-norm statistics) before every forward
-# is `broadcast_buffers` up to PyTorch 2.12 and `forward_sync_buffers` from 2.13, where the old
-# name warns (FutureWarning) on every wrap. Not a plain rename: broadcast_buffers=False also
-# leaves the buffers out of the constructor's broadcast of rank 0's state, while
-# forward_sync_buffers=False keeps them in it (torch/nn/parallel/distributed.py, __init__).
+# DDP's switch for broadcasting rank 0's buffers (batch-norm statistics) before every forward is `broadcast_buffers`
+# up to PyTorch 2.12 and `forward_sync_buffers` from 2.13, where the old name warns (FutureWarning) on every wrap.
+# Not a plain rename: broadcast_buffers=False also leaves the buffers out of the constructor's broadcast of rank 0's
+# state, while forward_sync_buffers=False keeps them in it (torch/nn/parallel/distributed.py, __init__).
 _DDP_HAS_FORWARD_SYNC_BUFFERS = "forward_sync_buffers" in inspect.signature(
     torch.nn.parallel.DistributedDataParallel.__init__).parameters
 

@@ -98,11 +98,10 @@ def run_main(main, argv=None):
 
 def leave(code: int = 0, message: str = None):
     """End this process now, skipping the interpreter's teardown on purpose: gloo's worker threads outlive
-    destroy_process_group() once DDP has used the group (pytorch/pytorch issues 72366, 107298), and one
-    that frees a work item's tensors while the interpreter finalizes is ended by Python (up to 3.13) with
-    pthread_exit in a noexcept destructor: SIGABRT, a failure reported for a job that completed
-    (tutorials/09-debugging.md). Only the atexit handlers (which end the loader workers still alive and
-    flush logging) run, and stdout and stderr are flushed."""
+    destroy_process_group() once DDP has used the group (pytorch/pytorch issues 72366, 107298), and one that frees a
+    work item's tensors while the interpreter finalizes is ended by Python (up to 3.13) with pthread_exit in a noexcept
+    destructor: SIGABRT, a failure reported for a job that completed (tutorials/09-debugging.md). Only the atexit
+    handlers (which end the loader workers still alive and flush logging) run, and stdout and stderr are flushed."""
     if threading.current_thread() is threading.main_thread():
         for sig in SIGNALS:  # ending now: a stop signal that comes late (mp.spawn forwards one) would only
             signal.signal(sig, signal.SIG_IGN)  # interrupt the exit handlers, with a traceback

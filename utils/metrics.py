@@ -79,11 +79,10 @@ def evaluate(model: torch.nn.Module, loader, device, autocast=None, inputs=None)
     gives the numbers of one process evaluating the whole test set. Pass the UNWRAPPED module: DDP's
     forward broadcasts buffers from rank 0, a collective that would hang on uneven shards.
 
-    Every rank evaluates with rank 0's buffers: each rank's last training forward updated its batch-norm
-    statistics from its own slice of the batch; with the copy every shard is scored by the model that
-    rank 0 checkpoints. Each rank gets its own buffers back afterwards (--verify-sync still shows what
-    DDP left). inputs: the training loop's data.model_inputs (default: the batch as loaded, to `device`).
-    PAD_TARGET samples are not counted."""
+    Every rank evaluates with rank 0's buffers: each rank's last training forward updated its batch-norm statistics from
+    its own slice of the batch; with the copy every shard is scored by the model that rank 0 checkpoints. Each rank gets
+    its own buffers back afterwards (--verify-sync still shows what DDP left). inputs: the training loop's
+    data.model_inputs (default: the batch as loaded, to `device`). PAD_TARGET samples are not counted."""
     distributed = dist.is_available() and dist.is_initialized()
     own_buffers = [b.detach().clone() for b in model.buffers()] if distributed else []
     with meeting("metrics.evaluate() (rank 0's buffers)"):  # all ranks, before any batch
@@ -134,11 +133,9 @@ def reset_peak_memory(device):
 class EpochTimer:
     """Wall time of an epoch and its throughput after warm-up.
 
-    The first `warmup_steps` steps of each epoch (loader start, cudnn autotuning,
-    torch.compile) are timed but left out of images/s. The clock is read only at
-    the warm-up boundary and at the end, each time after one device sync, never
-    inside the other steps.
-    """
+    The first `warmup_steps` steps of each epoch (loader start, cudnn autotuning, torch.compile) are timed but left
+    out of images/s. The clock is read only at the warm-up boundary and at the end, each time after one device sync,
+    never inside the other steps."""
 
     def __init__(self, device, images_per_step: int, steps: int):
         self.device, self.images_per_step = device, images_per_step
