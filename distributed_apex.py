@@ -115,8 +115,8 @@ def train(args, env, per_device_batch, precision):
     steps_per_epoch = data.steps_per_epoch(len(train_set), args.batch_size)
 
     # --- model ------------------------------------------------------------------------
-    # channels_last (NHWC) is the layout tensor-core convolutions want: no transposes.
-    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    # NHWC (channels_last) by default on recent GPUs, the layout tensor-core convolutions want.
+    memory_format = data.memory_format(args, env.device)
     model = build_model(args.model, data.num_classes(train_set)).to(env.device, memory_format=memory_format)
     # Our CIFAR bytes (from either path) are normalised on the device, and handed over in the
     # autocast dtype: autocast would cast them at the first convolution anyway.

@@ -195,12 +195,12 @@ def train(args, env, per_device_batch):
     steps_per_epoch = data.steps_per_epoch(len(train_set), args.batch_size)
 
     # --- model ------------------------------------------------------------------------
-    # --channels-last: the inputs, and so every activation, in NHWC, the layout tensor-core
-    # convolutions want. The weights stay NCHW: fully_shard refuses parameters that are not
+    # channels_last (by default on recent GPUs): the inputs, and so every activation, in NHWC,
+    # the layout tensor-core convolutions want. The weights stay NCHW: fully_shard refuses parameters that are not
     # contiguous, and it gathers each unit into contiguous tensors anyway. cuDNN (and oneDNN
     # on the CPU) run a convolution in NHWC when its input is, converting the small weight
     # on the way in; the activations, the large part, never need a transpose.
-    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    memory_format = data.memory_format(args, env.device)
     model = build_model(args.model, data.num_classes(train_set)).to(env.device)
     # Our CIFAR bytes (from either path) are normalised on the device; your own data as loaded.
     to_model = data.model_inputs(train_set, env.device, memory_format)
@@ -226,7 +226,7 @@ def train(args, env, per_device_batch):
         train_loader.sampler.set_epoch(epoch, start_step=run.step_in_epoch)
         model.train()
         for images, targets in run.progress(train_loader):
-            images = to_model(images)  # to the device (non-blocking: from pinned memory), in NHWC with --channels-last
+            images = to_model(images)  # to the device (non-blocking: from pinned memory), in NHWC under channels_last
             targets = targets.to(env.device, non_blocking=True)
             logits = model(images)  # all-gathers each stage's parameters as it comes
             loss = F.cross_entropy(logits.float(), targets)  # bf16 logits under --mp-policy bf16

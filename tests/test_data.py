@@ -1,6 +1,7 @@
 """Data: the real CIFAR-100 loading code on files the tests write in the real
 on-disk format, learning on real images that ship offline (scikit-learn's
 digits), the samplers, and the synthetic stand-in."""
+import argparse
 import errno
 import os
 import pickle
@@ -453,3 +454,17 @@ def test_cifar100_is_downloaded_once_however_many_processes_take_themselves_for_
     assert [proc.returncode for proc in procs] == [0, 0], outputs
     assert [out.split() for out, _ in outputs] == [["8", "4"], ["8", "4"]], outputs
     assert (tmp_path / "downloads").read_text().count("download") == 1  # the other found the files
+
+
+@pytest.mark.parametrize("given, capability, expected", [
+    (None, (9, 0), torch.channels_last), (None, (8, 0), torch.channels_last), (None, (7, 5), torch.contiguous_format),
+    (False, (9, 0), torch.contiguous_format), (True, (7, 5), torch.channels_last)])
+def test_the_default_layout_follows_the_gpu(monkeypatch, given, capability, expected):
+    """NHWC by default on CUDA GPUs of compute capability 8.0 or newer, NCHW on older ones and the CPU;
+    --channels-last and --no-channels-last decide everywhere."""
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: asked.append(device) or capability)
+    args = argparse.Namespace(channels_last=given)
+    assert data.memory_format(args, torch.device("cuda", 1)) == expected
+    assert asked in ([torch.device("cuda", 1)], [])  # the process's own GPU, not the first one
+    assert data.memory_format(args, torch.device("cpu")) == (torch.contiguous_format if given is None else expected)

@@ -181,6 +181,8 @@ FAST_PATH = {
     ("--data-on-gpu",): [Works([FLAG], lambda r: r.loader_iterations == 0 and r.last["test_samples"] == 8),
                          Refused([FLAG, "--workers", "2"], "--workers 2 with --data-on-gpu")],
     ("--channels-last",): [Works([FLAG], lambda r: r.layouts == {torch.channels_last})],
+    # NCHW, the CPU's default too; the default on GPUs is test_data's test_the_default_layout_follows_the_gpu.
+    ("--no-channels-last",): [Works([FLAG], lambda r: r.layouts == {torch.contiguous_format})],
     ("--compile",): [Works([FLAG], lambda r: r.compiled == ["default"])],
     ("--compile-mode",): [Refused([FLAG, "max-autotune"], "add --compile"),
                           Works(["--compile", FLAG, "max-autotune-no-cudagraphs"],
@@ -243,6 +245,7 @@ SCRIPT_FLAGS = {
     "distributed_fsdp.py": {
         # NHWC activations; the weights stay as fully_shard wants them (see distributed_fsdp.py).
         ("--channels-last",): [Works([FLAG], lambda r: r.layouts == {torch.channels_last})],
+        ("--no-channels-last",): [Works([FLAG], lambda r: r.layouts == {torch.contiguous_format})],
         # What a residual stage holds once its forward is done (seen as the next stage starts):
         # its shards (ZeRO-3) or its gathered weights (ZeRO-2); the root stays gathered either way.
         ("--reshard-after-forward",): [Works([FLAG], lambda r: r.after_forward == {("layer1", "sharded"),

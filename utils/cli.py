@@ -178,7 +178,7 @@ def build_parser(doc: str, model_names, own_data: bool = False, images: bool = T
 
 
 def add_fast_path_flags(parser, data_on_gpu: bool = False, torch_compile: bool = True):
-    """Opt-in speed for the DDP scripts; --channels-last where the data is images, --data-on-gpu
+    """Speed for the DDP scripts; --channels-last where the data is images, --data-on-gpu
     (our CIFAR images held in device memory) where the script asks for it, and --compile,
     --compile-mode unless it cannot compile (torch_compile=False)."""
     g = parser.add_argument_group("fast path")
@@ -188,9 +188,9 @@ def add_fast_path_flags(parser, data_on_gpu: bool = False, torch_compile: bool =
                        help="images: keep the uint8 CIFAR training set in device memory and augment it there "
                             "(no loader workers)")
     if getattr(parser, "images", True):
-        g.add_argument("--channels-last", action="store_true",
-                       help="images: NHWC memory format for the model and its inputs (tensor-core convolutions "
-                            "on GPUs)")
+        g.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
+                       help="images: NHWC memory format for the model and its inputs, the layout of tensor-core "
+                            "convolutions (default: on for CUDA GPUs of compute capability 8.0 or newer)")
     if torch_compile:
         g.add_argument("--compile", action="store_true",
                        help="torch.compile the model (compilation happens in the first steps, outside the timing)")

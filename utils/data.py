@@ -248,6 +248,14 @@ class Normalize:
         return self.table[pixels.contiguous(memory_format=self.memory_format).long() + self.offsets]
 
 
+def memory_format(args, device) -> torch.memory_format:
+    """--(no-)channels-last, else NHWC on CUDA GPUs of compute capability 8.0+, whose tensor-core convolutions
+    read NHWC: NCHW trained 1.7x (TF32) to 1.8x (bf16) slower on an H200 (results/gpu-check-2026-11-29-h200)."""
+    auto = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+    nhwc = auto if args.channels_last is None else args.channels_last
+    return torch.channels_last if nhwc else torch.contiguous_format
+
+
 def model_inputs(dataset, device, memory_format=torch.contiguous_format, dtype=None):
     """What makes a batch of `dataset`'s images the model's input on `device`. Our CIFAR views hand over
     uint8, a quarter of float32's bytes through the workers' shared memory and to the device, and leave
