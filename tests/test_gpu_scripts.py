@@ -1,5 +1,5 @@
 """On a GPU: every training script through its real launcher on CUDA, the flags only a GPU
-runs (--sync-bn, --channels-last, --compile and its modes), resume, and the collectives
+runs (--sync-bn, both layouts, --compile and its modes), resume, and the collectives
 tour on nccl. Skipped without CUDA (conftest.py); `make gpu-check` runs them.
 
 Tolerances: on CUDA, cudnn.benchmark times several convolution algorithms in each
@@ -53,7 +53,7 @@ def assert_trained_on_the_gpu(record, world_size):
 # Every script through its launcher on CUDA (test_cli checks each command line on the CPU, where
 # these runs are skipped: a flag a script no longer has would otherwise wait for a GPU to show).
 CUDA_RUNS = [
-    ("distributed.py", ["--channels-last"], "torchrun"),
+    ("distributed.py", ["--no-channels-last"], "torchrun"),  # NCHW: channels_last is the default on recent GPUs
     ("distributed.py", [], "python"),  # the template as typed, no process group
     ("distributed_apex.py", ["--data-on-gpu", "--channels-last"], "torchrun"),  # the default --amp
     ("distributed_apex.py", ["--amp", "fp16", "--clip-grad-norm", "1.0"], "python"),
