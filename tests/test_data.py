@@ -460,7 +460,7 @@ def test_cifar100_is_downloaded_once_however_many_processes_take_themselves_for_
     (None, (9, 0), torch.channels_last), (None, (8, 0), torch.channels_last), (None, (7, 5), torch.contiguous_format),
     (False, (9, 0), torch.contiguous_format), (True, (7, 5), torch.channels_last)])
 def test_the_default_layout_follows_the_gpu(monkeypatch, given, capability, expected):
-    """NHWC by default on CUDA GPUs of compute capability 8.0 or newer, NCHW on older ones and the CPU;
+    """NHWC by default on NVIDIA GPUs of compute capability 8.0 or newer, NCHW on older ones, ROCm's and the CPU;
     --channels-last and --no-channels-last decide everywhere."""
     asked = []
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: asked.append(device) or capability)
@@ -468,3 +468,6 @@ def test_the_default_layout_follows_the_gpu(monkeypatch, given, capability, expe
     assert data.memory_format(args, torch.device("cuda", 1)) == expected
     assert asked in ([torch.device("cuda", 1)], [])  # the process's own GPU, not the first one
     assert data.memory_format(args, torch.device("cpu")) == (torch.contiguous_format if given is None else expected)
+    monkeypatch.setattr(torch.version, "hip", "6.4")  # a ROCm build's "cuda" device: NCHW unless asked
+    rocm = torch.contiguous_format if given is None else expected
+    assert data.memory_format(args, torch.device("cuda", 1)) == rocm

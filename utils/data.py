@@ -249,9 +249,9 @@ class Normalize:
 
 
 def memory_format(args, device) -> torch.memory_format:
-    """--(no-)channels-last, else NHWC on CUDA GPUs of compute capability 8.0+, whose tensor-core convolutions
-    read NHWC: NCHW trained 1.7x (TF32) to 1.8x (bf16) slower on an H200 (results/gpu-check-2026-11-29-h200)."""
-    auto = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+    """--(no-)channels-last, else NHWC on NVIDIA GPUs of compute capability 8.0+ (not ROCm's: unmeasured), whose
+    tensor-core convolutions read NHWC: NCHW trained 1.7x (TF32) to 1.8x (bf16) slower on an H200 (results/)."""
+    auto = device.type == "cuda" and not torch.version.hip and torch.cuda.get_device_capability(device) >= (8, 0)
     nhwc = auto if args.channels_last is None else args.channels_last
     return torch.channels_last if nhwc else torch.contiguous_format
 
