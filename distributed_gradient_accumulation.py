@@ -36,6 +36,7 @@ def main(argv=None):
     # --- arguments --------------------------------------------------------------------
     parser = cli.build_parser(__doc__, MODEL_NAMES)
     replicas.add_flags(parser)
+    cli.add_fast_path_flags(parser, torch_compile=False)  # no --compile: not measured with no_sync
     g = parser.add_argument_group("ddp-accum")
     g.add_argument("--accum-steps", "--grad_accu_steps", type=cli.positive_int, default=1,
                    help="micro-batches per optimizer step and process (gradient accumulation)")
@@ -79,9 +80,11 @@ def train(args, env, micro_batch):
     steps_per_epoch = data.steps_per_epoch(len(train_set), args.batch_size)  # optimizer steps
 
     # --- model ------------------------------------------------------------------------
-    model = build_model(args.model, data.num_classes(train_set)).to(env.device)
+    # NHWC (channels_last) by default on recent GPUs, the layout tensor-core convolutions want.
+    memory_format = data.memory_format(args, env.device)
+    model = build_model(args.model, data.num_classes(train_set)).to(env.device, memory_format=memory_format)
     # Our CIFAR bytes are normalised on the device, one micro-batch at a time.
-    to_model = data.model_inputs(train_set, env.device)
+    to_model = data.model_inputs(train_set, env.device, memory_format)
     if args.sync_bn:  # batch statistics over the global batch instead of each GPU's slice
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if env.distributed:  # under a launcher, a group of one too
@@ -117,7 +120,7 @@ def train(args, env, micro_batch):
         train_loader.sampler.set_epoch(epoch, start_step=run.step_in_epoch)
         ddp_model.train()
         for micro_step, (images, targets) in enumerate(run.progress(train_loader)):
-            images = to_model(images)  # to the device (non-blocking: from pinned memory)
+            images = to_model(images)  # to the device (non-blocking: from pinned memory), in the model's layout
             targets = targets.to(env.device, non_blocking=True)
             last_micro_batch = (micro_step + 1) % accum_steps == 0
             # The gradients only need averaging over the ranks once they are complete, after
@@ -144,7 +147,10 @@ def train(args, env, micro_batch):
                 break
         # Evaluate the unwrapped model: exact over all ranks, see metrics.evaluate.
         # All ranks: evaluate and end_epoch communicate (utils/run.py lists every collective).
-        run.end_epoch(metrics.evaluate(model, test_loader, env.device, inputs=to_model))
+        if metrics.evaluation_due(epoch, args, last=run.trained()):  # --eval-every
+            run.end_epoch(metrics.evaluate(model, test_loader, env.device, inputs=to_model))
+        else:
+            run.end_epoch(metrics.NOT_EVALUATED)
     run.finish()
     if args.verify_sync:
         replicas.verify_sync(model)
