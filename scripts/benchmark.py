@@ -152,7 +152,8 @@ COMPILE_ON_CPU = "torch.compile on the CPU spends minutes compiling for a run of
 # Each row's precision is not in its `about`: the report derives it from the row's flags and
 # the device (row_precision), so that it cannot drift from what runs.
 ROWS = [
-    Row("dp", "dataparallel.py", "python", True, (), "nn.DataParallel: one process drives every GPU"),
+    Row("dp", "dataparallel.py", "python", True, (), "nn.DataParallel: one process drives every GPU, in NCHW "
+                                                     "(dataparallel.py has no --channels-last)"),
     Row("dp-bf16", "dataparallel.py", "python", True, ("--amp", "bf16"), "nn.DataParallel with bf16 autocast",
         needs_bf16=True),
     Row("ddp-1proc-noddp", "distributed.py", "python", False, (),
@@ -189,6 +190,10 @@ ROWS = [
         ("--amp", "bf16", *FAST, "--compile", "--compile-mode", "reduce-overhead"),
         "fast-bf16-compile with CUDA graphs, one process under plain python (no DDP: no hooks between the graphs)",
         needs_bf16=True, fast_loader=True, gpu_only="CUDA graphs need a GPU"),
+    Row("fast-bf16-cudagraphs-ddp", "distributed_apex.py", "torchrun", True,
+        ("--amp", "bf16", *FAST, "--compile", "--compile-mode", "reduce-overhead"),
+        "fast-bf16-cudagraphs under DDP, as several GPUs would run it: the graphs split at DDP's buckets, "
+        "whose all-reduces run between them", needs_bf16=True, fast_loader=True, gpu_only="CUDA graphs need a GPU"),
     Row("fast-bf16-autotune", "distributed_apex.py", "torchrun", True,
         ("--amp", "bf16", *FAST, "--compile", "--compile-mode", "max-autotune-no-cudagraphs"),
         "fast-bf16-compile with kernels tuned for this GPU (minutes of tuning first)",
@@ -241,15 +246,16 @@ COMPARISONS = [
     ("ddp-bf16", "ddp-bf16-nchw", "the default layout against NCHW through the loader, bf16"),
     ("fsdp2", "ddp", "sharded (FSDP2) against replicated (DDP), fp32"),
     ("fsdp2-bf16", "ddp-bf16", "FSDP2 bf16 policy against DDP bf16 autocast"),
-    ("fast-bf16", "ddp-bf16", "data on the device against the loader, bf16 (both channels_last on such GPUs)"),
+    ("fast-bf16", "ddp-bf16", "data on the device (channels_last) against the loader (the default layout), bf16"),
     ("fast-bf16-compile", "fast-bf16", "torch.compile against eager"),
     ("fast-bf16-compile-1024", "fast-bf16-compile", "1024 against 512 images per device, compiled"),
     ("fast-bf16-cudagraphs", "fast-bf16-compile", "CUDA graphs (one process) against plain torch.compile"),
+    ("fast-bf16-cudagraphs-ddp", "fast-bf16-cudagraphs", "CUDA graphs under DDP against without it"),
     ("ceiling-bf16-channels-last", "ceiling-bf16-nchw", "channels_last against NCHW, the step alone, bf16"),
     ("ceiling-bf16-cudagraphs", "ceiling-bf16-channels-last", "CUDA graphs against eager, the step alone, bf16"),
     ("ddp-bf16-nchw", "ceiling-bf16-nchw", "the loader path against its ceiling, bf16 NCHW"),
-    ("ddp-bf16", "ceiling-bf16-channels-last", "the loader path against its ceiling, bf16, channels_last on such "
-                                               "GPUs"),
+    ("ddp-bf16", "ceiling-bf16-channels-last", "the loader path (the default layout) against the channels_last "
+                                               "step alone, bf16"),
     ("fast-fp32", "ceiling-fp32", "fast path against its ceiling, fp32"),
     ("fast-bf16", "ceiling-bf16-channels-last", "fast path against its ceiling, eager"),
     ("fast-bf16-compile", "ceiling-bf16-compile", "fast path against its ceiling, compiled"),

@@ -36,9 +36,9 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="$(realpath -m "${OUT:-$ROOT/results/gpu-check}")"
 # Most telling first: a row that no longer fits the budget is reported as not run, one that
 # the budget ends as cut short; neither fails the stage (a row's own --row-timeout does).
-BENCH_ROWS="ddp,ddp-1proc-noddp,ddp-bf16,ddp-bf16-nchw,ddp-nchw,fast-bf16"
-BENCH_ROWS="$BENCH_ROWS,ceiling-bf16-nchw,ceiling-bf16-channels-last"
-BENCH_ROWS="$BENCH_ROWS,ceiling-bf16-cudagraphs,fast-bf16-cudagraphs,fast-bf16-compile,fsdp2,fsdp2-bf16,ddp-1proc"
+BENCH_ROWS="ddp,ddp-bf16,fast-bf16-cudagraphs,fast-bf16-cudagraphs-ddp,ddp-nchw,ddp-bf16-nchw,ddp-1proc-noddp"
+BENCH_ROWS="$BENCH_ROWS,fast-bf16,ceiling-bf16-nchw,ceiling-bf16-channels-last,ceiling-bf16-cudagraphs"
+BENCH_ROWS="$BENCH_ROWS,fast-bf16-compile,fsdp2,fsdp2-bf16,ddp-1proc"
 MEMORY_SECONDS=90
 SECONDS=0
 cd "$ROOT" || exit 2
