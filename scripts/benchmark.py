@@ -242,7 +242,7 @@ COMPARISONS = [
     ("ddp", "ddp-1proc", "all devices against one, both under DDP (scaling efficiency; 1.00 is perfect)"),
     ("ddp-bf16", "ddp", "bf16 autocast against fp32, template path"),
     ("ddp", "ddp-nchw", "the default layout against NCHW through the loader, fp32 (TF32): channels_last's "
-                        "gain on GPUs of compute capability 8.0+"),
+                        "gain on NVIDIA GPUs of compute capability 8.0+"),
     ("ddp-bf16", "ddp-bf16-nchw", "the default layout against NCHW through the loader, bf16"),
     ("fsdp2", "ddp", "sharded (FSDP2) against replicated (DDP), fp32"),
     ("fsdp2-bf16", "ddp-bf16", "FSDP2 bf16 policy against DDP bf16 autocast"),

@@ -190,7 +190,7 @@ def add_fast_path_flags(parser, data_on_gpu: bool = False, torch_compile: bool =
     if getattr(parser, "images", True):
         g.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
                        help="images: NHWC memory format for the model and its inputs, the layout of tensor-core "
-                            "convolutions (default: on for CUDA GPUs of compute capability 8.0 or newer)")
+                            "convolutions (default: on for NVIDIA GPUs of compute capability 8.0 or newer)")
     if torch_compile:
         g.add_argument("--compile", action="store_true",
                        help="torch.compile the model (compilation happens in the first steps, outside the timing)")
