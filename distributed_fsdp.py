@@ -196,10 +196,10 @@ def train(args, env, per_device_batch):
 
     # --- model ------------------------------------------------------------------------
     # channels_last (by default on recent GPUs): the inputs, and so every activation, in NHWC,
-    # the layout tensor-core convolutions want. The weights stay NCHW: fully_shard refuses parameters that are not
-    # contiguous, and it gathers each unit into contiguous tensors anyway. cuDNN (and oneDNN
-    # on the CPU) run a convolution in NHWC when its input is, converting the small weight
-    # on the way in; the activations, the large part, never need a transpose.
+    # the layout tensor-core convolutions want. The weights stay NCHW: fully_shard refuses
+    # parameters that are not contiguous, and it gathers each unit into contiguous tensors anyway.
+    # cuDNN (and oneDNN on the CPU) run a convolution in NHWC when its input is, converting the
+    # small weight on the way in; the activations, the large part, never need a transpose.
     memory_format = data.memory_format(args, env.device)
     model = build_model(args.model, data.num_classes(train_set)).to(env.device)
     # Our CIFAR bytes (from either path) are normalised on the device; your own data as loaded.

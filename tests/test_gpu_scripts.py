@@ -50,7 +50,7 @@ def assert_trained_on_the_gpu(record, world_size):
 
 # --- every script through its launcher ---------------------------------------------------
 
-# Every script through its launcher on CUDA (test_cli checks each command line on the CPU, where
+# Every script through its launcher on CUDA (test_flags checks each command line on the CPU, where
 # these runs are skipped: a flag a script no longer has would otherwise wait for a GPU to show).
 CUDA_RUNS = [
     ("distributed.py", ["--no-channels-last"], "torchrun"),  # NCHW: channels_last is the default on recent GPUs
