@@ -214,9 +214,9 @@ def joining(job: DistEnv, timeout_s: float, backend: str):
     line and status 2; on several nodes a failure to join is one line, not a trace from gloo."""
     joined, answered = threading.Event(), threading.Event()
 
-    def watch():  # another rank's refusal, every second
+    def watch():  # another rank's refusal, at once and every second
         store = [None]
-        while not joined.wait(1.0):
+        while not joined.is_set():
             refused = lifecycle.refusal_of_a_peer(job.rendezvous, store)
             if store[0] is not None:  # a store answers at the rendezvous
                 answered.set()
@@ -228,6 +228,7 @@ def joining(job: DistEnv, timeout_s: float, backend: str):
                 lifecycle.record_for_torchrun(line)
                 lifecycle.refusal_said(store)  # the refusing rank may end now: nothing after this uses the store
                 os._exit(2)
+            joined.wait(1.0)
 
     def late():
         late = f"rank {job.rank} did not join the {backend} process group within --dist-timeout {timeout_s:g} s: "

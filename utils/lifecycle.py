@@ -7,6 +7,7 @@ import datetime
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -224,7 +225,9 @@ def _write_whole(path: str, text: str):
 
 # --- telling the other ranks ------------------------------------------------------------------
 
-DELIVERY_S = 10.0  # how long a refusing rank tries to reach the others (bounds its exit)
+# How long a refusing rank waits for the others to read its line (bounds its exit): for a node started later by
+# hand, or slow to import torch from a shared file system. One that comes later waits its --dist-timeout.
+DELIVERY_S = 30.0
 _job = None  # where this process's job meets: set by utils.distributed, see meets_at
 _group_store = None  # the formed group's store (joined_a_group)
 
@@ -288,6 +291,9 @@ def refusal_of_a_peer(rendezvous: str, store: list):
             with open(refusal_file(rendezvous[len("file://"):])) as f:
                 return f.read()
         if store[0] is None:
+            host, port = rendezvous[len("tcp://"):].rsplit(":", 1)
+            # A socket first: a store client that finds no one there logs a C++ trace at each try.
+            socket.create_connection((host.strip("[]"), int(port)), timeout=5.0).close()
             store[0] = store_client(rendezvous, 5.0)
         if store[0].check([key]):
             return store[0].get(key).decode(errors="replace")
