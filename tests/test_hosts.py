@@ -336,18 +336,24 @@ def test_elastic_torchrun_goes_on_without_a_lost_host_with_the_same_global_batch
 
 # --- b. mp.spawn across hosts, by tcp:// and by file:// ---------------------------------------
 
+NODE_0_LATE_S = 12  # s: node 0 is started that much after node B (mp.spawn), whose watcher looks every second
+
+
 @pytest.mark.not_on_floor("tcp:// and file:// with mp.spawn: test_distributed_mp.py (two nodes, a shared file); "
                           "addresses across hosts: the other tests here")
 def test_mp_spawn_across_hosts_by_tcp_and_by_a_shared_file(make_hosts, tmp_path, two_processes_on_one_host):
     """distributed_mp.py --nodes 2 on both hosts, meeting at host A's address (tcp://) or
     through a file in a folder both see (file://): the weights of distributed.py's 2
-    processes on one host, bitwise."""
+    processes on one host, bitwise. By tcp://, node B starts first and waits quietly for node 0,
+    started NODE_0_LATE_S later: no trace of a store client that found no one there."""
     # The later --dist-timeout wins: each host's processes wait in init_process_group for the
     # other host's to start, which takes longer than 10 s on a loaded machine.
     args = [*TWELVE_STEPS, "--dist-timeout", "120"]
     hosts = make_hosts()
     job = Job(hosts, tmp_path)
-    for rank, name in enumerate(hosts.names):
+    for rank, name in reversed(list(enumerate(hosts.names))):
+        if rank == 0:
+            time.sleep(NODE_0_LATE_S)
         job.start(f"tcp-{name}", name, ["distributed_mp.py", *args, "--nodes", "2", "--node-rank", rank,
                                         "--nproc-per-node", "1", "--ip", hosts.address("nodea"), "--port", PORT,
                                         "--checkpoint-dir", tmp_path / "tcp"])
@@ -358,6 +364,7 @@ def test_mp_spawn_across_hosts_by_tcp_and_by_a_shared_file(make_hosts, tmp_path,
     for way in ("tcp", "file"):
         assert json.loads((tmp_path / way / "config.json").read_text())["world_size"] == 2
         assert_bitwise_equal(weights(tmp_path / way), two_processes_on_one_host)
+    assert "Exception raised from" not in job.log("tcp-nodeb"), job.log("tcp-nodeb")[-3000:]
 
 
 # --- c. sharded checkpoints written from two hosts, resumed on one ----------------------------
