@@ -386,7 +386,8 @@ def test_default_workers_fit_the_cores_per_process(monkeypatch, cores, local_wor
     import torch
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
     env = DistEnv(0, 0, local_world_size, local_world_size, torch.device("cpu"), local_world_size > 1)
-    assert data.loader_workers(parse([]), env) == expected
+    args = parse([])
+    assert data.loader_workers(args, env) == expected == args.workers  # kept, as config.json records it
     assert data.loader_workers(parse(["--workers", "0"]), env) == 0  # an explicit value wins
 
 

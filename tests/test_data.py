@@ -461,13 +461,18 @@ def test_cifar100_is_downloaded_once_however_many_processes_take_themselves_for_
     (False, (9, 0), torch.contiguous_format), (True, (7, 5), torch.channels_last)])
 def test_the_default_layout_follows_the_gpu(monkeypatch, given, capability, expected):
     """NHWC by default on NVIDIA GPUs of compute capability 8.0 or newer, NCHW on older ones, ROCm's and the CPU;
-    --channels-last and --no-channels-last decide everywhere."""
+    --channels-last and --no-channels-last decide everywhere. The choice is kept in args, for config.json."""
     asked = []
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: asked.append(device) or capability)
-    args = argparse.Namespace(channels_last=given)
-    assert data.memory_format(args, torch.device("cuda", 1)) == expected
+
+    def layout(device):
+        args = argparse.Namespace(channels_last=given)
+        chosen = data.memory_format(args, device)
+        assert args.channels_last is (chosen == torch.channels_last)
+        return chosen
+
+    assert layout(torch.device("cuda", 1)) == expected
     assert asked in ([torch.device("cuda", 1)], [])  # the process's own GPU, not the first one
-    assert data.memory_format(args, torch.device("cpu")) == (torch.contiguous_format if given is None else expected)
+    assert layout(torch.device("cpu")) == (torch.contiguous_format if given is None else expected)
     monkeypatch.setattr(torch.version, "hip", "6.4")  # a ROCm build's "cuda" device: NCHW unless asked
-    rocm = torch.contiguous_format if given is None else expected
-    assert data.memory_format(args, torch.device("cuda", 1)) == rocm
+    assert layout(torch.device("cuda", 1)) == (torch.contiguous_format if given is None else expected)

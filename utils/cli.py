@@ -59,6 +59,11 @@ def prints_errors(met_by: str = "job") -> bool:
     return bool(size) and (not size.isdigit() or int(rank) >= int(size))
 
 
+class Help(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action):  # a default of None is "not given": the help says what happens then
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 class Parser(argparse.ArgumentParser):
     # argparse prints the whole usage block before the error; a wrong flag deserves one line that names
     # it, and --help for the rest. Every rank parses the same arguments: rank 0 prints, every rank exits 2.
@@ -101,7 +106,7 @@ def build_parser(doc: str, model_names, own_data: bool = False, images: bool = T
     first_line = doc.strip().splitlines()[0] if doc else None
     # allow_abbrev=False: the launchers read some flags from the extra arguments themselves
     # (scripts/slurm.sbatch: --checkpoint-dir), which an abbreviation (--checkpoint-d) would pass unseen.
-    parser = Parser(description=first_line, formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    parser = Parser(description=first_line, formatter_class=Help, allow_abbrev=False)
     parser.own_data, parser.images = own_data, images
 
     g = parser.add_argument_group("data")

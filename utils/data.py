@@ -250,10 +250,12 @@ class Normalize:
 
 def memory_format(args, device) -> torch.memory_format:
     """--(no-)channels-last, else NHWC on NVIDIA GPUs of compute capability 8.0+ (not ROCm's: unmeasured), whose
-    tensor-core convolutions read NHWC: NCHW trained 1.7x (TF32) to 1.8x (bf16) slower on an H200 (results/)."""
-    auto = device.type == "cuda" and not torch.version.hip and torch.cuda.get_device_capability(device) >= (8, 0)
-    nhwc = auto if args.channels_last is None else args.channels_last
-    return torch.channels_last if nhwc else torch.contiguous_format
+    tensor-core convolutions read NHWC: NCHW trained 1.7x (TF32) to 1.8x (bf16) slower on an H200 (results/).
+    The choice is kept in args, as config.json records it."""
+    if args.channels_last is None:
+        args.channels_last = (device.type == "cuda" and not torch.version.hip
+                              and torch.cuda.get_device_capability(device) >= (8, 0))
+    return torch.channels_last if args.channels_last else torch.contiguous_format
 
 
 def model_inputs(dataset, device, memory_format=torch.contiguous_format, dtype=None):
@@ -408,12 +410,13 @@ def _worker_init(_):
 
 
 def loader_workers(args, env: DistEnv) -> int:
-    """--workers, or min(4, CPU cores per process), at least 1: more would only wait for a core."""
-    if args.workers is not None:
-        return args.workers
-    # The cores this process may use (containers, taskset); macOS has no sched_getaffinity.
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(4, cores // max(1, env.local_world_size)))
+    """--workers, or min(4, CPU cores per process), at least 1: more would only wait for a core. The choice is
+    kept in args, as config.json records it."""
+    if args.workers is None:
+        # The cores this process may use (containers, taskset); macOS has no sched_getaffinity.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        args.workers = max(1, min(4, cores // max(1, env.local_world_size)))
+    return args.workers
 
 
 class Loader(DataLoader):
