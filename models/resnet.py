@@ -16,9 +16,8 @@ class BasicBlock(nn.Module):
         self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
         self.bn2 = norm_layer(planes)
         self.relu = nn.ReLU(inplace=True)
-        self.shortcut = nn.Sequential()
-        if stride != 1 or in_planes != planes:
-            self.shortcut = nn.Sequential(nn.Conv2d(in_planes, planes, 1, stride, bias=False), norm_layer(planes))
+        self.shortcut = nn.Sequential() if stride == 1 and in_planes == planes else nn.Sequential(
+            nn.Conv2d(in_planes, planes, 1, stride, bias=False), norm_layer(planes))
 
     def forward(self, x):
         out = self.relu(self.bn1(self.conv1(x)))
@@ -39,10 +38,8 @@ class Bottleneck(nn.Module):
         self.conv3 = nn.Conv2d(planes, out_planes, 1, bias=False)
         self.bn3 = norm_layer(out_planes)
         self.relu = nn.ReLU(inplace=True)
-        self.shortcut = nn.Sequential()
-        if stride != 1 or in_planes != out_planes:
-            self.shortcut = nn.Sequential(nn.Conv2d(in_planes, out_planes, 1, stride, bias=False),
-                                          norm_layer(out_planes))
+        self.shortcut = nn.Sequential() if stride == 1 and in_planes == out_planes else nn.Sequential(
+            nn.Conv2d(in_planes, out_planes, 1, stride, bias=False), norm_layer(out_planes))
 
     def forward(self, x):
         out = self.relu(self.bn1(self.conv1(x)))
@@ -59,14 +56,11 @@ class ResNet(nn.Module):
         self.conv1 = nn.Conv2d(3, width, 3, 1, 1, bias=False)  # CIFAR stem: 3x3, stride 1
         self.bn1 = norm_layer(width)
         self.relu = nn.ReLU(inplace=True)
-        in_planes = width
-        stages = []
+        in_planes, stages = width, []
         for i, blocks in enumerate(layers):
-            planes = width * 2**i
-            stride = 1 if i == 0 else 2
-            stage = []
-            for b in range(blocks):
-                stage.append(block(in_planes, planes, stride if b == 0 else 1, norm_layer))
+            planes, stage = width * 2**i, []
+            for b in range(blocks):  # each stage after the first halves the resolution in its first block
+                stage.append(block(in_planes, planes, 2 if i > 0 and b == 0 else 1, norm_layer))
                 in_planes = planes * block.expansion
             stages.append(nn.Sequential(*stage))
         self.layer1, self.layer2, self.layer3, self.layer4 = stages
