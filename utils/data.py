@@ -166,9 +166,10 @@ def _load_cifar100(args):
     raise error
 
 
-def _first(dataset, n, flag):
+def _first(dataset, args, split: str):
+    n = getattr(args, f"{split}_samples")  # --train-samples, --test-samples
     if n is not None and n > len(dataset):  # a silently smaller run would report figures for data it never saw
-        raise UsageError(f"{flag} {n} is more than the {len(dataset)} samples the data set has")
+        raise UsageError(f"--{split}-samples {n} is more than the {len(dataset)} samples the data set has")
     return dataset if n is None or n == len(dataset) else Subset(dataset, range(n))
 
 
@@ -176,8 +177,7 @@ def build_datasets(args, env: DistEnv):
     """(train, test) data sets of (HWC uint8 image, label) pairs, cut to --train-samples/--test-samples."""
     train, test = ((SyntheticCIFAR(True, args.train_samples), SyntheticCIFAR(False, args.test_samples))
                    if args.dataset == "synthetic" else _load_cifar100(args))
-    train = _first(train, args.train_samples, "--train-samples")
-    test = _first(test, args.test_samples, "--test-samples")
+    train, test = _first(train, args, "train"), _first(test, args, "test")
     return TrainImages(train, args.seed), TestImages(test)
 
 
@@ -191,8 +191,7 @@ def own_datasets(args, train, test):
     if getattr(args, "data_on_gpu", False):
         raise UsageError("--data-on-gpu holds the CIFAR images in device memory and augments "
                          "them there; it does not apply to another data set (leave it out)")
-    train = _first(train, args.train_samples, "--train-samples")
-    test = _first(test, args.test_samples, "--test-samples")
+    train, test = _first(train, args, "train"), _first(test, args, "test")
     args.dataset = describe(train)
     return SeededSamples(train, args.seed), test
 
@@ -259,9 +258,8 @@ def memory_format(args, device) -> torch.memory_format:
 
 
 def model_inputs(dataset, device, memory_format=torch.contiguous_format, dtype=None):
-    """What makes a batch of `dataset`'s images the model's input on `device`. Our CIFAR views hand over
-    uint8, a quarter of float32's bytes through the workers' shared memory and to the device, and leave
-    the float work to Normalize there; any other data set's batches go to the device as loaded."""
+    """What makes a batch of `dataset`'s images the model's input on `device`: Normalize there for our CIFAR views'
+    uint8 (a quarter of float32's bytes through shared memory and to the device); any other's batches as loaded."""
     if isinstance(dataset, (TrainImages, TestImages)):
         return Normalize(device, dtype, memory_format)
     return lambda images: images.to(device, non_blocking=True, memory_format=memory_format)
@@ -359,30 +357,28 @@ class TrainSampler(Sampler):
     processes see what one does. Yields (index, epoch): the sample and its augmentation's epoch."""
 
     def __init__(self, num_samples: int, global_batch: int, rank: int, world_size: int, seed: int):
-        if steps_per_epoch(num_samples, global_batch) == 0:
+        if (steps := steps_per_epoch(num_samples, global_batch)) == 0:
             raise UsageError(f"the training set has {num_samples} samples, fewer than one global "
                              f"batch of {global_batch}: lower --batch-size or raise --train-samples")
         self.num_samples, self.global_batch = num_samples, global_batch
         self.rank, self.world_size, self.seed = rank, world_size, seed
+        self._per_rank = steps * global_batch // world_size  # this rank's samples of a whole epoch
         self.set_epoch(0)
 
     def set_epoch(self, epoch: int, start_step: int = 0):
         """Call before every epoch, as with DistributedSampler; start_step skips steps already taken."""
         self.epoch, self.start_step = epoch, start_step
 
-    def _per_rank(self) -> int:
-        return steps_per_epoch(self.num_samples, self.global_batch) * self.global_batch // self.world_size
-
     def _start(self) -> int:
         return self.start_step * self.global_batch // self.world_size
 
     def __len__(self):
-        return self._per_rank() - self._start()
+        return self._per_rank - self._start()
 
     def epoch_indices(self) -> torch.Tensor:
         """This rank's remaining sample indices of the epoch, in order."""
         g = torch.Generator().manual_seed((self.seed + self.epoch) % 2**64)  # seeds are 64-bit
-        mine = torch.randperm(self.num_samples, generator=g)[self.rank::self.world_size][:self._per_rank()]
+        mine = torch.randperm(self.num_samples, generator=g)[self.rank::self.world_size][:self._per_rank]
         return mine[self._start():]
 
     def __iter__(self):
