@@ -59,9 +59,8 @@ def rng_state(device: torch.device = None) -> dict:
              "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                        "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
              "python": random.getstate()}
-    accelerator = _accelerator_module(device)
+    accelerator, kind = _accelerator_module(device)
     if accelerator is not None:  # under the device type's name: a resume on another kind leaves it alone
-        kind = torch.accelerator.current_accelerator().type
         # Its own device, and every device this process sees (DataParallel draws on all of them): only rank 0
         # saves, and its copy of device r was never drawn from, while its own device drew as every rank's did.
         state[f"{kind}_own"] = accelerator.get_rng_state(device)
@@ -71,11 +70,12 @@ def rng_state(device: torch.device = None) -> dict:
 
 
 def _accelerator_module(device):
-    """torch.cuda, torch.xpu...: the module of the accelerator's generators, if `device` is on it."""
+    """(torch.cuda, torch.xpu...: the module of the accelerator's generators, its type) if `device` is on it."""
     if device is None or device.type == "cpu" or not torch.accelerator.is_available():
-        return None
-    module = torch.get_device_module(torch.accelerator.current_accelerator())
-    return module if hasattr(module, "get_rng_state") else None
+        return None, None
+    kind = torch.accelerator.current_accelerator().type
+    module = torch.get_device_module(kind)
+    return (module, kind) if hasattr(module, "get_rng_state") else (None, None)
 
 
 def set_rng_state(state: dict, device: torch.device = None):
@@ -85,10 +85,9 @@ def set_rng_state(state: dict, device: torch.device = None):
                          n["cached_gaussian"]))
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
-    accelerator = _accelerator_module(device)
+    accelerator, kind = _accelerator_module(device)
     if accelerator is None:
         return
-    kind = torch.accelerator.current_accelerator().type
     if len(state.get(kind) or ()) == torch.accelerator.device_count():
         accelerator.set_rng_state_all(state[kind])
     if state.get(f"{kind}_own") is not None:  # then this rank's device: the state every rank's own had
