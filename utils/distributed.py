@@ -156,8 +156,7 @@ def device_name(device: torch.device) -> str:
 
 def pick_device(local_rank: int, local_world_size: int, choice: str = "auto",
                 distributed: bool = False) -> torch.device:
-    kind = device_type(choice, distributed)
-    if kind == "cpu":
+    if (kind := device_type(choice, distributed)) == "cpu":
         return torch.device("cpu")
     count = torch.accelerator.device_count()
     gpus = ("GPU" if kind in ("cuda", "xpu") else f"{kind} device") + ("s" if count != 1 else "")

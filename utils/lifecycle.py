@@ -77,8 +77,7 @@ def run_main(main, argv=None):
         text = stop.code is not None and not isinstance(stop.code, int)  # sys.exit("message")
         leave(1 if text else stop.code or 0, message=str(stop.code) if text else None)
     except Exception as err:
-        message = bus_error_message(err)
-        if message is not None:  # this rank's own line (under torchrun also in its error file)
+        if (message := bus_error_message(err)) is not None:  # this rank's own line (torchrun: in its error file too)
             # The other loader workers end first: one whose batch was being handed over when the loader
             # raised has a thread (multiprocessing's resource sharer) that would print a traceback after it.
             kill_loader_workers(wait_s=5.0)
@@ -135,8 +134,7 @@ def watch_launcher(grace_s: float = 30.0, poll_s: float = 1.0):
     """End this process when its launcher (torchrun's agent, the mp.spawn parent) dies: a SIGTERM to itself,
     which checkpoints at the next agreed step, then SIGKILL `grace_s` later (a peer that died with the
     launcher never agrees). Polling the parent's pid, unlike PR_SET_PDEATHSIG, ignores the forking thread."""
-    parent = os.getppid()
-    if parent <= 1:
+    if (parent := os.getppid()) <= 1:
         return
 
     def watch():
@@ -205,8 +203,7 @@ def refuse(message: str, prints: bool):
 def record_for_torchrun(line: str, when: float = None):
     """Under torchrun, `line` where it reads a failed rank's error (TORCHELASTIC_ERROR_FILE, ErrorHandler's
     format): its summary shows as root cause the failure with the earliest `when` (whole seconds)."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:  # whole or not at all: torchrun's agent fails on a file cut short
+    if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):  # whole or none: torchrun's agent fails on a file cut short
         _write_whole(path, json.dumps({"message": {"message": line, "extraInfo": {
             "py_callstack": line, "timestamp": str(int(time.time() if when is None else when))}}}))
 
@@ -351,8 +348,7 @@ def start_loader_workers(start):
 
 def kill_loader_workers(wait_s: float = 0.0):
     """SIGKILL the workers of our loaders still alive (they ignore SIGTERM); wait_s: then wait for each."""
-    alive = [worker for worker in list(_loader_workers) if worker.exitcode is None]
-    if alive:
+    if alive := [worker for worker in list(_loader_workers) if worker.exitcode is None]:
         loader_sigchld_off()  # torch's loader would report each kill as a failed worker
     for worker in alive:
         with contextlib.suppress(OSError, ValueError, AssertionError):

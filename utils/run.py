@@ -98,11 +98,10 @@ class TrainingRun:
         try:
             if self.env.is_main and args.checkpoint_dir:
                 line = checkpoint.lock_directory(args.checkpoint_dir)
-            for flag, folder, file in outputs:
+            for flag, folder, file in (output for output in outputs if output[1]):  # the flags given
                 try:
-                    if folder:
-                        os.makedirs(folder, exist_ok=True)
-                    if folder and file:
+                    os.makedirs(folder, exist_ok=True)
+                    if file:
                         open(file, "a").close()
                 except OSError as exc:
                     raise UsageError(f"cannot write {flag} {file or folder}: {exc.strerror or exc}") from None
@@ -191,8 +190,7 @@ class TrainingRun:
         # A file that some ranks cannot read, or data of another size on one node, stops every rank, not only those.
         if not all_ranks_ok(error is None, "TrainingRun(...), agreeing that every rank resumed"):
             raise error or UsageError(f"checkpoint {path} could not be read, or does not fit, on another rank")
-        missing = [key for key in (*self.state.needed, *self._NEEDED) if key not in state]
-        if missing:
+        if missing := [key for key in (*self.state.needed, *self._NEEDED) if key not in state]:
             raise UsageError(f"checkpoint {path} lacks {', '.join(missing)}: it is not a complete "
                              "checkpoint of these scripts")
         try:
