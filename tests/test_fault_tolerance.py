@@ -734,11 +734,7 @@ def test_a_rank_that_could_not_join_exits_once_its_store_watcher_is_back(monkeyp
             time.sleep(1.0)
             return False
 
-        def close(self):  # as the socket that finds a store listening
-            pass
-
     monkeypatch.setattr(lifecycle, "store_client", lambda *args, **kwargs: SlowStore())
-    monkeypatch.setattr(lifecycle.socket, "create_connection", lambda *args, **kwargs: SlowStore())  # one there
     job = distributed.DistEnv(0, 0, 2, 1, distributed=True, init_method="tcp://127.0.0.1:1")
     before = set(threading.enumerate())
     with pytest.raises(SystemExit) as exited:

@@ -246,9 +246,12 @@ def refusal_file(path: str) -> str:
     return f"{path}.refused"
 
 
-def store_client(rendezvous: str, timeout_s: float, host_it: bool = False):
+def store_client(rendezvous: str, timeout_s: float, host_it: bool = False, quiet: bool = False):
+    """quiet: a socket first (OSError where no one listens): a store client that finds no one logs a C++ trace."""
     from torch.distributed import TCPStore
     host, port = rendezvous[len("tcp://"):].rsplit(":", 1)
+    if quiet:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
     return TCPStore(host.strip("[]"), int(port), None, host_it, timeout=datetime.timedelta(seconds=timeout_s),
                     wait_for_workers=False)
 
@@ -288,10 +291,7 @@ def refusal_of_a_peer(rendezvous: str, store: list):
             with open(refusal_file(rendezvous[len("file://"):])) as f:
                 return f.read()
         if store[0] is None:
-            host, port = rendezvous[len("tcp://"):].rsplit(":", 1)
-            # A socket first: a store client that finds no one there logs a C++ trace at each try.
-            socket.create_connection((host.strip("[]"), int(port)), timeout=5.0).close()
-            store[0] = store_client(rendezvous, 5.0)
+            store[0] = store_client(rendezvous, 5.0, quiet=True)
         if store[0].check([key]):
             return store[0].get(key).decode(errors="replace")
     except Exception:  # noqa: BLE001 - no file yet; the store not up yet, or gone: look again later
