@@ -1,5 +1,6 @@
 """The shared command line: defaults, the seed repositories' aliases, batch
 splitting and the one-line error contract."""
+import argparse
 import json
 import os
 import signal
@@ -101,6 +102,18 @@ def test_local_rank_is_not_advertised_in_help(capsys):
         cli.build_parser(__doc__, MODEL_NAMES).parse_args(["--help"])
     out = capsys.readouterr().out
     assert "--local-rank" not in out and "--batch-size" in out
+
+
+def test_help_shows_every_default(capsys):
+    """argparse shows a default only beside a help text: a flag without one hid its default (--epochs 200)."""
+    parser = cli.build_parser(__doc__, MODEL_NAMES)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # the help's line breaks fall anywhere
+    shown = [a for a in parser._actions if a.default not in (None, argparse.SUPPRESS) and a.help != argparse.SUPPRESS]
+    assert {"--epochs", "--model", "--seed", "--weight-decay"} <= {a.option_strings[0] for a in shown}
+    for action in shown:
+        assert f"(default: {action.default})" in out, f"{action.option_strings[0]}: no default in --help"
 
 
 # --- batch splitting --------------------------------------------------------------------

@@ -127,12 +127,12 @@ def build_parser(doc: str, model_names, own_data: bool = False, images: bool = T
                         "and the CPU cores per process on this node, at least 1)")
 
     g = parser.add_argument_group("model")
-    g.add_argument("--model", choices=model_names, default=model_names[0])
+    g.add_argument("--model", choices=model_names, default=model_names[0], help="the network to train")
 
     # Defaults follow weiaicunzai/pytorch-cifar100, itself after the Cutout paper (DeVries & Taylor, 2017),
     # with the schedule of utils/schedule.py: ResNet-18 top-1 error 24.39% there.
     g = parser.add_argument_group("recipe")
-    g.add_argument("--epochs", type=positive_int, default=200)
+    g.add_argument("--epochs", type=positive_int, default=200, help="passes over the training set; the schedule spans them")
     g.add_argument("--batch-size", "--batch_size", type=positive_int, default=128,
                    help="GLOBAL batch per optimizer step, over all processes and accumulation steps")
     g.add_argument("--lr", type=positive_float, default=0.1,
@@ -140,10 +140,11 @@ def build_parser(doc: str, model_names, own_data: bool = False, images: bool = T
                         "--batch-size where they build the optimizer")
     g.add_argument("--momentum", type=non_negative_float, default=0.9, help="SGD's momentum")
     g.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=True, help="SGD's Nesterov momentum")
-    g.add_argument("--weight-decay", "--weight_decay", type=non_negative_float, default=5e-4)
+    g.add_argument("--weight-decay", "--weight_decay", type=non_negative_float, default=5e-4, help="SGD's weight decay")
     g.add_argument("--warmup-epochs", type=non_negative_float, default=1.0,
                    help="linear learning-rate warm-up from 0, in epochs")
-    g.add_argument("--seed", type=seed, default=0)
+    g.add_argument("--seed", type=seed, default=0,
+                   help="the initial weights, the order of the data and its augmentation")
     g.add_argument("--clip-grad-norm", "--clip-grad", type=positive_float, default=None, metavar="MAX_NORM",
                    help="clip the global L2 norm of the gradients to MAX_NORM, once per optimizer step "
                         "(after unscaling under mixed precision, after the last micro-batch with accumulation)")
