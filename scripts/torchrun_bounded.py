@@ -6,10 +6,12 @@ jobs avoided, and a bound on how long it outlives its training processes.
 It is torchrun itself (torch.distributed.run, in this process), plus, with a c10d rendezvous
 (--rdzv-backend=c10d --rdzv-endpoint=HOST:PORT), what this node decides before it starts:
 
-- whether it hosts the rendezvous store: --rdzv-conf is_host=1 on the node that HOST names,
-  0 elsewhere. torchrun recognises itself only by its host name: where that name resolves to
-  127.0.1.1 (the default of Debian's and Ubuntu's installers), no node would host the store,
-  and every node would fail 1.5 to 3 minutes later. An is_host given already is kept.
+- whether it hosts the rendezvous store, where torchrun's own guess is wrong: --rdzv-conf
+  is_host=1 on the node that HOST names (0 on another). torchrun recognises itself by its host
+  name: where that name resolves to 127.0.1.1 (the default of Debian's and Ubuntu's installers),
+  no node would host the store, and every node would fail 1.5 to 3 minutes later. Where the
+  guess is right it is left alone: it lets a second agent of the job on the same machine join as
+  a client. An is_host given already is kept.
 - --local_addr: c10d numbers the nodes in the order of this value, and node rank 0's becomes
   every rank's MASTER_ADDR; without it torchrun hands out socket.getfqdn(), which is
   "localhost" where /etc/hosts lists the name after localhost on the 127.0.0.1 line. On the
@@ -63,17 +65,24 @@ def node_settings(argv: list) -> tuple:
     args = get_args_parser().parse_args(argv)
     if args.rdzv_backend != "c10d" or not args.rdzv_endpoint or args.standalone:
         return argv, "", None
-    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+    from torch.distributed.elastic.rendezvous import utils as rendezvous_utils
 
     from utils import network
     try:  # the host as torchrun reads it ("[IPV6]" with or without a port: the brackets go)
-        host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
+        host, port = rendezvous_utils.parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
     except ValueError as err:
         print_line(f"torchrun_bounded.py: error: {err}")
         sys.exit(2)
     decided, addresses = [], network.resolve(host)  # none: IPv6 or unknown (findings)
     is_host = int(any(network.can_bind(address) for address in addresses))  # HOST names this node
-    if "is_host" not in (args.rdzv_conf or "") and addresses:
+    # torchrun guesses is_host itself where it is not given, and an agent guessed the host whose port is taken
+    # becomes a client: a second agent of the job on this machine (_create_tcp_store). One given is_host=1
+    # fails there instead: it is given only where the guess is wrong (this host's name on a loopback line).
+    try:
+        guess = int(rendezvous_utils._matches_machine_hostname(host))
+    except OSError:  # this host's own name does not resolve: torchrun's guess would fail the same way
+        guess = None
+    if "is_host" not in (args.rdzv_conf or "") and addresses and is_host != guess:
         conf = f"{args.rdzv_conf},is_host={is_host}" if args.rdzv_conf else f"is_host={is_host}"
         argv = [f"--rdzv-conf={conf}", *[a for i, a in enumerate(argv) if not _is_rdzv_conf(argv, i)]]
         decided.append(f"is_host={is_host}")

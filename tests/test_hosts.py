@@ -629,6 +629,22 @@ def test_the_launcher_names_node_0_as_the_endpoint_not_as_node_0_resolves_its_na
     assert "reached through" not in job.log("nodea"), job.log("nodea")
 
 
+def test_two_agents_of_a_job_on_one_host_meet_as_torchrun_would(make_hosts, tmp_path):
+    """A job of 2 nodes whose two torchrun agents run on node A (a machine split in two, or a first try of
+    several nodes on one machine), through the launcher: torchrun guesses both to be the store's host, and
+    the one that finds the port taken becomes a client. Given is_host=1, it failed instead, and the other
+    waited out the rendezvous (600 s)."""
+    hosts = make_hosts()
+    job = Job(hosts, tmp_path)
+    for key in ("first", "second"):
+        job.start(key, "nodea", ["scripts/torchrun_bounded.py", *torchrun_across(hosts, 1, launcher=()),
+                                 "distributed.py", *TINY, "--train-samples", "64", "--batch-size", "32",
+                                 "--workers", "0", "--dist-timeout", "20"])
+    job.wait(120)
+    assert "done: 2 steps" in job.log("first") + job.log("second")
+    assert "is_host" not in job.log("first") + job.log("second")  # torchrun's guess is right here
+
+
 STORE_OF_A_LIVE_JOB = """
 import datetime, os, time
 from torch.distributed import TCPStore

@@ -63,14 +63,34 @@ def test_another_hosts_name_reached_through_another_interface_than_gloo_s_is_war
 
 
 @pytest.mark.parametrize("endpoint, gloo", [("nodea", "eth0"), ("10.0.0.1", "eth1")])
-def test_the_endpoints_node_is_named_to_the_others_as_the_endpoint(on_host, endpoint, gloo):
+def test_the_endpoints_node_is_named_to_the_others_as_the_endpoint(on_host, monkeypatch, endpoint, gloo):
     """torchrun_bounded.py on node A, the rendezvous endpoint's node: --local_addr (every rank's MASTER_ADDR
     where node A is node rank 0) is the endpoint as the user wrote it, which every node reaches, not the
-    address the name has here (eth0's, which no other node reaches)."""
+    address the name has here (eth0's, which no other node reaches). is_host=1 is given where torchrun's
+    own guess misses node A (its name on a loopback line, say)."""
     from scripts import torchrun_bounded
+    from torch.distributed.elastic.rendezvous import utils as rendezvous_utils
     on_host("nodea", NODE_A, {"nodea": "10.0.1.1"})
+    monkeypatch.setattr(rendezvous_utils, "_matches_machine_hostname", lambda host: False)
     argv, decided, found = torchrun_bounded.node_settings(["--nnodes=2", "--rdzv-backend=c10d",
                                                            f"--rdzv-endpoint={endpoint}:29500", "distributed.py"])
     assert found == (endpoint, 29500)
     assert decided == f"is_host=1 --local_addr={endpoint} GLOO_SOCKET_IFNAME={gloo}"
     assert f"--local_addr={endpoint}" in argv and "--rdzv-conf=is_host=1" in argv
+
+
+@pytest.mark.parametrize("here, guess, given", [("nodea", True, None), ("nodea", False, "is_host=1"),
+                                                ("nodeb", False, None), ("nodeb", True, "is_host=0")])
+def test_is_host_is_given_only_where_torchruns_guess_is_wrong(on_host, monkeypatch, here, guess, given):
+    """torchrun makes an agent it guesses to be the store's host a client when the port is taken (a second
+    agent of the job on the same machine, tests/test_hosts.py); one given is_host=1 fails. So the launcher
+    leaves a right guess alone."""
+    from scripts import torchrun_bounded
+    from torch.distributed.elastic.rendezvous import utils as rendezvous_utils
+    on_host(here, NODE_A if here == "nodea" else {"lo": "127.0.0.1", "eth0": "10.0.0.2"}, {"nodea": "10.0.0.1"})
+    monkeypatch.setattr(rendezvous_utils, "_matches_machine_hostname", lambda host: guess)
+    argv, decided, _ = torchrun_bounded.node_settings(["--nnodes=2", "--rdzv-backend=c10d",
+                                                       "--rdzv-endpoint=nodea:29500", "distributed.py"])
+    conf = [a for a in argv if a.startswith("--rdzv-conf")]
+    assert conf == ([f"--rdzv-conf={given}"] if given else []), argv
+    assert ("is_host" in decided) == bool(given), decided

@@ -120,7 +120,8 @@ def test_a_plain_job_completes(cluster, tmp_path):
     log = (tmp_path / f"job-{job}.out").read_text()
     assert "done: 8 steps" in log, log
     if cluster.nodes == 2:  # one torchrun on each host, each deciding for itself
-        assert "torchrun_bounded.py on nodea: is_host=1" in log and "torchrun_bounded.py on nodeb: is_host=0" in log
+        assert "torchrun_bounded.py on nodea: --local_addr=nodea" in log, log  # the head, named as sbatch names it
+        assert "torchrun_bounded.py on nodeb: --local_addr=10.231." in log, log  # its address toward the head
 
 
 def test_time_limit_stop_requeues_resumes_and_ends_with_the_same_weights(cluster, tmp_path):
