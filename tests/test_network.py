@@ -17,9 +17,13 @@ def on_host(monkeypatch):
     def describe(name, known, names):
         monkeypatch.setattr(network.socket, "gethostname", lambda: name)
         monkeypatch.setattr(network, "interfaces", lambda: dict(known))
-        monkeypatch.setattr(network, "can_bind", lambda address: address in known.values())
-        monkeypatch.setattr(network, "resolve", lambda host, family=socket.AF_INET:
-                            [names.get(host, host)] if family == socket.AF_INET else [])
+        monkeypatch.setattr(network, "can_bind", lambda address: address in [*known.values(), "::1"])
+
+        def resolve(host, family=socket.AF_INET):  # a host's addresses in the resolver's order, IPv6 ones too
+            found = names.get(host, [host])
+            found = found if isinstance(found, list) else [found]
+            return [a for a in found if family == socket.AF_UNSPEC or (":" in a) == (family == socket.AF_INET6)]
+        monkeypatch.setattr(network, "resolve", resolve)
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "")  # what node_settings sets in os.environ goes with the test
     return describe
 
@@ -60,6 +64,17 @@ def test_another_hosts_name_reached_through_another_interface_than_gloo_s_is_war
     [finding] = network.findings("nodea", uses_gloo=True)
     assert not finding.certain and "gloo will listen on 10.0.1.2" in finding.what, finding.line
     assert "nodea is reached through eth1 (10.0.0.2)" in finding.what and finding.fix == "export GLOO_SOCKET_IFNAME=eth1"
+
+
+def test_gloo_takes_the_first_address_of_this_hosts_name_ipv6_included(on_host, monkeypatch):
+    """gloo resolves this host's name for IPv4 and IPv6 and listens on the first address it can bind: with
+    `::1 localhost nodea` before `10.0.0.1 nodea` in /etc/hosts, on ::1, which no other node reaches."""
+    on_host("nodea", {"lo": "127.0.0.1", "eth0": "10.0.0.1"}, {"nodea": ["::1", "10.0.0.1"], "nodeb": "10.0.0.2"})
+    monkeypatch.setattr(network, "route_toward", lambda host, known: ("eth0", "10.0.0.1"))
+    assert network.gloo_listens_on() == ("::1", "the address of this host's name nodea")
+    [finding] = network.findings("nodeb", uses_gloo=True)
+    assert finding.certain and "gloo will listen on ::1" in finding.what and "a loopback address" in finding.what
+    assert finding.fix.startswith("list nodea with 10.0.0.1 in /etc/hosts"), finding.line
 
 
 @pytest.mark.parametrize("endpoint, gloo", [("nodea", "eth0"), ("10.0.0.1", "eth1")])

@@ -8,12 +8,12 @@ What the libraries do, as their sources say:
   socket.getfqdn() (RendezvousStoreInfo.build) unless --local-addr names an address: "localhost" where
   node 0's /etc/hosts has its name after localhost on the 127.0.0.1 line, which every node resolves to itself.
 - gloo (the CPU backend): GLOO_SOCKET_IFNAME's interface if set; else the first address of this host's
-  name that a socket can bind; else 127.0.0.1. It tells the others that address: with the name on a
+  name, IPv4 or IPv6 in the resolver's order, that a socket can bind; else 127.0.0.1. It tells the others that address: with the name on a
   loopback line (Debian's `127.0.1.1 nodea`), none of them can reach it.
 - NCCL chooses its interfaces by rules of its own (NCCL_SOCKET_IFNAME overrides them, NCCL_DEBUG=INFO
   prints them): nothing here imitates it.
-IPv4 only (a job that meets at an IPv6 address is not checked); Linux (interface addresses are read
-with ioctl)."""
+IPv4 only where the job meets (one that meets at an IPv6 address is not checked); Linux (interface
+addresses are read with ioctl)."""
 import contextlib
 import ipaddress
 import os
@@ -75,8 +75,9 @@ def is_loopback(address: str) -> bool:
 
 
 def can_bind(address: str) -> bool:
-    """Whether `address` is one of this host's own (a socket can listen on it)."""
-    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """Whether `address` (IPv4 or IPv6) is one of this host's own (a socket can listen on it)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with contextlib.suppress(OSError), socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((address, 0))
         return True
     return False
@@ -119,7 +120,7 @@ def gloo_listens_on(known: dict = None):
         names = [name for name in chosen.split(",") if name]
         return known[names[0]] if names and set(names) <= set(known) else None, f"GLOO_SOCKET_IFNAME={chosen}"
     name = socket.gethostname()
-    for address in resolve(name):
+    for address in resolve(name, socket.AF_UNSPEC):  # as gloo looks it up: "::1 nodea" comes first, say
         if can_bind(address):
             return address, f"the address of this host's name {name}"
     return "127.0.0.1", f"this host's name {name} resolves to no address of its own"
