@@ -120,7 +120,7 @@ def leave(code: int = 0, message: str = None):
 # --- the launcher and the stop signals -------------------------------------------------------
 
 def stop_signals() -> list:
-    """SIGNALS, less SIGHUP where this process ignores it: started by nohup, the run outlives its terminal."""
+    """SIGNALS, less SIGHUP where this process ignores it: `nohup python` outlives its terminal (torchrun does not)."""
     return [sig for sig in SIGNALS if sig != signal.SIGHUP or signal.getsignal(sig) != signal.SIG_IGN]
 
 
