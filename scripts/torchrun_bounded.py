@@ -74,7 +74,7 @@ def node_settings(argv: list) -> tuple:
         print_line(f"torchrun_bounded.py: error: {err}")
         sys.exit(2)
     decided, addresses = [], network.resolve(host)  # none: IPv6 or unknown (findings)
-    is_host = int(any(network.can_bind(address) for address in addresses))  # HOST names this node
+    is_host = int(_names_this_node(host))
     # torchrun guesses is_host itself where it is not given, and an agent guessed the host whose port is taken
     # becomes a client: a second agent of the job on this machine (_create_tcp_store). One given is_host=1
     # fails there instead: it is given only where the guess is wrong (this host's name on a loopback line).
@@ -100,6 +100,12 @@ def node_settings(argv: list) -> tuple:
         os.environ["GLOO_SOCKET_IFNAME"] = interface
         decided.append(f"GLOO_SOCKET_IFNAME={interface}")
     return argv, " ".join(decided), (host, port)
+
+
+def _names_this_node(host: str) -> bool:
+    """Whether the endpoint's HOST names this node: a socket can listen on one of its addresses."""
+    from utils import network
+    return any(network.can_bind(address) for address in network.resolve(host))
 
 
 def refuse_what_no_setting_saves(args, endpoint):
@@ -221,8 +227,10 @@ def check_args(args, endpoint):
     except ValueError as err:
         print_line(f"torchrun_bounded.py: error: --nproc_per_node={args.nproc_per_node}: {err}")
         sys.exit(2)
+    conf = args.rdzv_conf or ""  # the endpoint's node: is_host given, or left to torchrun's (right) guess
+    here = "is_host=1" in conf or ("is_host" not in conf and endpoint is not None and _names_this_node(host))
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE=str(nprocs), MASTER_PORT=str(port),
-               MASTER_ADDR=args.local_addr if args.local_addr and "is_host=1" in (args.rdzv_conf or "") else host)
+               MASTER_ADDR=args.local_addr if args.local_addr and here else host)
     fewest, _, most = str(args.nnodes).partition(":")  # N, or MIN:MAX
     for nodes in range(int(most or fewest), int(fewest) - 1, -1):  # the most first: a fixed job's line
         env["WORLD_SIZE"] = str(nodes * nprocs)
