@@ -639,7 +639,7 @@ def test_two_agents_of_a_job_on_one_host_meet_as_torchrun_would(make_hosts, tmp_
     for key in ("first", "second"):
         job.start(key, "nodea", ["scripts/torchrun_bounded.py", *torchrun_across(hosts, 1, launcher=()),
                                  "distributed.py", *TINY, "--train-samples", "64", "--batch-size", "32",
-                                 "--workers", "0", "--dist-timeout", "20"])
+                                 "--dist-timeout", "20"])  # loader workers as by default
     job.wait(120)
     assert "done: 2 steps" in job.log("first") + job.log("second")
     assert "is_host" not in job.log("first") + job.log("second")  # torchrun's guess is right here

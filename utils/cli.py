@@ -132,7 +132,7 @@ def build_parser(doc: str, model_names, own_data: bool = False, images: bool = T
     # Defaults follow weiaicunzai/pytorch-cifar100, itself after the Cutout paper (DeVries & Taylor, 2017),
     # with the schedule of utils/schedule.py: ResNet-18 top-1 error 24.39% there.
     g = parser.add_argument_group("recipe")
-    g.add_argument("--epochs", type=positive_int, default=200, help="passes over the training set; the schedule spans them")
+    g.add_argument("--epochs", type=positive_int, default=200, help="passes over the training set")
     g.add_argument("--batch-size", "--batch_size", type=positive_int, default=128,
                    help="GLOBAL batch per optimizer step, over all processes and accumulation steps")
     g.add_argument("--lr", type=positive_float, default=0.1,

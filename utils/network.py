@@ -7,9 +7,9 @@ What the libraries do, as their sources say:
   its server listens on every address of its host. torchrun's c10d rendezvous sets MASTER_ADDR to node 0's
   socket.getfqdn() (RendezvousStoreInfo.build) unless --local-addr names an address: "localhost" where
   node 0's /etc/hosts has its name after localhost on the 127.0.0.1 line, which every node resolves to itself.
-- gloo (the CPU backend): GLOO_SOCKET_IFNAME's interface if set; else the first address of this host's
-  name, IPv4 or IPv6 in the resolver's order, that a socket can bind; else 127.0.0.1. It tells the others that address: with the name on a
-  loopback line (Debian's `127.0.1.1 nodea`), none of them can reach it.
+- gloo (the CPU backend): GLOO_SOCKET_IFNAME's interface if set; else the first address of this host's name,
+  IPv4 or IPv6 in the resolver's order, that a socket can bind; else 127.0.0.1. It tells the others that
+  address: with the name on a loopback line (Debian's `127.0.1.1 nodea`), none of them can reach it.
 - NCCL chooses its interfaces by rules of its own (NCCL_SOCKET_IFNAME overrides them, NCCL_DEBUG=INFO
   prints them): nothing here imitates it.
 IPv4 only where the job meets (one that meets at an IPv6 address is not checked); Linux (interface
