@@ -120,6 +120,10 @@ def train(args, env, per_process_batch, device_ids, amp_dtype):
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum,
                                 nesterov=args.nesterov, weight_decay=args.weight_decay,
                                 fused=True if env.device.type == "cuda" else None)
+    # torch's fused SGD makes its momentum with empty_like at its first step and keeps it when the scaler
+    # skips that step (an fp16 overflow): garbage in every later step. From zeros, the same first step.
+    for p in model.parameters():
+        optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
     scheduler = schedule.warmup_multistep(optimizer, args, steps_per_epoch)
     # float16 gradients can underflow to zero: the scaler multiplies the loss before backward
     # and divides the gradients before the step. bfloat16 has float32's range: no scaler.

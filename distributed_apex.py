@@ -138,6 +138,10 @@ def train(args, env, per_device_batch, precision):
                                     # and found_inf before a fix that came after PyTorch 2.11 (a step on
                                     # scaled or overflowed gradients).
                                     fused=True if env.device.type not in ("cpu", "mps") else None)
+        # torch's fused SGD makes its momentum with empty_like at its first step and keeps it when the scaler
+        # skips that step (an fp16 overflow): garbage in every later step. From zeros, the same first step.
+        for p in model.parameters():
+            optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
 
     # --- mixed precision --------------------------------------------------------------
     apex_amp, dtype = precision.apex_amp, precision.dtype
@@ -285,8 +289,10 @@ def find_nvidia_apex():
     apex.amp. Neither feature present is a UsageError.
     """
     fused_sgd = apex_amp = None
-    try:  # a broken build can fail in many ways on import (missing CUDA extensions)
-        fused_sgd = getattr(importlib.import_module("apex.optimizers"), "FusedSGD", None)
+    try:  # a broken build can fail in many ways on import; one without its CUDA extensions (built
+        # without --cuda_ext) imports FusedSGD, whose constructor then raises
+        if importlib.import_module("apex.multi_tensor_apply").multi_tensor_applier.available:
+            fused_sgd = getattr(importlib.import_module("apex.optimizers"), "FusedSGD", None)
     except Exception:
         pass
     try:
@@ -297,7 +303,7 @@ def find_nvidia_apex():
         pass
     if fused_sgd is None and apex_amp is None:
         raise cli.UsageError(
-            "--amp-impl apex needs NVIDIA apex, which is built from source (github.com/NVIDIA/apex); "
+            "--amp-impl apex needs NVIDIA apex, built from source with its CUDA extensions (github.com/NVIDIA/apex); "
             "the PyPI package called `apex` is unrelated; --amp-impl torch (the default) is the "
             "upstream successor of apex.amp")
     return fused_sgd, apex_amp

@@ -149,6 +149,43 @@ def test_fp16_resume_continues_with_the_same_loss_scale(tmp_path, start):
         assert torch.equal(state["momentum_buffer"], b["optimizer"]["state"][key]["momentum_buffer"])
 
 
+@pytest.mark.skipif(not cpu_autocast_works(torch.float16),
+                    reason="this PyTorch build has no float16 autocast on the CPU")
+@pytest.mark.parametrize("script", ["distributed_apex.py", "dataparallel.py"])
+def test_fp16_first_step_skipped_by_the_scaler_leaves_fused_sgd_clean(tmp_path, monkeypatch, run_in_process,
+                                                                       script):
+    # On GPUs both scripts use torch's fused SGD, which GradScaler hands the overflow flag instead of
+    # skipping its step. At its first step it makes the momentum with empty_like and keeps it though the
+    # kernel skipped (torch/optim/sgd.py, _fused_sgd): unless the script made zeros first, the next steps
+    # run on whatever that memory held. Here: fused on the CPU too, and a first loss scale that overflows.
+    steps = []
+
+    class FusedSGD(torch.optim.SGD):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "fused": True})
+
+        def step(self, *args, **kwargs):
+            momentum = (self.state[p].get("momentum_buffer") for p in self.param_groups[0]["params"])
+            steps.append([None if b is None else b.clone() for b in momentum])
+            return super().step(*args, **kwargs)
+
+    scaler = torch.amp.GradScaler
+    monkeypatch.setattr(torch.optim, "SGD", FusedSGD)
+    # 2**40: the float16 backward overflows; then 2**10: it does not.
+    monkeypatch.setattr(torch.amp, "GradScaler", lambda *args, **kwargs: scaler(
+        *args, **kwargs, init_scale=2.0**40, backoff_factor=2.0**-30))
+    argv = [*FP16_SMALL, "--max-steps", "2", "--checkpoint-dir", tmp_path]
+    code, out, err = run_in_process(script, argv)
+    assert code == 0, err
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert state["scaler"]["scale"] == 2.0**10, "the first step was not the skipped one"
+    assert len(steps) == 2 and all(b is not None and not b.any() for b in steps[0]), \
+        "fused SGD's first step did not find zero momentum"
+    # The skipped step left the zeros as they were; the second started from them, as plain SGD's first.
+    assert all(not b.any() for b in steps[1])
+    assert all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point())
+
+
 # --- NVIDIA apex: asked for but absent ------------------------------------------------
 
 def _no_real_apex():
@@ -175,9 +212,13 @@ def _module(name, **attrs):
 
 @pytest.fixture
 def fake_apex(monkeypatch):
-    """Install a fake `apex` (and, on request, apex.optimizers / apex.amp) in sys.modules."""
-    def install(optimizers=None, amp=None, **top_level):
+    """Install a fake `apex` (and, on request, apex.optimizers / apex.amp) in sys.modules; with its CUDA
+    extensions unless told (apex's multi_tensor_applier says whether they were built)."""
+    def install(optimizers=None, amp=None, cuda_ext=True, **top_level):
         monkeypatch.setitem(sys.modules, "apex", _module("apex", **top_level))
+        applier = types.SimpleNamespace(available=cuda_ext)
+        monkeypatch.setitem(sys.modules, "apex.multi_tensor_apply",
+                            _module("apex.multi_tensor_apply", multi_tensor_applier=applier))
         for name, module in (("apex.optimizers", optimizers), ("apex.amp", amp)):
             if module is None:
                 # None in sys.modules makes `import` fail, as for a package without it.
@@ -215,6 +256,18 @@ def test_an_apex_with_the_features_is_accepted(fake_apex):
     # Current apex: FusedSGD, but apex.amp is gone.
     fake_apex(optimizers=_module("apex.optimizers", FusedSGD=FakeFusedSGD))
     assert apex_script.find_nvidia_apex() == (FakeFusedSGD, None)
+
+
+def test_an_apex_built_without_its_cuda_extensions_has_no_fused_sgd(fake_apex):
+    # apex's default `pip install ./` builds no extensions: FusedSGD imports, and its constructor raises
+    # "apex.optimizers.FusedSGD requires cuda extensions". Its apex.amp (an older apex) still works.
+    optimizers = _module("apex.optimizers", FusedSGD=FakeFusedSGD)
+    fake_apex(optimizers=optimizers, cuda_ext=False)
+    with pytest.raises(UsageError, match="github.com/NVIDIA/apex"):
+        apex_script.find_nvidia_apex()
+    amp = fake_amp_module()
+    fake_apex(optimizers=optimizers, amp=amp, cuda_ext=False)
+    assert apex_script.find_nvidia_apex() == (None, amp)
 
 
 # --- choosing the precision -------------------------------------------------------------
