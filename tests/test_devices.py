@@ -235,6 +235,19 @@ def test_torchrun_virtual_local_rank_gives_each_worker_its_own_gpu(monkeypatch):
     assert dist_utils.pick_device(0, 4, distributed=True) == torch.device("cuda", 0)
 
 
+def test_check_args_refuses_two_processes_on_one_visible_gpu_as_the_run_does(monkeypatch):
+    """--check-args runs as the node's local rank 0 in the node's settings, before the launcher narrows
+    CUDA_VISIBLE_DEVICES: one GPU visible there is one for the whole node, and its local rank 1 refuses."""
+    fake_accelerator(monkeypatch, "cuda", 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    for key, value in dict(RANK=0, WORLD_SIZE=2, LOCAL_RANK=0, LOCAL_WORLD_SIZE=2).items():
+        monkeypatch.setenv(key, str(value))
+    with pytest.raises(cli.UsageError, match="2 processes per node but only 1 GPU visible"):
+        dist_utils.check_job(dist_utils.job_from_env(check_only=True), check_only=True)
+    with pytest.raises(cli.UsageError, match="local rank 1 of 2 processes per node has no device"):
+        dist_utils.pick_device(1, 2, distributed=True)  # what the run's rank 1 says
+
+
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 def test_without_virtual_local_rank_a_second_process_on_one_gpu_refuses_and_says_so(monkeypatch, capsys):
     """2 processes with one GPU visible: local rank 1 has no device. Its line is printed by

@@ -97,7 +97,7 @@ def check_job(job: DistEnv, device_choice: str = "auto", check_only: bool = Fals
             raise UsageError("WORLD_SIZE is set but MASTER_ADDR or MASTER_PORT is not: the launcher "
                              "(torchrun) sets them; where they meet is node 0's address and a free port")
         tell_refusals_to(job)
-    device = pick_device(job.local_rank, job.local_world_size, device_choice, distributed=job.world_size > 1)
+    device = pick_device(job.local_rank, job.local_world_size, device_choice, job.world_size > 1, check_only)
     if job.several_nodes:
         check_network(job.meets_at, device, announce=job.local_rank == 0)
     return device
@@ -155,15 +155,16 @@ def device_name(device: torch.device) -> str:
 
 
 def pick_device(local_rank: int, local_world_size: int, choice: str = "auto",
-                distributed: bool = False) -> torch.device:
+                distributed: bool = False, check_only: bool = False) -> torch.device:
     if (kind := device_type(choice, distributed)) == "cpu":
         return torch.device("cpu")
     count = torch.accelerator.device_count()
     gpus = ("GPU" if kind in ("cuda", "xpu") else f"{kind} device") + ("s" if count != 1 else "")
     fix = f"use --nproc_per_node={count} or fewer (one process per device), or --device cpu"
     # torchrun --virtual-local-rank: LOCAL_RANK=0, one visible GPU per worker (LocalElasticAgent._set_local_rank_env).
+    # Not a check (--check-args): it sees the node's devices, as the launcher does before narrowing them.
     visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    own_device_only = count == 1 and local_rank == 0 and len(visible) == 1
+    own_device_only = count == 1 and local_rank == 0 and len(visible) == 1 and not check_only
     if local_rank >= count:  # this rank's device does not exist: its error, whoever else fails
         raise UsageError(f"local rank {local_rank} of {local_world_size} processes per node has no device: "
                          f"only {count} {gpus} visible: {fix}", met_by="rank")
