@@ -71,7 +71,7 @@ def _run_in_process(argv, capsys, monkeypatch, gpus=0):
     # Two nodes can meet at no loopback address: each would look for the others at its own (several
     # nodes on their own addresses: tests/test_hosts.py).
     (["--nproc-per-node", "1", "--nodes", "2", "--node-rank", "1", "--ip", "127.0.0.1", "--port", "29500"],
-     "--ip 127.0.0.1 is 127.0.0.1 here, a loopback address: each node would look for the others at its own"),
+     "--ip 127.0.0.1 is a loopback address: each node would look for the others at its own"),
     (["--nproc-per-node", "1", "--nodes", "2", "--node-rank", "2", "--port", "29500"],
      "--node-rank 2 with --nodes 2: node ranks go from 0 to 1"),
     (["--init-method", "http://127.0.0.1:29500"], "use tcp://HOST:PORT or file:///PATH"),

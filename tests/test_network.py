@@ -41,6 +41,10 @@ def test_another_hosts_name_on_a_loopback_line_here_is_this_hosts_fault(on_host)
     assert "node 0's /etc/hosts" in finding.fix and "--local-addr" in finding.fix, finding.line
     [finding] = network.findings("127.0.0.1", uses_gloo=False, flag="--ip")
     assert finding.fix == "give --ip node 0's network address"
+    # An address as MASTER_ADDR is not c10d's getfqdn(): by hand, or bare torchrun's default --master-addr.
+    [finding] = network.findings("127.0.0.1", uses_gloo=False)
+    assert finding.what.startswith("MASTER_ADDR 127.0.0.1 is a loopback address: each node"), finding.line
+    assert finding.fix == "give MASTER_ADDR node 0's network address (torchrun's --master-addr, 127.0.0.1 if not given)"
 
 
 def test_a_name_of_this_host_says_nothing_of_the_interface_the_others_reach(on_host, monkeypatch):

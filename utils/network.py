@@ -145,15 +145,21 @@ def findings(meet_at, uses_gloo: bool, flag: str = "MASTER_ADDR") -> list:
             # host's network address. Another host's name is this host's fault (a hosts file cloned from
             # that host's); localhost (node 0's socket.getfqdn() under torchrun) or an address, every node's.
             mine = not is_address(meet_at) and not meet_at.lower().startswith("localhost")
-            fix = (f"list {meet_at} in {name}'s own /etc/hosts with its network address, as the other nodes "
-                   "resolve it, not on a 127.x line" if mine else
-                   f"give {flag} node 0's network address" if flag != "MASTER_ADDR" else
-                   "torchrun's c10d rendezvous sets it to node 0's own name as socket.getfqdn() gives it there: list "
-                   "that name with node 0's network address in node 0's /etc/hosts, not on a 127.x line; or start "
-                   "torchrun with --local-addr=<the node's address> on every node (scripts/launch_multi_node.sh does)")
+            if mine:
+                fix = (f"list {meet_at} in {name}'s own /etc/hosts with its network address, as the other nodes "
+                       "resolve it, not on a 127.x line")
+            elif flag != "MASTER_ADDR" or is_address(meet_at):  # an address: by hand, or torchrun's --master-addr
+                fix = f"give {flag} node 0's network address" + (
+                    " (torchrun's --master-addr, 127.0.0.1 if not given)" if flag == "MASTER_ADDR" else "")
+            else:
+                fix = ("torchrun's c10d rendezvous sets it to node 0's own name as socket.getfqdn() gives it there: "
+                       "list that name with node 0's network address in node 0's /etc/hosts, not on a 127.x line; "
+                       "or start torchrun with --local-addr=<the node's address> on every node "
+                       "(scripts/launch_multi_node.sh does)")
             who = f"this host ({name}) would look for it" if mine else "each node would look for the others"
-            return [Finding(True, f"{flag} {meet_at} is {addresses[0]} here, a loopback address: {who} at its "
-                                  "own, and the job would wait until its timeout", fix)]
+            what = f"{flag} {meet_at} is " + ("" if is_address(meet_at) else f"{addresses[0]} here, ")
+            return [Finding(True, f"{what}a loopback address: {who} at its own, and the job would wait until its "
+                                  "timeout", fix)]
         if ipv6:
             return [Finding(False, f"{flag} {meet_at} is IPv6 here, which this check does not read: it checked "
                                    "nothing more", "none if the nodes reach one another over IPv6")]
