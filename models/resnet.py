@@ -50,7 +50,7 @@ class Bottleneck(nn.Module):
 
 class ResNet(nn.Module):
     def __init__(self, block, layers, num_classes: int = 100, width: int = 64, norm_layer=nn.BatchNorm2d):
-        # norm_layer(channels): the tests pass others (GroupNorm, Identity) to compare strategies exactly,
+        # norm_layer(channels): GroupNorm or Identity compare strategies exactly (lesson 01, the tests),
         # free of batch statistics, which depend on how the batch is split.
         super().__init__()
         self.conv1 = nn.Conv2d(3, width, 3, 1, 1, bias=False)  # CIFAR stem: 3x3, stride 1

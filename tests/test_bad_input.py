@@ -259,4 +259,4 @@ def test_check_args_takes_the_world_size_alone_and_says_what_it_read(run_in_proc
 def test_a_run_refuses_what_a_launcher_would_not_set_alone(run_in_process):
     # WORLD_SIZE without RANK: one of the launcher's variables is missing, not a job of one.
     code, out, err = run_in_process("distributed.py", SMALL, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2)
-    assert code == 2 and "WORLD_SIZE=2 without RANK: a launcher (torchrun, srun) sets both" in err, err
+    assert code == 2 and "WORLD_SIZE=2 without RANK: a launcher (torchrun) sets both" in err, err

@@ -67,11 +67,11 @@ def job_from_env(check_only: bool = False) -> DistEnv:
     read = " ".join(f"{name}={os.environ[name]}" for name in launcher_variables if name in os.environ)
     if "WORLD_SIZE" not in os.environ:
         if "RANK" in os.environ:
-            raise UsageError(f"RANK={os.environ['RANK']} without WORLD_SIZE: a launcher (torchrun, srun) sets both; "
+            raise UsageError(f"RANK={os.environ['RANK']} without WORLD_SIZE: a launcher (torchrun) sets both; "
                              "unset RANK to run one process with plain python")
         return DistEnv(0, 0, 1, 1, read="no launcher's variables: one process")
     if "RANK" not in os.environ and not check_only:
-        raise UsageError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} without RANK: a launcher (torchrun, srun) sets both; "
+        raise UsageError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} without RANK: a launcher (torchrun) sets both; "
                          "unset WORLD_SIZE to run one process with plain python")
     world_size, rank, local_rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
     local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)

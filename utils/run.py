@@ -28,6 +28,7 @@ order, or the others wait in it until --dist-timeout and fail with an error that
   makes its own (the broadcasts of batch-norm buffers, one all-reduce).
 - `finish()` and `epochs()` communicate nothing."""
 import json
+import math
 import os
 import signal
 import sys
@@ -321,7 +322,7 @@ class TrainingRun:
         self.save()
         self.record(record)
         self.observers.epoch(record)
-        acc5 = f"acc5 {eval_metrics['test_acc5']:.2f}% " if "test_acc5" in eval_metrics else ""
+        acc5 = "" if math.isnan(eval_metrics["test_acc5"]) else f"acc5 {eval_metrics['test_acc5']:.2f}% "
         print0(f"epoch {self.epoch + 1}/{self.args.epochs} step {self.global_step} | "
                f"train loss {train['train_loss']:.4f} acc1 {train['train_acc1']:.2f}% "
                + (f"grad norm {train['grad_norm']:.3g} " if train["grad_norm"] is not None else "") + "| "
@@ -362,8 +363,8 @@ class StopSignal:
     """Stop cleanly on SIGTERM, SIGINT (Ctrl-C), SIGUSR1 (SLURM's warning before a time limit or preemption) and
     SIGHUP (a closed terminal or ssh session):
     checkpoint at the next step that every rank agrees on and exit 0; --resume then continues with the exact
-    next batch. torchrun kills the workers 30 s after forwarding SIGTERM; SLURM's `--signal=USR1@120` gives two
-    minutes. The handler only sets a flag: a rank that stopped alone would leave the others waiting."""
+    next batch. torchrun kills the workers 30 s after forwarding SIGTERM; scripts/slurm.sbatch's `--signal=B:USR1@120`
+    gives two minutes. The handler only sets a flag: a rank that stopped alone would leave the others waiting."""
 
     def __init__(self, distributed: bool, check_every: int = 10):
         self.received = None
