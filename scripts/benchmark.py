@@ -526,13 +526,12 @@ def workers_that_fit(wanted: int, procs: int, per_device_batch: int, free) -> in
     """`wanted` loader workers per process, or fewer if the batches that they may hold in
     shared memory at once would not fit in its `free` bytes: DataLoader's 2 prefetched
     batches per worker, of the training loader and of the evaluation loader (twice the
-    batch), in each of `procs` processes (data.shm_estimate's formula). A worker that
+    batch), in each of `procs` processes (as scripts/preflight.py counts them). A worker that
     finds /dev/shm full dies of a bus error, and Docker gives a container 64 MB of it.
     free None (no such folder): `wanted`. Can be 0: the process loads its own batches."""
     if free is None:
         return wanted
-    per_worker = procs * (data.shm_bytes(1, 2, per_device_batch, LOADER_SAMPLE_BYTES)
-                          + data.shm_bytes(1, 2, 2 * per_device_batch, LOADER_SAMPLE_BYTES))
+    per_worker = procs * 2 * (per_device_batch + 2 * per_device_batch) * LOADER_SAMPLE_BYTES
     return max(0, min(wanted, free // per_worker))
 
 

@@ -53,7 +53,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from models import MODEL_NAMES, build_model  # noqa: E402
-from utils import cli, data, distributed as dist_utils, lifecycle, spawn  # noqa: E402
+from utils import cli, distributed as dist_utils, lifecycle, spawn  # noqa: E402
 from utils.cli import UsageError  # noqa: E402
 
 DEFAULT_SHM = "/dev/shm"
@@ -874,9 +874,9 @@ class Report:
         sample_bytes = math.prod(args.sample_shape) * VALUE_BYTES[args.sample_dtype] + 8  # + an int64 label
         per_process_batch = math.ceil(args.batch_size / world)
         eval_batch = 2 * per_process_batch  # the training scripts evaluate with twice the batch
-        # The training and the evaluation loader, as the training scripts count them (data.shm_estimate).
-        per_process = sum(data.shm_bytes(args.workers, args.prefetch_factor, batch, sample_bytes)
-                          for batch in (per_process_batch, eval_batch))
+        # The training and the evaluation loader: both keep their workers between epochs, and a training epoch
+        # cut short leaves its prefetched batches while evaluation runs.
+        per_process = args.workers * args.prefetch_factor * (per_process_batch + eval_batch) * sample_bytes
         if args.batch_size % world:
             multiple = max(world, args.batch_size // world * world)
             self.problem(f"--batch-size {args.batch_size} is not divisible by {world} processes "
@@ -898,7 +898,7 @@ class Report:
                 if ram and need * 1.5 > ram:
                     fix = f"{lower}: {size(need)} is more than this node's memory can hold ({size(ram)} RAM)"
                 else:
-                    gib = data.shm_size_gib(need)
+                    gib = max(1, math.ceil(need * 1.5 / 2**30))  # with room for the processes' own shared tensors
                     fix = (f"in Docker: docker run --ipc=host (or --shm-size={gib}g); otherwise "
                            f"mount -o remount,size={gib}G {shm['path']}, or {lower}")
                 self.problem(f"node {node}: {shm['path']} has {size(shm['free'])} free, the loader workers would "

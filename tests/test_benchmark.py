@@ -474,9 +474,7 @@ def test_row_shapes_on_a_gpu(tool):
 def test_loader_workers_on_a_gpu_fit_in_shared_memory(tool, monkeypatch):
     """16 cores and one GPU: 15 workers by the cores. With Docker's 64 MB of /dev/shm they
     would hold more than fits (a bus error): 9.5 MB each, in uint8; the benchmark starts as
-    many as fit by data.shm_estimate's own formula, and says why in the report."""
-    from types import SimpleNamespace
-    from utils import data
+    many as fit by preflight's formula, and says why in the report."""
     monkeypatch.setattr(tool.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(tool.torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(tool.precision, "cuda_bf16_native", lambda *a: True)
@@ -484,10 +482,8 @@ def test_loader_workers_on_a_gpu_fit_in_shared_memory(tool, monkeypatch):
     monkeypatch.setattr(tool.os, "cpu_count", lambda: 16)
     args = tool.build_parser().parse_args(["--rows", "ddp"])
 
-    def estimate(workers):
-        loaders = [SimpleNamespace(purpose=purpose, num_workers=workers, prefetch_factor=2, batch_size=batch)
-                   for purpose, batch in (("training", 512), ("evaluation", 1024))]
-        return data.shm_estimate(loaders, 1, tool.LOADER_SAMPLE_BYTES)[0]
+    def estimate(workers):  # 2 prefetched batches per worker, of training (512) and evaluation (1,024)
+        return workers * 2 * (512 + 1024) * tool.LOADER_SAMPLE_BYTES
 
     for free, expected in ((None, 15), (2**40, 15), (64 * 2**20, 7), (20 * 2**20, 2), (8 * 2**20, 0)):
         monkeypatch.setattr(tool.lifecycle, "shm_free_bytes", lambda path=None: free)

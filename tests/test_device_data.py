@@ -82,7 +82,7 @@ def test_the_loader_hands_over_bytes_and_the_model_gets_normalised_images(worker
             loader.sampler.set_epoch(1)
         keys = list(loader.sampler)
         images, targets = next(iter(loader))
-        assert images.dtype == torch.uint8 and data.batch_sample_bytes((images, targets)) == 3 * 32 * 32 + 8
+        assert images.dtype == torch.uint8 and images[0].nbytes + targets[0].nbytes == 3 * 32 * 32 + 8
         # What the model sees: each sample's crop and flip, normalised as _normalize defines it.
         expected = torch.stack([data._normalize(dataset[key][0]) for key in keys[:len(images)]])
         for memory_format in (torch.contiguous_format, torch.channels_last):

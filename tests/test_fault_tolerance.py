@@ -547,7 +547,7 @@ def test_mp_spawn_stops_on_a_signal_to_its_process_group(request, tmp_path, sig)
     assert f"on {sig.name}: checkpoint saved" in output, output
     no_loader_failure(output)
     # The loader workers, killed at exit, had their sockets in their rank's folder, which
-    # the rank's exit removed (utils/data.py, Loader._batches): one stop used to leave a
+    # the rank's exit removed (lifecycle.start_loader_workers): one stop used to leave a
     # folder per loader worker.
     assert left_in(tmp) == [], output
     step = checkpoint.load(tmp_path / "checkpoint.pt")["global_step"]

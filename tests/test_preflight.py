@@ -242,9 +242,9 @@ def test_report_two_nodes_with_different_versions_and_variables(capsys):
 
 # The loaders are built, never iterated: their 4 workers per loader never start on this small CPU.
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")
-def test_shared_memory_figure_is_what_the_training_scripts_warn_with(capsys):
-    """preflight counts the bytes that the training scripts' own check (data.shm_estimate)
-    counts for real loaders built with the same flags: both loaders, both processes."""
+def test_shared_memory_figure_is_what_the_training_scripts_loaders_hold(capsys):
+    """preflight counts the bytes that real loaders built with the same flags may hold at once: prefetched
+    batches of both loaders (they keep their workers), samples as a worker hands them over, both processes."""
     from utils import data
     from utils.distributed import DistEnv
     role = preflight.Role(0, 2, 0, 2, 0, "python")
@@ -258,8 +258,10 @@ def test_shared_memory_figure_is_what_the_training_scripts_warn_with(capsys):
     env = DistEnv(0, 0, 2, 2, torch.device("cpu"), True)
     train_set, test_set = data.build_datasets(args, env)
     loaders = [data.train_loader(train_set, 64, 128, env, args), data.eval_loader(test_set, 128, env, args)]
-    sample = next(iter(data.train_loader(train_set, 64, 128, env, argparse.Namespace(**{**vars(args), "workers": 0}))))
-    need, _ = data.shm_estimate(loaders, env.local_world_size, data.batch_sample_bytes(sample))
+    in_process = argparse.Namespace(**{**vars(args), "workers": 0})
+    images, labels = next(iter(data.train_loader(train_set, 64, 128, env, in_process)))  # as a worker hands it over
+    sample_bytes = (images.nbytes + labels.nbytes) // len(labels)
+    need = sum(loader.num_workers * loader.prefetch_factor * loader.batch_size for loader in loaders) * sample_bytes * 2
     assert f"{preflight.size(need)} for 2 on the node" in out, out
 
 

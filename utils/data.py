@@ -5,26 +5,24 @@ A sample's augmentation depends on (--seed, epoch, index) alone, not on the load
 it (TrainImages, SeededSamples): so runs compare across strategies and numbers of processes or
 workers, resumes in the middle of an epoch are exact, and --data-on-gpu augments as the loader does.
 
-Loader workers hand their batches over in shared memory (/dev/shm), which Docker keeps at 64 MB
-unless told otherwise; a worker that finds it full dies of a bus error: warn_if_shm_short."""
+Loader workers hand their batches over in shared memory (/dev/shm), which Docker keeps at 64 MB unless
+told otherwise: scripts/preflight.py checks it before a job; a worker that finds it full dies of a bus
+error, which the run reports in one line (lifecycle.bus_error_message)."""
 
 import contextlib
 import fcntl
-import math
 import os
 import pickle
 import random
 import sys
-import weakref
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
-from .cli import UsageError, error_line, first_line, print_line
+from .cli import UsageError, first_line
 from .distributed import DistEnv, all_ranks_ok
-from . import lifecycle
-from .lifecycle import ignore_stop_signals, shm_free_bytes, start_loader_workers
+from .lifecycle import ignore_stop_signals, start_loader_workers
 
 NUM_CLASSES = 100
 CIFAR100_MEAN = (0.5071, 0.4865, 0.4409)  # per channel, of the training set (0..1 scale)
@@ -416,19 +414,15 @@ def loader_workers(args, env: DistEnv) -> int:
 
 
 class Loader(DataLoader):
-    """A DataLoader whose workers are forked early (start_workers) by lifecycle.start_loader_workers. Given
-    `env`, the first batch of a run checks the shared memory for all its loaders (warn_if_shm_short)."""
+    """A DataLoader whose workers are forked early (start_workers) by lifecycle.start_loader_workers."""
 
-    def __init__(self, *args, env: DistEnv = None, purpose: str = "loader", **kwargs):
+    def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if self.num_workers and self.multiprocessing_context is None and sys.platform == "linux":
             # DataLoader's default, the process's start method, is "spawn" under mp.spawn ("forkserver"
             # from Python 3.14): each worker a new interpreter importing PyTorch for work that never
             # touches the GPU (measured: 1.1 s to the first batch and 283 MB; forked 0.05 s and 15 MB).
             self.multiprocessing_context = "fork"
-        self.env, self.purpose = env, purpose
-        if env is not None and env.local_rank == 0 and self.num_workers:  # once per node
-            _shm_unchecked.add(self)
 
     def start_workers(self):
         """Fork the persistent workers now, before the model's first collective (DDP's broadcast). After a
@@ -436,38 +430,22 @@ class Loader(DataLoader):
         3.11.9 and older (CPython gh-112275) leave a child forked then waiting for it: a worker that never starts."""
         context = self.multiprocessing_context or torch.multiprocessing  # DataLoader's, with no context
         if self.num_workers and self.persistent_workers and context.get_start_method() == "fork":
-            self._batches()  # DataLoader keeps a persistent-worker iterator for the next iter()
+            iter(self)  # DataLoader keeps a persistent-worker iterator for the next iter()
 
-    def _batches(self):
+    def __iter__(self):
         # A new iterator draws its workers' base seed from the global generator, with no workers too: put it back,
         # so that the training's own draws (a model's dropout) do not depend on it, and a resume, whose epoch
         # starts a new iterator after the checkpoint's generator state is restored, continues them exactly.
         with torch.random.fork_rng(devices=[]):
             return start_loader_workers(super().__iter__) if self.num_workers else super().__iter__()
 
-    def __iter__(self):
-        batches = self._batches()
-        return self._check_shm_at_first_batch(batches) if self in _shm_unchecked else batches
 
-    def _check_shm_at_first_batch(self, batches):
-        # At the first batch: all loaders are built, and a sample loaded here would open what a data
-        # set opens on first access (an HDF5 file, say) before the workers fork and share it.
-        for batch in batches:
-            siblings = sorted((loader for loader in list(_shm_unchecked) if loader.env is self.env),
-                              key=lambda loader: loader.purpose != "training")  # training first
-            _shm_unchecked.difference_update(siblings)
-            warn_if_shm_short(siblings, self.env, batch_sample_bytes(batch))
-            yield batch
-            break
-        yield from batches
-
-
-def _loader(dataset, sampler, batch_size: int, env: DistEnv, args, purpose: str) -> Loader:
+def _loader(dataset, sampler, batch_size: int, env: DistEnv, args) -> Loader:
     workers = loader_workers(args, env)
     # Pinned memory lets the copy to the device run asynchronously; MPS shares memory with the CPU.
     loader = Loader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
                     pin_memory=env.device.type not in ("cpu", "mps"), persistent_workers=workers > 0,
-                    worker_init_fn=_worker_init, env=env, purpose=purpose)
+                    worker_init_fn=_worker_init)
     loader.start_workers()  # both loaders' before the model's first collective: see Loader.start_workers
     return loader
 
@@ -477,66 +455,8 @@ def train_loader(train_set, per_device_batch: int, global_batch: int, env: DistE
     if not getattr(train_set, "takes_sample_keys", False):
         train_set = SeededSamples(train_set, args.seed)
     sampler = TrainSampler(len(train_set), global_batch, env.rank, env.world_size, args.seed)
-    return _loader(train_set, sampler, per_device_batch, env, args, "training")
+    return _loader(train_set, sampler, per_device_batch, env, args)
 
 
 def eval_loader(test_set, batch_size: int, env: DistEnv, args) -> DataLoader:
-    return _loader(test_set, ShardSampler(len(test_set), env.rank, env.world_size), batch_size, env, args, "evaluation")
-
-
-# --- shared memory -------------------------------------------------------------------
-
-_shm_unchecked = weakref.WeakSet()  # loaders with workers whose shared memory is not checked yet
-
-
-def shm_bytes(workers: int, prefetch_factor: int, batch_size: int, sample_bytes: int) -> int:
-    """What one process's loader may hold at once: prefetch_factor batches per worker (also preflight's)."""
-    return workers * prefetch_factor * batch_size * sample_bytes
-
-
-def shm_size_gib(need: int) -> int:
-    """The --shm-size (GiB) to suggest, with room for the training process's own shared tensors."""
-    return max(1, math.ceil(need * 1.5 / 2**30))
-
-
-def batch_sample_bytes(batch) -> int:
-    """Bytes of one sample as the workers hand it over (labels included): measured, not assumed."""
-    def _tensor_bytes(value) -> int:
-        if isinstance(value, torch.Tensor):
-            return value.nbytes
-        if isinstance(value, (list, tuple, dict)):
-            return sum(_tensor_bytes(v) for v in (value.values() if isinstance(value, dict) else value))
-        return 0  # strings and other objects travel pickled, not in shared memory
-
-    first = batch
-    while isinstance(first, (list, tuple, dict)) and len(first):
-        first = next(iter(first.values())) if isinstance(first, dict) else first[0]
-    length = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else 1
-    return math.ceil(_tensor_bytes(batch) / max(length, 1))
-
-
-def shm_estimate(loaders, local_world_size: int, sample_bytes: int):
-    """(bytes, formula): what `loaders` and their like in this node's other processes may hold at once
-    (an evaluation sample taken to be as large as a training one). Their sum: both keep their workers
-    between epochs, and a training epoch cut short leaves its prefetched batches while evaluation runs."""
-    terms = [(loader.purpose, loader.num_workers, loader.prefetch_factor, loader.batch_size,
-              sample_bytes) for loader in loaders if loader.num_workers]
-    need = sum(shm_bytes(*term[1:]) for term in terms) * local_world_size
-    formula = " + ".join(f"{purpose} {workers} worker{'s' if workers != 1 else ''} x {prefetch} prefetched batches "
-                         f"x {batch} samples x {nbytes:,} B" for purpose, workers, prefetch, batch, nbytes in terms)
-    return need, f"({formula}) x {local_world_size} process{'es' if local_world_size != 1 else ''} on this node"
-
-
-def warn_if_shm_short(loaders, env: DistEnv, sample_bytes: int):
-    """One warning when shared memory has less free space than `loaders` may hold: an upper bound."""
-    path = lifecycle.SHM_DIR  # where the workers' shm_open puts their batches (Linux)
-    free = shm_free_bytes(path)
-    need, formula = shm_estimate(loaders, env.local_world_size, sample_bytes)
-    if free is None or need <= free:
-        return  # no such folder (not Linux), or room enough (none needed without workers)
-    print_line(error_line(
-        f"{path} has {free / 2**20:,.1f} MiB free, less than the {need / 2**20:,.1f} MiB that the "
-        f"DataLoader workers of this node may hold there at once: {formula}. A worker that finds it full "
-        f"dies of a bus error. In Docker: docker run --ipc=host (or --shm-size={shm_size_gib(need)}g); "
-        "otherwise lower --workers or --batch-size. Training goes on: the estimate is an upper bound, "
-        "the run may still fit.", kind="warning"))
+    return _loader(test_set, ShardSampler(len(test_set), env.rank, env.world_size), batch_size, env, args)
