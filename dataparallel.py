@@ -102,7 +102,9 @@ def train(args, env, per_process_batch, device_ids, amp_dtype):
 
     # --- model ------------------------------------------------------------------------
     model = build_model(args.model, data.num_classes(train_set)).to(env.device)
-    # Our CIFAR bytes are normalised on the device (the first GPU, before the scatter).
+    # Our CIFAR batches come as bytes (a quarter of float32's, through the workers' shared memory
+    # and to the device) and are normalised there; your own data's go there as loaded.
+    # The device is the first GPU: DataParallel scatters the batch from there.
     to_model = data.model_inputs(train_set, env.device)
     forward_model = AutocastForward(model, env.device.type, amp_dtype) if amp_dtype else model
     if device_ids:
@@ -116,10 +118,9 @@ def train(args, env, per_process_batch, device_ids, amp_dtype):
     # --- optimizer --------------------------------------------------------------------
     # Linear scaling (Goyal et al., 2017): --lr is the rate for 128 samples a step, the recipe's batch.
     lr = args.lr * args.batch_size / 128
-    # fused on GPUs: one kernel updates every parameter instead of a few per tensor.
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum,
-                                nesterov=args.nesterov, weight_decay=args.weight_decay,
-                                fused=True if env.device.type == "cuda" else None)
+    # fused on accelerators: one kernel does the whole update; the default runs several (foreach on CUDA).
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum, nesterov=args.nesterov,
+                                weight_decay=args.weight_decay, fused=True if env.device.type != "cpu" else None)
     # torch's fused SGD makes its momentum with empty_like at its first step and keeps it when the scaler
     # skips that step (an fp16 overflow): garbage in every later step. From zeros, the same first step.
     for p in model.parameters():

@@ -94,7 +94,7 @@ def train(args, env, per_device_batch):
     # --- optimizer --------------------------------------------------------------------
     # Linear scaling (Goyal et al., 2017): --lr is the rate for 128 samples a step, the recipe's batch.
     lr = args.lr * args.batch_size / 128
-    # fused on accelerators: one kernel updates every parameter instead of a few per tensor.
+    # fused on accelerators: one kernel does the whole update; the default runs several (foreach on CUDA).
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum, nesterov=args.nesterov,
                                 weight_decay=args.weight_decay, fused=True if env.device.type != "cpu" else None)
     scheduler = schedule.warmup_multistep(optimizer, args, steps_per_epoch)
@@ -128,7 +128,7 @@ def train(args, env, per_device_batch):
             run.end_epoch(metrics.NOT_EVALUATED)
     run.finish()
     if args.verify_sync:
-        replicas.verify_sync(model)
+        replicas.verify_sync(model)  # all ranks: a broadcast and an all-reduce per tensor, compared with rank 0's
 
 
 if __name__ == "__main__":

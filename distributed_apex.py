@@ -29,13 +29,9 @@ bf16 wants an Ampere or newer GPU (A100, H100, RTX 30xx and later); fp16 runs on
 On the CPU prefer bf16: recent builds run fp16 too, but its convolution backward
 is a slow fallback there (tens of times slower), fine for tests only.
 
-The name is historical: this used to be done with NVIDIA apex (apex.amp and
-apex.parallel.DistributedDataParallel). NVIDIA removed both from apex in 2025;
-torch.amp is their upstream successor and the default here. `--amp-impl apex`
-uses a source build of NVIDIA apex (github.com/NVIDIA/apex) where one is
-installed (CUDA GPUs only): its FusedSGD, and apex.amp with --opt-level O0..O3 if
-that apex is old enough to still have it. The PyPI package called `apex` is
-unrelated. torch.amp runs on any accelerator and on the CPU.
+The name is historical: torch.amp succeeds apex.amp, gone from NVIDIA apex since 2025.
+`--amp-impl apex` (CUDA only) takes FusedSGD from a source build of NVIDIA apex (not
+PyPI's `apex`), and apex.amp (--opt-level) if that build still has it.
 """
 import importlib
 from typing import Any, NamedTuple
@@ -70,8 +66,8 @@ def main(argv=None):
     plan = cli.validated(args, check)  # every refusal before anything starts; --check-args ends here
 
     # --- distributed setup ------------------------------------------------------------
-    # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; init_process_group
-    # reads them (env://). Under plain `python` none is set: one process, no process group.
+    # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT: the processes meet
+    # there (env://). Under plain `python` none is set: one process, no process group.
     env = dist_utils.setup(plan.job, plan.device, timeout_s=args.dist_timeout)
     try:
         train(args, env, plan.per_device_batch, plan.precision)
@@ -118,8 +114,10 @@ def train(args, env, per_device_batch, precision):
     # NHWC (channels_last) by default on recent GPUs, the layout tensor-core convolutions want.
     memory_format = data.memory_format(args, env.device)
     model = build_model(args.model, data.num_classes(train_set)).to(env.device, memory_format=memory_format)
-    # Our CIFAR bytes (from either path) are normalised on the device, and handed over in the
-    # autocast dtype: autocast would cast them at the first convolution anyway.
+    # Our CIFAR batches come as bytes (a quarter of float32's, through the workers' shared memory
+    # and to the device) and are normalised there; your own data's go there as loaded.
+    # (--data-on-gpu: they are there from the start.) Handed over in the autocast dtype:
+    # autocast would cast them at the first convolution anyway.
     to_model = data.model_inputs(train_set, env.device, memory_format, dtype=precision.dtype)
     if args.sync_bn:  # batch statistics over the global batch instead of each GPU's slice
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -127,16 +125,15 @@ def train(args, env, per_device_batch, precision):
     # --- optimizer --------------------------------------------------------------------
     # Linear scaling (Goyal et al., 2017): --lr is the rate for 128 samples a step, the recipe's batch.
     lr = args.lr * args.batch_size / 128
-    # Fused: one kernel updates every parameter (apex's FusedSGD, or torch's on GPUs).
+    # fused on accelerators: one kernel does the whole update; the default runs several (foreach on CUDA).
+    # --amp-impl apex: apex's FusedSGD. Not on MPS: its fused kernel did not honour the scaler's
+    # grad_scale and found_inf before a fix that came after PyTorch 2.11 (a step on scaled or overflowed gradients).
     if precision.fused_sgd is not None:
         optimizer = precision.fused_sgd(model.parameters(), lr=lr, momentum=args.momentum,
                                         nesterov=args.nesterov, weight_decay=args.weight_decay)
     else:
-        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum,
-                                    nesterov=args.nesterov, weight_decay=args.weight_decay,
-                                    # Not on MPS: its fused kernel did not honour the scaler's grad_scale
-                                    # and found_inf before a fix that came after PyTorch 2.11 (a step on
-                                    # scaled or overflowed gradients).
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum, nesterov=args.nesterov,
+                                    weight_decay=args.weight_decay,
                                     fused=True if env.device.type not in ("cpu", "mps") else None)
         # torch's fused SGD makes its momentum with empty_like at its first step and keeps it when the scaler
         # skips that step (an fp16 overflow): garbage in every later step. From zeros, the same first step.
@@ -221,7 +218,7 @@ def train(args, env, per_device_batch, precision):
             run.end_epoch(metrics.NOT_EVALUATED)
     run.finish()
     if args.verify_sync:
-        replicas.verify_sync(model)
+        replicas.verify_sync(model)  # all ranks: a broadcast and an all-reduce per tensor, compared with rank 0's
 
 
 # --- choosing the precision ------------------------------------------------------------

@@ -70,8 +70,8 @@ def main(argv=None):
     plan = cli.validated(args, check)  # every refusal before anything starts; --check-args ends here
 
     # --- distributed setup ------------------------------------------------------------
-    # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; init_process_group
-    # reads them (env://). Under plain `python` none is set: one process.
+    # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT: the processes meet
+    # there (env://). Under plain `python` none is set: one process.
     env = dist_utils.setup(plan.job, plan.device, timeout_s=args.dist_timeout)
     if not env.distributed:
         # fully_shard needs a process group even for one process: a group of one, its store
@@ -112,13 +112,8 @@ def even_eval_batches(loader, test_set, env):
 
 
 class EvenBatches:
-    """A class of its own, not one defined inside even_eval_batches. Every class is part
-    of a reference cycle (through its __mro__ and its __dict__), so one made inside the
-    function lived until the garbage collector ran, and its methods' closure held the
-    evaluation loader with it. Under lifecycle.leave that collector never runs: the loader's
-    persistent workers were still alive at the exit (on an H200 with PyTorch 2.11, 15 of
-    them kept it waiting past the 30 s the benchmark allows, in PyTorch's 5 s wait for
-    each; see utils/compat.py)."""
+    """Not a class made inside even_eval_batches: a class sits in a reference cycle that only the garbage
+    collector frees, which lifecycle.leave never runs, so its closure kept the loader's workers alive at exit."""
 
     def __init__(self, loader, test_set, longest: int):
         self.loader, self.test_set, self.longest = loader, test_set, longest
@@ -158,8 +153,7 @@ def shard(model, env, reshard_after_forward: bool, mp_policy: str):
         # drift. All batch-norm layers together are one unit that keeps fp32 and casts nothing:
         # each takes the bf16 activations as they come, with its fp32 weights (the kernels
         # accumulate in fp32 and return bf16). Why one unit: FSDP2's hooks run on the host for
-        # every unit, and with one unit per layer, casting in and out, a step on one H200 waited
-        # on the host, not the GPU: 8,989 images/s where this runs at 16,912 (the step alone).
+        # every unit, and with one unit per layer, casting in and out, a step waits on the host.
         # One unit works here because the first batch norm (the stem's) runs before all the
         # others and the last after them: gathered at the first, its gradients reduced once
         # backward has passed the first. Made before the stages and the root, which then leave
@@ -171,9 +165,8 @@ def shard(model, env, reshard_after_forward: bool, mp_policy: str):
     for stage in (model.layer1, model.layer2, model.layer3, model.layer4):
         fully_shard(stage, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     # The root is left to PyTorch's default (reshard_after_forward=None): it stays whole from
-    # forward to backward, which needs it at once (FSDPState._lazy_init), whatever the flag.
-    # Freed after forward, it is gathered again first thing in backward: measured on 2 gloo
-    # processes, 10 all-gathers per training step instead of 9 (PyTorch 2.11 and 2.14).
+    # forward to backward, which needs it at once (FSDPState._lazy_init), whatever the flag:
+    # freed after forward, it would be gathered again first thing in backward: 10 all-gathers a step, not 9.
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
@@ -202,7 +195,9 @@ def train(args, env, per_device_batch):
     # small weight on the way in; the activations, the large part, never need a transpose.
     memory_format = data.memory_format(args, env.device)
     model = build_model(args.model, data.num_classes(train_set)).to(env.device)
-    # Our CIFAR bytes (from either path) are normalised on the device; your own data as loaded.
+    # Our CIFAR batches come as bytes (a quarter of float32's, through the workers' shared memory
+    # and to the device) and are normalised there; your own data's go there as loaded.
+    # (--data-on-gpu: they are there from the start.)
     to_model = data.model_inputs(train_set, env.device, memory_format)
     shard(model, env, args.reshard_after_forward, args.mp_policy)  # all ranks: fully_shard (shard() above)
 

@@ -2,9 +2,10 @@ r"""Train a CIFAR ResNet with DistributedDataParallel and gradient accumulation,
 
 Each optimizer step sums the gradients of k micro-batches per process before it
 updates the weights, so a global batch too large for the GPUs' memory still
-trains as one batch. DDP's no_sync() skips the gradient all-reduce on the first
-k-1 micro-batches: one all-reduce per optimizer step instead of k. Without GPUs
-the processes run on the CPU (gloo).
+trains as one batch, except that batch norm sees each micro-batch alone, as each
+DDP rank sees its slice. DDP's no_sync() skips the gradient all-reduce on the
+first k-1 micro-batches: one all-reduce per optimizer step instead of k. Without
+GPUs the processes run on the CPU (gloo).
 
     # one process (one GPU, or the CPU): 4 micro-batches of 32 per step
     python distributed_gradient_accumulation.py --dataset synthetic --epochs 1 --accum-steps 4
@@ -44,8 +45,8 @@ def main(argv=None):
     plan = cli.validated(args, check)  # every refusal before anything starts; --check-args ends here
 
     # --- distributed setup ------------------------------------------------------------
-    # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; init_process_group
-    # reads them (env://). Under plain `python` none is set: one process, no process group.
+    # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT: the processes meet
+    # there (env://). Under plain `python` none is set: one process, no process group.
     env = dist_utils.setup(plan.job, plan.device, timeout_s=args.dist_timeout)
     try:
         train(args, env, plan.micro_batch)
@@ -83,11 +84,12 @@ def train(args, env, micro_batch):
     # NHWC (channels_last) by default on recent GPUs, the layout tensor-core convolutions want.
     memory_format = data.memory_format(args, env.device)
     model = build_model(args.model, data.num_classes(train_set)).to(env.device, memory_format=memory_format)
-    # Our CIFAR bytes are normalised on the device, one micro-batch at a time.
+    # Our CIFAR batches come as bytes (a quarter of float32's, through the workers' shared memory
+    # and to the device) and are normalised there; your own data's go there as loaded.
     to_model = data.model_inputs(train_set, env.device, memory_format)
     if args.sync_bn:  # batch statistics over the global batch instead of each GPU's slice
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    if env.distributed:  # under a launcher, a group of one too
+    if env.distributed:  # under a launcher, a group of one too: DDP's own cost is then measured
         # DDP broadcasts rank 0's weights to every rank here, then all-reduces (averages)
         # gradients bucket by bucket while backward is still running.
         # gradient_as_bucket_view: .grad tensors are views into DDP's all-reduce buckets: the
@@ -99,16 +101,15 @@ def train(args, env, micro_batch):
                         **compat.buffers_synced_once(model))
         no_sync = ddp_model.no_sync
     else:
-        ddp_model = model
-        no_sync = contextlib.nullcontext  # plain python, one process: there is no all-reduce to skip
+        ddp_model = model  # plain python: one process, no group, no DDP hooks to run
+        no_sync = contextlib.nullcontext  # and no all-reduce to skip
 
     # --- optimizer --------------------------------------------------------------------
     # Linear scaling (Goyal et al., 2017): --lr is the rate for 128 samples a step, the recipe's batch.
     lr = args.lr * args.batch_size / 128
-    # fused on accelerators: one kernel updates every parameter instead of a few per tensor.
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum,
-                                nesterov=args.nesterov, weight_decay=args.weight_decay,
-                                fused=True if env.device.type != "cpu" else None)
+    # fused on accelerators: one kernel does the whole update; the default runs several (foreach on CUDA).
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum, nesterov=args.nesterov,
+                                weight_decay=args.weight_decay, fused=True if env.device.type != "cpu" else None)
     scheduler = schedule.warmup_multistep(optimizer, args, steps_per_epoch)
     run = TrainingRun(args, env, model, optimizer, scheduler, train_size=len(train_set),
                       strategy="ddp-accum", extra_record={"accum_steps": accum_steps})  # all ranks meet here
@@ -132,8 +133,9 @@ def train(args, env, micro_batch):
                 logits = ddp_model(images)
                 loss = F.cross_entropy(logits, targets)
                 # .grad sums over micro-batches; dividing by k makes it the mean over the
-                # global batch, the gradient that one big batch would give.
-                (loss / accum_steps).backward()
+                # global batch, the gradient that one big batch would give, except that batch
+                # norm sees each micro-batch alone, as each DDP rank sees its slice.
+                (loss / accum_steps).backward()  # last micro-batch: DDP's hooks all-reduce the gradients
             run.meter.update(loss.detach(), logits.detach(), targets)  # mean over micro-batches
             if not last_micro_batch:
                 continue
@@ -153,7 +155,7 @@ def train(args, env, micro_batch):
             run.end_epoch(metrics.NOT_EVALUATED)
     run.finish()
     if args.verify_sync:
-        replicas.verify_sync(model)
+        replicas.verify_sync(model)  # all ranks: a broadcast and an all-reduce per tensor, compared with rank 0's
 
 
 if __name__ == "__main__":

@@ -54,9 +54,6 @@ def check(args) -> cli.Plan:
     """Bad input that needs no process group to be seen, refused in one line (UsageError)
     before a process starts: not N tracebacks, nor N processes waiting for a peer that never
     comes. --check-args runs exactly this."""
-    if args.init_method is not None and (cli.given(args, "ip") or args.port is not None):
-        raise cli.UsageError(f"--init-method {args.init_method} names the rendezvous itself: leave out "
-                             "--ip and --port (they make tcp://IP:PORT when --init-method is not given)")
     world_size = spawn.check_launch(args)  # the launch flags (utils/spawn.py); several nodes: the network
     device_type = dist_utils.device_type(args.device, distributed=True)
     cli.check_flags(args)
@@ -116,7 +113,7 @@ def train(args, env, per_device_batch):
     # --- optimizer --------------------------------------------------------------------
     # Linear scaling (Goyal et al., 2017): --lr is the rate for 128 samples a step, the recipe's batch.
     lr = args.lr * args.batch_size / 128
-    # fused on accelerators: one kernel updates every parameter instead of a few per tensor.
+    # fused on accelerators: one kernel does the whole update; the default runs several (foreach on CUDA).
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum, nesterov=args.nesterov,
                                 weight_decay=args.weight_decay, fused=True if env.device.type != "cpu" else None)
     scheduler = schedule.warmup_multistep(optimizer, args, steps_per_epoch)
@@ -150,7 +147,7 @@ def train(args, env, per_device_batch):
             run.end_epoch(metrics.NOT_EVALUATED)
     run.finish()
     if args.verify_sync:
-        replicas.verify_sync(model)
+        replicas.verify_sync(model)  # all ranks: a broadcast and an all-reduce per tensor, compared with rank 0's
 
 
 if __name__ == "__main__":

@@ -37,6 +37,9 @@ def add_flags(parser):
 
 def check_launch(args) -> int:
     """Fill in the defaults, validate the launch flags; returns the world size."""
+    if args.init_method is not None and (cli.given(args, "ip") or args.port is not None):
+        raise cli.UsageError(f"--init-method {args.init_method} names the rendezvous itself: leave out "
+                             "--ip and --port (they make tcp://IP:PORT when --init-method is not given)")
     if args.local_rank is not None:
         raise cli.UsageError(f"--local-rank {args.local_rank}: this script starts and numbers its own "
                              "processes (--nproc-per-node); run it with plain python, not a launcher")
