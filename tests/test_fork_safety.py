@@ -8,11 +8,18 @@ and the thread gets a Python thread state for it. A fork at that instant, on Pyt
 3.11.10 (CPython gh-112275), gives a child that waits forever on the interpreter's
 thread-state lock in PyOS_AfterFork_Child: seen here as a loader worker that never started
 and a rank waiting for its batch while its peers timed out in the next collective."""
+import argparse
+import multiprocessing
+import time
+
 import numpy as np
 import pytest
+import torch
 
 from conftest import ROOT, run_script
 from test_data import write_cifar100
+from utils import data
+from utils.distributed import DistEnv
 
 # Counts every collective of this process and, before each fork, how many had run; prints
 # both at exit. A module, so that a rank that mp.spawn starts (a new interpreter) can import it.
@@ -85,3 +92,36 @@ def test_every_loader_worker_is_forked_before_the_first_collective(tmp_path, lau
         # (DDP's broadcast, the evaluation), none before a fork.
         assert "collectives before each fork: [0, 0, 0, 0]" in line, line
         assert int(line.split(": ")[1].split()[0]) > 0, line
+
+
+class CountedSamples(torch.utils.data.Dataset):
+    """64 samples that count every load, in whichever worker process loads them."""
+
+    def __init__(self):
+        self.loads = multiprocessing.get_context("fork").Value("i", 0)
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        with self.loads.get_lock():
+            self.loads.value += 1
+        return torch.zeros(3), 0
+
+
+def test_forking_the_workers_early_loads_nothing_until_the_first_epoch():
+    """The loaders fork their workers when built (above), through an iterator that DataLoader keeps for the
+    first iter(), which discards whatever that iterator had prefetched: it must have prefetched nothing. Else
+    each loader loads workers x prefetch_factor batches for nothing, and the evaluation loader's stay in
+    shared and pinned memory until the first evaluation."""
+    env = DistEnv(0, 0, 1, 1, torch.device("cpu"), False)
+    args = argparse.Namespace(workers=2, seed=0)
+    train, test = CountedSamples(), CountedSamples()
+    loaders = [data.train_loader(train, 8, 8, env, args), data.eval_loader(test, 8, env, args)]
+    assert all(loader._iterator is not None for loader in loaders)  # the workers are there
+    time.sleep(1.0)  # what they would have prefetched by now
+    assert (train.loads.value, test.loads.value) == (0, 0)
+    for epoch in range(2):
+        loaders[0].sampler.set_epoch(epoch)
+        assert sum(len(targets) for _, targets in loaders[0]) == 64 and train.loads.value == 64 * (epoch + 1)
+    assert sum(len(targets) for _, targets in loaders[1]) == 64 and test.loads.value == 64

@@ -430,7 +430,13 @@ class Loader(DataLoader):
         3.11.9 and older (CPython gh-112275) leave a child forked then waiting for it: a worker that never starts."""
         context = self.multiprocessing_context or torch.multiprocessing  # DataLoader's, with no context
         if self.num_workers and self.persistent_workers and context.get_start_method() == "fork":
-            iter(self)  # DataLoader keeps a persistent-worker iterator for the next iter()
+            # DataLoader keeps a persistent-worker iterator for the next iter(), which discards what this one
+            # prefetched: it prefetches from no samples (its batch sampler reads `sampler` when it first runs).
+            sampler, self.batch_sampler.sampler = self.batch_sampler.sampler, ()
+            try:
+                iter(self)
+            finally:
+                self.batch_sampler.sampler = sampler
 
     def __iter__(self):
         # A new iterator draws its workers' base seed from the global generator, with no workers too: put it back,

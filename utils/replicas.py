@@ -12,11 +12,9 @@ from .distributed import print0
 
 def add_flags(parser):
     g = parser.add_argument_group("replicas")
-    # What --sync-bn costs besides its all-gather: with several processes in training, SyncBatchNorm's
-    # forward (torch/nn/modules/_functions.py, SyncBatchNorm.forward) drops the statistics of ranks that
-    # had no samples with a boolean mask, count_all[mask]; the result's shape depends on the mask's values,
-    # so the CPU waits there for the GPU once per batch-norm layer and step: 20 times per step for
-    # ResNet-18. It also keeps the step out of CUDA graphs (PyTorch skips the mask while one is captured).
+    # The GPU-to-CPU sync: SyncBatchNorm's forward drops the statistics of ranks that had no samples with
+    # count_all[mask], whose shape depends on the values (torch/nn/modules/_functions.py; skipped only
+    # while a CUDA graph is captured): 20 waits per ResNet-18 step.
     g.add_argument("--sync-bn", "--sync_bn", action="store_true",
                    help="SyncBatchNorm: batch statistics over the global batch (CUDA and XPU GPUs only); "
                         "costs an all-gather and a GPU-to-CPU sync per batch-norm layer and step")
