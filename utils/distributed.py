@@ -105,11 +105,8 @@ def check_job(job: DistEnv, device_choice: str = "auto", check_only: bool = Fals
 
 def tell_refusals_to(job: DistEnv):
     """From here on, a refusal of this process reaches the job's other ranks (lifecycle.tell_the_job)."""
-    # Several nodes meeting at a loopback address (not this host's own name, which the others may
-    # resolve to its network address) reach no rank of another node there: no one to tell (None).
-    host = job.meets_at
-    alone = job.several_nodes and host and network.is_loopback((network.resolve(host) or [""])[0]) \
-        and not network.is_own_name(host)
+    # Several nodes meeting at a loopback address reach no rank of another node there: no one to tell (None).
+    alone = job.several_nodes and job.meets_at and network.loopback_for_several_nodes(job.meets_at)
     # Rank 0 serves the store, but where torchrun's agent does (env:// only: rendezvous.py, _create_c10d_store).
     agent = job.init_method.startswith("env://") and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     lifecycle.meets_at(None if alone else job.rendezvous, job.rank, job.world_size,

@@ -74,6 +74,13 @@ def is_loopback(address: str) -> bool:
     return False
 
 
+def loopback_for_several_nodes(host: str) -> bool:
+    """Whether nodes meeting at `host` would each look for it at their own: it is a loopback address here, and not
+    this host's own name (which the other nodes may resolve to its network address)."""
+    addresses = resolve(host) or resolve(host, socket.AF_INET6)
+    return bool(addresses) and is_loopback(addresses[0]) and not is_own_name(host)
+
+
 def can_bind(address: str) -> bool:
     """Whether `address` (IPv4 or IPv6) is one of this host's own (a socket can listen on it)."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
@@ -140,7 +147,7 @@ def findings(meet_at, uses_gloo: bool, flag: str = "MASTER_ADDR") -> list:
         if not addresses:
             return [Finding(True, f"{flag} {meet_at}, where the ranks meet, does not resolve on this host ({name})",
                             "name it by its address, or add it to this host's /etc/hosts")]
-        if is_loopback(addresses[0]) and not is_own_name(meet_at):
+        if loopback_for_several_nodes(meet_at):
             # This host's own name is left to the gloo rule below: the other nodes may resolve it to this
             # host's network address. Another host's name is this host's fault (a hosts file cloned from
             # that host's); localhost (node 0's socket.getfqdn() under torchrun) or an address, every node's.
