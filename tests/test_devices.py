@@ -248,6 +248,21 @@ def test_check_args_refuses_two_processes_on_one_visible_gpu_as_the_run_does(mon
         dist_utils.pick_device(1, 2, distributed=True)  # what the run's rank 1 says
 
 
+def test_a_launch_by_hand_without_local_world_size_is_told_to_set_it(monkeypatch):
+    """RANK, WORLD_SIZE and LOCAL_RANK set by hand (from srun's variables, say), on 2 nodes of one GPU: without
+    LOCAL_WORLD_SIZE every process is taken to be on this node, and the fix is that variable, not torchrun's flag."""
+    fake_accelerator(monkeypatch, "cuda", 1)
+    for key, value in dict(RANK=1, WORLD_SIZE=2, LOCAL_RANK=0, MASTER_ADDR="nodea", MASTER_PORT=29500).items():
+        monkeypatch.setenv(key, str(value))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    job = dist_utils.job_from_env()
+    with pytest.raises(cli.UsageError, match="2 processes per node but only 1 GPU visible: set LOCAL_WORLD_SIZE"):
+        dist_utils.pick_device(job.local_rank, job.local_world_size, distributed=True)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    job = dist_utils.job_from_env()
+    assert dist_utils.pick_device(job.local_rank, job.local_world_size, distributed=True) == torch.device("cuda", 0)
+
+
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 def test_without_virtual_local_rank_a_second_process_on_one_gpu_refuses_and_says_so(monkeypatch, capsys):
     """2 processes with one GPU visible: local rank 1 has no device. Its line is printed by

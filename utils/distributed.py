@@ -158,6 +158,8 @@ def pick_device(local_rank: int, local_world_size: int, choice: str = "auto",
     count = torch.accelerator.device_count()
     gpus = ("GPU" if kind in ("cuda", "xpu") else f"{kind} device") + ("s" if count != 1 else "")
     fix = f"use --nproc_per_node={count} or fewer (one process per device), or --device cpu"
+    if "WORLD_SIZE" in os.environ and "LOCAL_WORLD_SIZE" not in os.environ:  # by hand: job_from_env took WORLD_SIZE
+        fix = f"set LOCAL_WORLD_SIZE to this node's processes (without it, all {local_world_size} are taken to be here)"
     # torchrun --virtual-local-rank: LOCAL_RANK=0, one visible GPU per worker (LocalElasticAgent._set_local_rank_env).
     # Not a check (--check-args): it sees the node's devices, as the launcher does before narrowing them.
     visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
