@@ -76,7 +76,7 @@ test: venv
 FLOOR_TESTS := tests/test_launchers.py tests/test_distributed_mp.py tests/test_fault_tolerance.py \
                tests/test_missed_collective.py tests/test_collectives.py tests/test_ddp.py \
                tests/test_observe.py tests/test_devices.py tests/test_fsdp.py tests/test_hosts.py \
-               tests/test_fork_safety.py
+               tests/test_fork_safety.py tests/test_hot_loop.py
 test-floor: $(FLOOR_VENV)/.installed
 	$(call own_bytecode,$(FLOOR_PY))
 	OMP_NUM_THREADS=1 $(FLOOR_PY) -m pytest -q $(XDIST) -m "not stress and not not_on_floor" $(FLOOR_TESTS) $(PYTEST_ARGS)

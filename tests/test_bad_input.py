@@ -40,13 +40,17 @@ def test_bad_flag_values_are_one_line(capsys, argv, fragment):
     assert len(lines) == 1 and fragment in lines[0], lines
 
 
-def test_largest_seed_is_accepted_and_trains():
-    # 2**64-1 reaches the samplers' generators too (seed + epoch wraps, it does not overflow).
-    args = args_for("--seed", str(2**64 - 1), "--dataset", "synthetic", "--train-samples", "64")
-    train, _ = data.build_datasets(args, ONE_CPU_PROCESS)
-    sampler = data.TrainSampler(len(train), 32, 0, 1, args.seed)
-    sampler.set_epoch(3)
-    assert len(list(sampler)) == 64
+def test_largest_seed_is_accepted_and_trains(run_in_process, tmp_path):
+    # 2**64-1 reaches every seeded generator of a real run: the weights', the augmentation plan's
+    # (seed x 1,000,003 + epoch, kept to 63 bits) and the sampler's (seed + epoch, which wraps to 0 in
+    # the second epoch). Two epochs of one step each: both epochs' generators are seeded.
+    seed = 2**64 - 1
+    argv = [*SMALL, "--seed", seed, "--checkpoint-dir", tmp_path / "ck"]
+    argv[argv.index("--train-samples") + 1] = argv[argv.index("--batch-size") + 1]  # one step an epoch
+    argv[argv.index("--epochs") + 1] = "2"
+    expect_ok(run_in_process("distributed.py", argv))
+    saved = torch.load(tmp_path / "ck" / "checkpoint.pt", weights_only=True)
+    assert (saved["epoch"], saved["global_step"], saved["config"]["seed"]) == (1, 2, seed)
 
 
 def test_compare_models_refuses_a_nan_tolerance(tmp_path):

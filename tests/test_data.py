@@ -418,9 +418,11 @@ def test_loader_workers_are_forked_in_a_process_that_mp_spawn_started(tmp_path):
 
 # Two processes of one node that both take themselves for its first (torchrun --virtual-local-rank
 # gives every worker LOCAL_RANK=0): each loads CIFAR-100 from an empty folder at once, with the
-# download replaced by one that writes the files slowly and counts itself.
+# download replaced by one that counts itself and writes the files only once the other process has
+# come as far as it can without them: blocked on the lock that this one holds (as /proc/locks shows
+# it), or downloading too. Both are there before any file is, whatever the load.
 BOTH_LOCAL_RANK_0 = """
-import sys, time
+import os, sys, time
 sys.path[:0] = [{root!r}, {tests!r}]
 import numpy as np
 import torchvision.datasets.cifar as cifar
@@ -428,10 +430,37 @@ from test_data import write_cifar100
 from test_data import args_for
 from utils import data
 
+ARRIVED, DOWNLOADS = {arrived!r}, {count!r}
+open(os.path.join(ARRIVED, str(os.getpid())), "w").close()
+
+
+def waits_for_my_lock(pid):
+    # /proc/locks: "1: POSIX  ADVISORY  WRITE HOLDER ...", then "1: -> POSIX  ADVISORY  WRITE WAITER ..."
+    # for each process blocked on that lock.
+    holders = {{}}
+    with open("/proc/locks") as f:
+        for number, *rest in map(str.split, f):
+            if rest[0] != "->":
+                holders[number] = rest[3]
+            elif rest[4] == str(pid) and holders.get(number) == str(os.getpid()):
+                return True
+    return False
+
+
 def download(url, root, filename=None, md5=None):
-    with open({count!r}, "a") as f:
-        f.write("download\\n")
-    time.sleep(1.0)  # the other process would find no files meanwhile
+    with open(DOWNLOADS, "a") as f:
+        f.write(f"{{os.getpid()}}\\n")
+    deadline = time.monotonic() + 60
+    while True:
+        others = [int(name) for name in os.listdir(ARRIVED) if int(name) != os.getpid()]
+        with open(DOWNLOADS) as f:
+            downloading = len(f.read().split()) > 1
+        if others and (downloading or waits_for_my_lock(others[0])):
+            break
+        if time.monotonic() > deadline:
+            sys.exit("the other process neither waited for this one's lock nor downloaded within 60 s")
+        time.sleep(0.01)
+    print("overlap:", "both downloading" if downloading else "the other waiting for the lock", file=sys.stderr)
     rng = np.random.default_rng(0)
     write_cifar100(root, rng.integers(0, 256, (8, 3, 32, 32)), rng.integers(0, 100, 8),
                    rng.integers(0, 256, (4, 3, 32, 32)), rng.integers(0, 100, 4))
@@ -442,18 +471,22 @@ print(len(train), len(test))
 """
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/locks"), reason="the overlap is seen in Linux's /proc/locks")
 def test_cifar100_is_downloaded_once_however_many_processes_take_themselves_for_the_first(tmp_path):
     import subprocess
     from conftest import ROOT, subprocess_env
-    program = tmp_path / "load.py"
+    program, arrived = tmp_path / "load.py", tmp_path / "arrived"
+    arrived.mkdir()
     program.write_text(BOTH_LOCAL_RANK_0.format(root=str(ROOT), tests=str(ROOT / "tests"), folder=str(tmp_path / "data"),
-                                                count=str(tmp_path / "downloads")))
+                                                arrived=str(arrived), count=str(tmp_path / "downloads")))
     procs = [subprocess.Popen([sys.executable, str(program)], env=subprocess_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outputs = [proc.communicate(timeout=120) for proc in procs]
     assert [proc.returncode for proc in procs] == [0, 0], outputs
     assert [out.split() for out, _ in outputs] == [["8", "4"], ["8", "4"]], outputs
-    assert (tmp_path / "downloads").read_text().count("download") == 1  # the other found the files
+    # The one download began while the other process waited for the lock; it then found the files.
+    assert [err.count("overlap: the other waiting for the lock") for _, err in outputs] in ([1, 0], [0, 1]), outputs
+    assert len((tmp_path / "downloads").read_text().split()) == 1
 
 
 @pytest.mark.parametrize("given, capability, expected", [

@@ -1,6 +1,7 @@
 """dataparallel.py: DataParallel takes the plain module's step (on 2 GPUs or more: with no
 GPU, or one, DataParallel calls the module itself), autocast reaches the replicas' threads,
-and the script runs end to end through plain `python`."""
+the script runs end to end through plain `python`, and a resumed run continues with the exact
+next batch."""
 import os
 import threading
 
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 import dataparallel
 from conftest import SMALL, assert_refused, expect_ok, read_metrics, run_script, subprocess_env
 from models import build_model
+from test_distributed_script import assert_same_training_state, with_flag
 
 
 def _one_step(model, forward, images, targets):
@@ -83,17 +85,51 @@ def test_end_to_end_on_the_cpu(tmp_path, run_in_process):
 
 
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
-def test_bf16_autocast_on_the_cpu(run_in_process, tmp_path):
-    metrics = tmp_path / "metrics.jsonl"
-    code, out, err = run_in_process("dataparallel.py", [*SMALL, "--amp", "bf16", "--max-steps", "3",
-                                                        "--metrics", metrics, "--checkpoint-dir", tmp_path / "ckpt"])
-    assert code in (0, None), err
-    end = read_metrics(metrics)[-1]
-    assert end["amp"] == "bf16" and end["step"] == 3 and end["test_samples"] == 100
-    assert end["train_loss"] == pytest.approx(4.6, abs=0.3)  # about ln(100): finite, not diverged
-    state = torch.load(tmp_path / "ckpt" / "checkpoint.pt", map_location="cpu", weights_only=True)
+def test_bf16_autocast_on_the_cpu(run_in_process, tmp_path, monkeypatch):
+    # The same 3 steps in bf16 and in float32: the same batches and initial weights, so only the
+    # precision can make the numbers differ.
+    logits = {}  # run: {(training?, dtype of the classifier's output)}
+    build_model = dataparallel.build_model
+
+    def watched_model(name, num_classes):
+        model = build_model(name, num_classes)
+        model.fc.register_forward_hook(lambda module, inputs, out: logits[tag].add((module.training, out.dtype)))
+        return model
+    monkeypatch.setattr(dataparallel, "build_model", watched_model)
+    for tag, flags in (("bf16", ["--amp", "bf16"]), ("fp32", [])):
+        logits[tag] = set()
+        expect_ok(run_in_process("dataparallel.py", [*SMALL, *flags, "--max-steps", "3", "--metrics",
+                                                     tmp_path / f"{tag}.jsonl", "--checkpoint-dir", tmp_path / tag]))
+    # Autocast reaches the training forward (inside the replicas' forward) and the evaluation (entered
+    # around the unwrapped model).
+    assert logits == {"bf16": {(True, torch.bfloat16), (False, torch.bfloat16)},
+                      "fp32": {(True, torch.float32), (False, torch.float32)}}
+    mixed, fp32 = read_metrics(tmp_path / "bf16.jsonl")[-1], read_metrics(tmp_path / "fp32.jsonl")[-1]
+    assert (mixed["amp"], fp32["amp"]) == ("bf16", "fp32")
+    assert mixed["step"] == fp32["step"] == 3 and mixed["test_samples"] == fp32["test_samples"] == 100
+    # bfloat16's 8-bit mantissa shows in the losses, within bfloat16's precision of the float32 figures.
+    for key in ("train_loss", "test_loss"):
+        assert mixed[key] != fp32[key], (key, mixed[key])
+        assert mixed[key] == pytest.approx(fp32[key], rel=torch.finfo(torch.bfloat16).eps), key
+    state = torch.load(tmp_path / "bf16" / "checkpoint.pt", map_location="cpu", weights_only=True)
+    reference = torch.load(tmp_path / "fp32" / "checkpoint.pt", map_location="cpu", weights_only=True)
     assert not state["scaler"]  # bfloat16 needs no loss scaling
     assert state["model"]["fc.weight"].dtype == torch.float32  # autocast keeps float32 weights
+    assert not torch.equal(state["model"]["fc.weight"], reference["model"]["fc.weight"])  # other gradients
+
+
+def test_resume_continues_with_the_exact_next_batch(tmp_path):
+    """Stopped mid-epoch (--max-steps 3 of 8) and resumed into the same --checkpoint-dir, with a loader
+    worker as users run it: the weights, optimizer and schedule of one uninterrupted run, bitwise."""
+    argv = ["dataparallel.py", *with_flag(SMALL, "--workers", 1)]
+    straight, ck = tmp_path / "straight", tmp_path / "ck"
+    run_script([*argv, "--checkpoint-dir", straight])
+    run_script([*argv, "--max-steps", "3", "--checkpoint-dir", ck])
+    saved = torch.load(ck / "checkpoint.pt", weights_only=True)
+    assert (saved["epoch"], saved["step_in_epoch"], saved["global_step"]) == (0, 3, 3)  # stopped mid-epoch
+    out = run_script([*argv, "--checkpoint-dir", ck, "--resume"]).stdout
+    assert f"resumed from {ck / 'checkpoint.pt'}: epoch 1, step 3 of 8" in out, out
+    assert_same_training_state(straight / "checkpoint.pt", ck / "checkpoint.pt", global_step=8)
 
 
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured

@@ -1,5 +1,5 @@
 """Gradient accumulation with DDP: same weights as one big batch, one all-reduce
-per optimizer step, and distributed_gradient_accumulation.py end to end."""
+per optimizer step, and distributed_gradient_accumulation.py end to end and resumed."""
 import contextlib
 import datetime
 import importlib.util
@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from conftest import (ROOT, SMALL, assert_refused, free_port, keep_on_cpu, observing_entry, read_metrics,
                       subprocess_env, torchrun)
 from models import build_model
+from test_distributed_script import assert_same_training_state, with_flag
 
 SCRIPT = "distributed_gradient_accumulation.py"
 WORLD_SIZE = 2
@@ -229,19 +230,38 @@ COUNT_ALL_REDUCES = """
     """
 
 
-def test_torchrun_two_processes_end_to_end(tmp_path):
-    """The script itself all-reduces once per optimizer step, not once per micro-batch."""
-    metrics_file, count_dir = tmp_path / "metrics.jsonl", tmp_path / "counts"
+# Loader workers on, as users run the script.
+TORCHRUN_ARGS = [SCRIPT, *with_flag(SMALL, "--workers", 1), "--accum-steps", "2"]
+
+
+def counted_torchrun(tmp_path, name, args):
+    """The script under torchrun, 2 processes, DDP's all-reduces counted into tmp_path/name-counts/."""
+    count_dir = tmp_path / f"{name}-counts"
     count_dir.mkdir()
-    proc = torchrun(2, observing_entry(tmp_path, COUNT_ALL_REDUCES), [SCRIPT, *SMALL, "--accum-steps", "2", "--metrics", metrics_file, "--verify-sync"],
-                    timeout=120, env=subprocess_env(COUNT_DIR=str(count_dir)))
+    proc = torchrun(2, observing_entry(tmp_path, COUNT_ALL_REDUCES), [*TORCHRUN_ARGS, *args], timeout=120,
+                    env=subprocess_env(COUNT_DIR=str(count_dir)))
+    return proc, count_dir
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory):
+    """One uninterrupted epoch under torchrun, 2 processes x 2 micro-batches, checkpointed into ck/."""
+    out = tmp_path_factory.mktemp("torchrun")
+    proc, count_dir = counted_torchrun(out, "straight", ["--metrics", out / "metrics.jsonl", "--verify-sync",
+                                                         "--checkpoint-dir", out / "ck"])
+    return proc, count_dir, out
+
+
+def test_torchrun_two_processes_end_to_end(two_process_run):
+    """The script itself all-reduces once per optimizer step, not once per micro-batch."""
+    proc, count_dir, out = two_process_run
     # 256 samples, 32 a step: 8 optimizer steps of 2 micro-batches, 16 backward passes.
     assert [(count_dir / rank).read_text() for rank in ("0", "1")] == ["8", "8"]
     # The replicas' parameters agree: only batch-norm running statistics (each rank's
     # own micro-batches) may differ. A missed all-reduce would list weights here.
     assert ("verify-sync: all parameters and buffers agree" in proc.stdout
             or "(batch-norm running statistics differ unless --sync-bn)" in proc.stdout), proc.stdout
-    records = read_metrics(metrics_file)
+    records = read_metrics(out / "metrics.jsonl")
     assert [r["event"] for r in records] == ["epoch", "end"]
     for record in records:
         assert record["strategy"] == "ddp-accum"
@@ -252,6 +272,22 @@ def test_torchrun_two_processes_end_to_end(tmp_path):
         assert record["epoch_complete"] is True
         assert record["test_samples"] == 100
         assert 0 < record["train_loss"] < 10
+
+
+def test_torchrun_resume_continues_with_the_exact_next_batch(two_process_run, tmp_path):
+    """Stopped mid-epoch (--max-steps 3 of 8) and resumed into the same --checkpoint-dir: the weights,
+    optimizer and schedule of the uninterrupted run, bitwise. The same entry point as that run (its
+    all-reduce hook counts), so that nothing but the interruption differs."""
+    *_, straight = two_process_run
+    ck = tmp_path / "ck"
+    counted_torchrun(tmp_path, "first", ["--max-steps", "3", "--checkpoint-dir", ck])
+    saved = torch.load(ck / "checkpoint.pt", weights_only=True)
+    assert (saved["epoch"], saved["step_in_epoch"], saved["global_step"]) == (0, 3, 3)  # stopped mid-epoch
+    proc, count_dir = counted_torchrun(tmp_path, "resumed", ["--checkpoint-dir", ck, "--resume"])
+    assert proc.stdout.count(f"resumed from {ck / 'checkpoint.pt'}: epoch 1, step 3 of 8") == 1, proc.stdout
+    # The 5 steps left, each of 2 micro-batches and one all-reduce.
+    assert [(count_dir / rank).read_text() for rank in ("0", "1")] == ["5", "5"]
+    assert_same_training_state(straight / "ck" / "checkpoint.pt", ck / "checkpoint.pt", global_step=8)
 
 
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
