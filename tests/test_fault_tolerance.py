@@ -337,6 +337,28 @@ def test_ctrl_c_to_one_process_with_loader_workers(python_reference, tmp_path):
     assert_same_training_state(ckpt, python_reference[0] / "checkpoint.pt")
 
 
+def test_a_second_ctrl_c_stops_at_once_without_the_checkpoint(tmp_path):
+    # One Ctrl-C waits for the next step, here after an evaluation that pauses 60 s more; a person who
+    # presses it again (2 s or more later) wants the run to end now: exit status 130, in one process group.
+    proc = Proc([FAULTS, "--fault", "signal-during-eval", "--send", "INT", "--eval-seconds", "120", "--",
+                 "distributed.py", *TINY, *WORKERS, "--checkpoint-dir", tmp_path])
+    try:
+        deadline = time.time() + 120
+        while "SIGINT during evaluation" not in proc.output():
+            assert proc.popen.poll() is None and time.time() < deadline, proc.output()
+            time.sleep(0.2)
+        time.sleep(3)
+        os.killpg(proc.popen.pid, signal.SIGINT)  # the terminal's Ctrl-C: the loader workers get it too
+        pressed = time.time()
+        proc.wait(30)
+    finally:
+        proc.kill()
+    output = proc.output()
+    assert proc.rc == 130 and proc.ended - pressed < 20, output
+    assert "checkpoint saved" not in output and "Traceback" not in output, output
+    no_loader_failure(output)
+
+
 def test_a_terminal_that_hangs_up_stops_the_run_with_its_checkpoint(python_reference, tmp_path):
     # A closed terminal or a dropped ssh session: SIGHUP to the process group, loader workers included, and from
     # then on every write to the terminal fails (EIO). Here the terminal is gone from the start and the signal

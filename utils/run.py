@@ -364,10 +364,14 @@ class StopSignal:
     SIGHUP (a closed terminal or ssh session):
     checkpoint at the next step that every rank agrees on and exit 0; --resume then continues with the exact
     next batch. torchrun kills the workers 30 s after forwarding SIGTERM; scripts/slurm.sbatch's `--signal=B:USR1@120`
-    gives two minutes. The handler only sets a flag: a rank that stopped alone would leave the others waiting."""
+    gives two minutes. The handler only sets a flag: a rank that stopped alone would leave the others waiting.
+    A Ctrl-C pressed again, FORCE_AFTER_S or more after the first signal, stops this process at once, unsaved
+    (exit status 130): one Ctrl-C can come twice (from the terminal, and passed on by mp.spawn's parent)."""
+
+    FORCE_AFTER_S = 2.0
 
     def __init__(self, distributed: bool, check_every: int = 10):
-        self.received = None
+        self.received, self._received_at = None, math.inf  # the first stop signal; when this process got one itself
         # One agreement per `check_every` steps: each waits for the slowest rank.
         self.check_every = check_every if distributed else 1
         self._previous = {sig: signal.signal(sig, self._handler) for sig in stop_signals()}
@@ -380,8 +384,10 @@ class StopSignal:
 
     def _handler(self, signum, frame):
         if self.received is None:
-            self.received = signal.Signals(signum).name
+            self.received, self._received_at = signal.Signals(signum).name, time.monotonic()
             stop_under_way()
+        elif signum == signal.SIGINT and time.monotonic() - self._received_at >= self.FORCE_AFTER_S:
+            raise KeyboardInterrupt
 
     def should_stop(self, global_step: int, call: str = "the stop-signal agreement", now: bool = False) -> bool:
         """True on every rank at the same step once any rank has received a signal. Checked every `check_every`
