@@ -121,14 +121,15 @@ def train(args, env, per_process_batch, device_ids, amp_dtype):
     # fused on accelerators: one kernel does the whole update; the default runs several (foreach on CUDA).
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum, nesterov=args.nesterov,
                                 weight_decay=args.weight_decay, fused=True if env.device.type != "cpu" else None)
-    # torch's fused SGD makes its momentum with empty_like at its first step and keeps it when the scaler
-    # skips that step (an fp16 overflow): garbage in every later step. From zeros, the same first step.
-    for p in model.parameters():
-        optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
     scheduler = schedule.warmup_multistep(optimizer, args, steps_per_epoch)
     # float16 gradients can underflow to zero: the scaler multiplies the loss before backward
     # and divides the gradients before the step. bfloat16 has float32's range: no scaler.
     scaler = torch.amp.GradScaler(env.device.type, enabled=amp_dtype == torch.float16)
+    if scaler.is_enabled() and args.momentum:
+        # torch's fused SGD makes its momentum with empty_like at its first step and keeps it when the scaler
+        # skips that step (an fp16 overflow): garbage in every later step. From zeros, the same first step.
+        for p in model.parameters():
+            optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
     run = TrainingRun(args, env, model, optimizer, scheduler, train_size=len(train_set),
                       strategy="dataparallel", scaler=scaler,  # resumes here with --resume
                       extra_record={"gpus": len(device_ids), "amp": args.amp or "fp32"})

@@ -135,10 +135,6 @@ def train(args, env, per_device_batch, precision):
         optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum, nesterov=args.nesterov,
                                     weight_decay=args.weight_decay,
                                     fused=True if env.device.type not in ("cpu", "mps") else None)
-        # torch's fused SGD makes its momentum with empty_like at its first step and keeps it when the scaler
-        # skips that step (an fp16 overflow): garbage in every later step. From zeros, the same first step.
-        for p in model.parameters():
-            optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
 
     # --- mixed precision --------------------------------------------------------------
     apex_amp, dtype = precision.apex_amp, precision.dtype
@@ -156,6 +152,11 @@ def train(args, env, per_device_batch, precision):
     # Loss scaling for float16 only. Disabled, every scaler call below passes straight
     # through (scale returns the loss, step calls optimizer.step), so one loop serves all.
     scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16 and apex_amp is None)
+    if scaler.is_enabled() and args.momentum:
+        # torch's fused SGD makes its momentum with empty_like at its first step and keeps it when the scaler
+        # skips that step (an fp16 overflow): garbage in every later step. From zeros, the same first step.
+        for p in model.parameters():
+            optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
 
     if env.distributed:  # under a launcher, a group of one too; wrapped last, after apex.amp may have recast the model
         # DDP broadcasts rank 0's weights to every rank here, then all-reduces (averages)

@@ -252,15 +252,17 @@ def test_a_launch_by_hand_without_local_world_size_is_told_to_set_it(monkeypatch
     """RANK, WORLD_SIZE and LOCAL_RANK set by hand (from srun's variables, say), on 2 nodes of one GPU: without
     LOCAL_WORLD_SIZE every process is taken to be on this node, and the fix is that variable, not torchrun's flag."""
     fake_accelerator(monkeypatch, "cuda", 1)
-    for key, value in dict(RANK=1, WORLD_SIZE=2, LOCAL_RANK=0, MASTER_ADDR="nodea", MASTER_PORT=29500).items():
+    for key, value in dict(RANK=1, WORLD_SIZE=2, LOCAL_RANK=0, MASTER_ADDR="10.0.0.1", MASTER_PORT=29500).items():
         monkeypatch.setenv(key, str(value))
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    job = dist_utils.job_from_env()
     with pytest.raises(cli.UsageError, match="2 processes per node but only 1 GPU visible: set LOCAL_WORLD_SIZE"):
-        dist_utils.pick_device(job.local_rank, job.local_world_size, distributed=True)
+        dist_utils.check_job(dist_utils.job_from_env(), check_only=True)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    job = dist_utils.job_from_env()
-    assert dist_utils.pick_device(job.local_rank, job.local_world_size, distributed=True) == torch.device("cuda", 0)
+    assert dist_utils.check_job(dist_utils.job_from_env(), check_only=True) == torch.device("cuda", 0)
+    # mp.spawn under an exported WORLD_SIZE (a Kubeflow job's): its own count, its own fix.
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    with pytest.raises(cli.UsageError, match="visible: use --nproc_per_node=1 or fewer"):
+        dist_utils.pick_device(0, 2, distributed=True)
 
 
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured

@@ -337,20 +337,39 @@ def test_ctrl_c_to_one_process_with_loader_workers(python_reference, tmp_path):
     assert_same_training_state(ckpt, python_reference[0] / "checkpoint.pt")
 
 
-def test_a_second_ctrl_c_stops_at_once_without_the_checkpoint(tmp_path):
-    # One Ctrl-C waits for the next step, here after an evaluation that pauses 60 s more; a person who
-    # presses it again (2 s or more later) wants the run to end now: exit status 130, in one process group.
-    proc = Proc([FAULTS, "--fault", "signal-during-eval", "--send", "INT", "--eval-seconds", "120", "--",
-                 "distributed.py", *TINY, *WORKERS, "--checkpoint-dir", tmp_path])
+def slow_evaluation(evaluate, module):
+    """utils.metrics.evaluate after a 60 s pause (a long evaluation), which each process marks a file at."""
+    import os, time
+
+    def slowly(*args, **kwargs):
+        open(os.path.join(os.environ["IN_EVALUATION"], str(os.getpid())), "w").close()
+        time.sleep(60)
+        return evaluate(*args, **kwargs)
+    return slowly
+
+
+@pytest.mark.parametrize("launch", ["python", "mp.spawn"])
+def test_a_second_ctrl_c_stops_at_once_without_the_checkpoint(tmp_path, launch):
+    # One Ctrl-C waits for the next agreed step, here after a 60 s evaluation; a person who presses it again
+    # (2 s or more later) wants the run to end now: exit status 130. Each press reaches the whole process
+    # group, and under mp.spawn every rank a second time, passed on by the parent.
+    hook = patched_on_import(tmp_path, "utils.metrics", "evaluate", slow_evaluation)
+    marks = tmp_path / "in_evaluation"
+    marks.mkdir()
+    spawn = launch == "mp.spawn"
+    ranks, script = (2, ["distributed_mp.py", "--nproc-per-node", "2"]) if spawn else (1, ["distributed.py"])
+    proc = Proc([*script, *TINY, *WORKERS, "--checkpoint-dir", tmp_path / "ckpt"],
+                PYTHONPATH=os.pathsep.join([hook, str(ROOT)]), IN_EVALUATION=str(marks))
     try:
         deadline = time.time() + 120
-        while "SIGINT during evaluation" not in proc.output():
+        while len(os.listdir(marks)) < ranks:
             assert proc.popen.poll() is None and time.time() < deadline, proc.output()
             time.sleep(0.2)
+        os.killpg(proc.popen.pid, signal.SIGINT)
         time.sleep(3)
-        os.killpg(proc.popen.pid, signal.SIGINT)  # the terminal's Ctrl-C: the loader workers get it too
+        os.killpg(proc.popen.pid, signal.SIGINT)
         pressed = time.time()
-        proc.wait(30)
+        proc.wait(40)
     finally:
         proc.kill()
     output = proc.output()

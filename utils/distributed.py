@@ -97,7 +97,8 @@ def check_job(job: DistEnv, device_choice: str = "auto", check_only: bool = Fals
             raise UsageError("WORLD_SIZE is set but MASTER_ADDR or MASTER_PORT is not: the launcher "
                              "(torchrun) sets them; where they meet is node 0's address and a free port")
         tell_refusals_to(job)
-    device = pick_device(job.local_rank, job.local_world_size, device_choice, job.world_size > 1, check_only)
+    device = pick_device(job.local_rank, job.local_world_size, device_choice, job.world_size > 1, check_only,
+                         guessed_local=job.distributed and "LOCAL_WORLD_SIZE" not in os.environ)  # job_from_env's
     if job.several_nodes:
         check_network(job.meets_at, device, announce=job.local_rank == 0)
     return device
@@ -152,13 +153,13 @@ def device_name(device: torch.device) -> str:
 
 
 def pick_device(local_rank: int, local_world_size: int, choice: str = "auto",
-                distributed: bool = False, check_only: bool = False) -> torch.device:
+                distributed: bool = False, check_only: bool = False, guessed_local: bool = False) -> torch.device:
     if (kind := device_type(choice, distributed)) == "cpu":
         return torch.device("cpu")
     count = torch.accelerator.device_count()
     gpus = ("GPU" if kind in ("cuda", "xpu") else f"{kind} device") + ("s" if count != 1 else "")
     fix = f"use --nproc_per_node={count} or fewer (one process per device), or --device cpu"
-    if "WORLD_SIZE" in os.environ and "LOCAL_WORLD_SIZE" not in os.environ:  # by hand: job_from_env took WORLD_SIZE
+    if guessed_local:  # a launch by hand without LOCAL_WORLD_SIZE: WORLD_SIZE stood in for it
         fix = f"set LOCAL_WORLD_SIZE to this node's processes (without it, all {local_world_size} are taken to be here)"
     # torchrun --virtual-local-rank: LOCAL_RANK=0, one visible GPU per worker (LocalElasticAgent._set_local_rank_env).
     # Not a check (--check-args): it sees the node's devices, as the launcher does before narrowing them.

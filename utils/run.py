@@ -371,7 +371,7 @@ class StopSignal:
     FORCE_AFTER_S = 2.0
 
     def __init__(self, distributed: bool, check_every: int = 10):
-        self.received, self._received_at = None, math.inf  # the first stop signal; when this process got one itself
+        self.received, self._received_at = None, math.inf  # the first stop signal; when this process got its own
         # One agreement per `check_every` steps: each waits for the slowest rank.
         self.check_every = check_every if distributed else 1
         self._previous = {sig: signal.signal(sig, self._handler) for sig in stop_signals()}
@@ -383,10 +383,13 @@ class StopSignal:
         self._previous = {}
 
     def _handler(self, signum, frame):
-        if self.received is None:
-            self.received, self._received_at = signal.Signals(signum).name, time.monotonic()
-            stop_under_way()
+        if self._received_at == math.inf:  # this process's first (a rank may know of another's already)
+            self._received_at = time.monotonic()
+            if self.received is None:
+                self.received = signal.Signals(signum).name
+                stop_under_way()
         elif signum == signal.SIGINT and time.monotonic() - self._received_at >= self.FORCE_AFTER_S:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # its copy (mp.spawn's parent passes it on) is not a third
             raise KeyboardInterrupt
 
     def should_stop(self, global_step: int, call: str = "the stop-signal agreement", now: bool = False) -> bool:
