@@ -33,16 +33,13 @@ The name is historical: torch.amp succeeds apex.amp, gone from NVIDIA apex since
 `--amp-impl apex` (CUDA only) takes FusedSGD from a source build of NVIDIA apex (not
 PyPI's `apex`), and apex.amp (--opt-level) if that build still has it.
 """
-import importlib
-from typing import Any, NamedTuple
-
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from models import MODEL_NAMES, build_model
 from utils import cli, compat, data, distributed as dist_utils, lifecycle, metrics, replicas, schedule
-from utils.precision import AMP_DTYPES, autocast_dtype, default_amp
+from utils.precision import AMP_DTYPES, choose_precision
 from utils.device_data import DeviceEvalLoader, DeviceTrainLoader
 from utils.run import TrainingRun
 
@@ -220,91 +217,6 @@ def train(args, env, per_device_batch, precision):
     run.finish()
     if args.verify_sync:
         replicas.verify_sync(model)  # all ranks: a broadcast and an all-reduce per tensor, compared with rank 0's
-
-
-# --- choosing the precision ------------------------------------------------------------
-# apex.amp opt levels when this script has no apex.amp to hand them to:
-#   O0  float32 throughout                 -> no autocast, scaler disabled ("fp32")
-#   O1  per-op casts + dynamic loss scale  -> autocast + GradScaler: its direct successor
-#   O2  fp16 model + fp32 master weights   -> the same as O1: autocast keeps the weights in
-#                                             float32, which is what master weights were for
-#   O3  pure fp16, no master weights       -> refused: torch.amp has no such mode
-
-
-class Precision(NamedTuple):
-    name: str          # "fp16", "bf16" or "fp32", for the metrics
-    dtype: Any         # autocast dtype; None: no torch autocast (float32, or apex.amp does the casting)
-    opt_level: Any     # apex.amp's opt level, or the one mapped onto torch.amp; None if not given
-    fused_sgd: Any     # apex.optimizers.FusedSGD, or None for torch.optim.SGD
-    apex_amp: Any      # the apex.amp module, or None for torch.amp
-
-
-def choose_precision(args, device_type: str) -> Precision:
-    """Resolve --amp, --amp-impl and --opt-level for this device, or raise UsageError."""
-    fused_sgd = apex_amp = None
-    if args.amp_impl == "apex":
-        fused_sgd, apex_amp = find_nvidia_apex()
-        if device_type != "cuda":
-            raise cli.UsageError("NVIDIA apex runs on CUDA GPUs only; elsewhere use --amp-impl torch "
-                                 "(the default)")
-        if apex_amp is None:
-            dist_utils.print0("apex: FusedSGD from NVIDIA apex; this apex has no apex.amp (removed in "
-                              "2025), so mixed precision comes from torch.amp")
-    name = args.amp
-    if args.opt_level == "O0" and name is not None:
-        raise cli.UsageError(f"--opt-level O0 means float32 throughout, which contradicts --amp {name}")
-    if apex_amp is not None:
-        if name == "bf16":
-            raise cli.UsageError("apex.amp is float16 only: for --amp bf16 use --amp-impl torch")
-        opt_level = args.opt_level or "O1"
-        return Precision("fp32" if opt_level == "O0" else "fp16", None, opt_level, fused_sgd, apex_amp)
-
-    if args.opt_level == "O3":
-        raise cli.UsageError("--opt-level O3 (pure float16, no float32 master weights) has no torch.amp "
-                             "equivalent: use O1 or O2 (autocast + GradScaler), or an apex with apex.amp")
-    if name is None and args.opt_level != "O0":  # O0: float32 throughout, no autocast
-        # apex's O1/O2 are float16 levels; with neither flag, bf16 where the hardware has it
-        # (no loss scaling needed), fp16 on older GPUs.
-        name = "fp16" if args.opt_level else default_amp(device_type)
-        if not args.opt_level:
-            dist_utils.print0(f"no --amp given: using {name} on the {'CPU' if device_type == 'cpu' else 'GPU'}")
-    dtype = autocast_dtype(name, device_type) if name else None
-    if fused_sgd is not None and dtype == torch.float16:
-        # GradScaler.step gives an optimizer without built-in scaling support (apex's FusedSGD)
-        # its step only after reading the inf check back with .item(): the CPU would wait for
-        # the GPU at every step. torch's fused SGD unscales and skips inside its own kernel.
-        dist_utils.print0("apex: with fp16 and torch's GradScaler, torch's fused SGD replaces apex's FusedSGD "
-                          "(which would make every step wait for the GPU)")
-        fused_sgd = None
-    return Precision(name or "fp32", dtype, args.opt_level, fused_sgd, None)
-
-
-def find_nvidia_apex():
-    """(FusedSGD or None, apex.amp or None) from an installed NVIDIA apex.
-
-    Recognised by what it provides, not by its name: the PyPI package called
-    `apex` is an unrelated web toolkit, and current NVIDIA apex no longer has
-    apex.amp. Neither feature present is a UsageError.
-    """
-    fused_sgd = apex_amp = None
-    try:  # a broken build can fail in many ways on import; one without its CUDA extensions (built
-        # without --cuda_ext) imports FusedSGD, whose constructor then raises
-        if importlib.import_module("apex.multi_tensor_apply").multi_tensor_applier.available:
-            fused_sgd = getattr(importlib.import_module("apex.optimizers"), "FusedSGD", None)
-    except Exception:
-        pass
-    try:
-        apex_amp = importlib.import_module("apex.amp")
-        if not all(callable(getattr(apex_amp, name, None)) for name in ("initialize", "scale_loss")):
-            apex_amp = None
-    except Exception:
-        pass
-    if fused_sgd is None and apex_amp is None:
-        raise cli.UsageError(
-            "--amp-impl apex needs NVIDIA apex, built from source with its CUDA extensions (github.com/NVIDIA/apex); "
-            "the PyPI package called `apex` is unrelated; --amp-impl torch (the default) is the "
-            "upstream successor of apex.amp")
-    return fused_sgd, apex_amp
 
 
 if __name__ == "__main__":

@@ -190,7 +190,7 @@ def test_fp16_first_step_skipped_by_the_scaler_leaves_fused_sgd_clean(tmp_path, 
 
 def _no_real_apex():
     try:
-        apex_script.find_nvidia_apex()
+        precision.find_nvidia_apex()
     except UsageError:
         return True
     return False
@@ -241,21 +241,21 @@ def test_an_apex_without_the_features_is_rejected(fake_apex):
     # What the unrelated PyPI `apex` looks like to us: importable, none of NVIDIA's features.
     fake_apex(__version__="0.9.10dev", views=object())
     with pytest.raises(UsageError, match="PyPI") as err:
-        apex_script.find_nvidia_apex()
+        precision.find_nvidia_apex()
     assert "--amp-impl torch" in str(err.value)
     # An apex.amp stub without initialize/scale_loss does not count either.
     fake_apex(amp=_module("apex.amp", something_else=1))
     with pytest.raises(UsageError, match="PyPI"):
-        apex_script.find_nvidia_apex()
+        precision.find_nvidia_apex()
 
 
 def test_an_apex_with_the_features_is_accepted(fake_apex):
     amp = fake_amp_module()
     fake_apex(optimizers=_module("apex.optimizers", FusedSGD=FakeFusedSGD), amp=amp)
-    assert apex_script.find_nvidia_apex() == (FakeFusedSGD, amp)
+    assert precision.find_nvidia_apex() == (FakeFusedSGD, amp)
     # Current apex: FusedSGD, but apex.amp is gone.
     fake_apex(optimizers=_module("apex.optimizers", FusedSGD=FakeFusedSGD))
-    assert apex_script.find_nvidia_apex() == (FakeFusedSGD, None)
+    assert precision.find_nvidia_apex() == (FakeFusedSGD, None)
 
 
 def test_an_apex_built_without_its_cuda_extensions_has_no_fused_sgd(fake_apex):
@@ -264,10 +264,10 @@ def test_an_apex_built_without_its_cuda_extensions_has_no_fused_sgd(fake_apex):
     optimizers = _module("apex.optimizers", FusedSGD=FakeFusedSGD)
     fake_apex(optimizers=optimizers, cuda_ext=False)
     with pytest.raises(UsageError, match="github.com/NVIDIA/apex"):
-        apex_script.find_nvidia_apex()
+        precision.find_nvidia_apex()
     amp = fake_amp_module()
     fake_apex(optimizers=optimizers, amp=amp, cuda_ext=False)
-    assert apex_script.find_nvidia_apex() == (None, amp)
+    assert precision.find_nvidia_apex() == (None, amp)
 
 
 # --- choosing the precision -------------------------------------------------------------
@@ -283,61 +283,61 @@ def gpu_with_bf16(monkeypatch, native: bool):
 
 
 def test_precision_defaults_and_opt_level_mapping(capsys, monkeypatch):
-    cpu_default = apex_script.choose_precision(flags(), "cpu")
+    cpu_default = precision.choose_precision(flags(), "cpu")
     assert (cpu_default.name, cpu_default.dtype) == ("bf16", torch.bfloat16)
     assert "no --amp given: using bf16 on the CPU" in capsys.readouterr().out
     # bf16 by default where the GPU has it in hardware (no loss scaling), fp16 elsewhere.
     gpu_with_bf16(monkeypatch, True)
-    gpu_default = apex_script.choose_precision(flags(), "cuda")
+    gpu_default = precision.choose_precision(flags(), "cuda")
     assert (gpu_default.name, gpu_default.dtype, gpu_default.apex_amp) == ("bf16", torch.bfloat16, None)
     assert "no --amp given: using bf16 on the GPU" in capsys.readouterr().out
     gpu_with_bf16(monkeypatch, False)
-    gpu_default = apex_script.choose_precision(flags(), "cuda")
+    gpu_default = precision.choose_precision(flags(), "cuda")
     assert (gpu_default.name, gpu_default.dtype, gpu_default.apex_amp) == ("fp16", torch.float16, None)
     with pytest.raises(UsageError, match=r"compute capability 7\.0.*use --amp fp16"):
-        apex_script.choose_precision(flags(amp="bf16"), "cuda")
+        precision.choose_precision(flags(amp="bf16"), "cuda")
 
-    fp32 = apex_script.choose_precision(flags(opt_level="O0"), "cuda")
+    fp32 = precision.choose_precision(flags(opt_level="O0"), "cuda")
     assert (fp32.name, fp32.dtype, fp32.opt_level) == ("fp32", None, "O0")
     for level in ("O1", "O2"):
-        mixed = apex_script.choose_precision(flags(opt_level=level), "cuda")
+        mixed = precision.choose_precision(flags(opt_level=level), "cuda")
         assert (mixed.name, mixed.dtype, mixed.opt_level) == ("fp16", torch.float16, level)
     with pytest.raises(UsageError, match="O3"):
-        apex_script.choose_precision(flags(opt_level="O3"), "cuda")
+        precision.choose_precision(flags(opt_level="O3"), "cuda")
     with pytest.raises(UsageError, match="contradicts"):
-        apex_script.choose_precision(flags(amp="fp16", opt_level="O0"), "cuda")
+        precision.choose_precision(flags(amp="fp16", opt_level="O0"), "cuda")
 
 
 def test_precision_with_apex(fake_apex, monkeypatch):
     amp = fake_amp_module()
     fake_apex(optimizers=_module("apex.optimizers", FusedSGD=FakeFusedSGD), amp=amp)
-    chosen = apex_script.choose_precision(flags(amp_impl="apex"), "cuda")
+    chosen = precision.choose_precision(flags(amp_impl="apex"), "cuda")
     # apex.amp does its own casting: no torch autocast, opt level O1 by default.
     assert chosen == ("fp16", None, "O1", FakeFusedSGD, amp)
-    assert apex_script.choose_precision(flags(amp_impl="apex", opt_level="O3"), "cuda").opt_level == "O3"
+    assert precision.choose_precision(flags(amp_impl="apex", opt_level="O3"), "cuda").opt_level == "O3"
     with pytest.raises(UsageError, match="bf16"):
-        apex_script.choose_precision(flags(amp="bf16", amp_impl="apex"), "cuda")
+        precision.choose_precision(flags(amp="bf16", amp_impl="apex"), "cuda")
     with pytest.raises(UsageError, match="contradicts --amp fp16"):  # as without apex.amp
-        apex_script.choose_precision(flags(amp="fp16", amp_impl="apex", opt_level="O0"), "cuda")
-    assert apex_script.choose_precision(flags(amp_impl="apex", opt_level="O0"), "cuda").name == "fp32"
+        precision.choose_precision(flags(amp="fp16", amp_impl="apex", opt_level="O0"), "cuda")
+    assert precision.choose_precision(flags(amp_impl="apex", opt_level="O0"), "cuda").name == "fp32"
     with pytest.raises(UsageError, match="CUDA"):
-        apex_script.choose_precision(flags(amp_impl="apex"), "cpu")
+        precision.choose_precision(flags(amp_impl="apex"), "cpu")
 
     # FusedSGD without apex.amp: torch.amp does the mixed precision, the opt levels are mapped.
     # With fp16, GradScaler.step would read FusedSGD's inf check back with .item() every
     # step (it has no built-in scaling support): torch's fused SGD is used instead.
     fake_apex(optimizers=_module("apex.optimizers", FusedSGD=FakeFusedSGD))
-    chosen = apex_script.choose_precision(flags(amp_impl="apex", amp="fp16"), "cuda")
+    chosen = precision.choose_precision(flags(amp_impl="apex", amp="fp16"), "cuda")
     assert chosen == ("fp16", torch.float16, None, None, None)
     assert not getattr(FakeFusedSGD([torch.zeros(1, requires_grad=True)], lr=0.1), "_step_supports_amp_scaling",
                        False)
     assert torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1, fused=True)._step_supports_amp_scaling
     # bf16 needs no scaler: apex's FusedSGD stays.
     gpu_with_bf16(monkeypatch, True)
-    chosen = apex_script.choose_precision(flags(amp_impl="apex", amp="bf16"), "cuda")
+    chosen = precision.choose_precision(flags(amp_impl="apex", amp="bf16"), "cuda")
     assert chosen == ("bf16", torch.bfloat16, None, FakeFusedSGD, None)
     with pytest.raises(UsageError, match="O3"):
-        apex_script.choose_precision(flags(amp_impl="apex", opt_level="O3"), "cuda")
+        precision.choose_precision(flags(amp_impl="apex", opt_level="O3"), "cuda")
 
 
 def test_the_apex_amp_branch_of_the_loop(tmp_path, monkeypatch):
@@ -365,7 +365,7 @@ def test_the_apex_amp_branch_of_the_loop(tmp_path, monkeypatch):
                   load_state_dict=lambda state: calls["load_state_dict"].append(state))
     # The CPU has no real apex: hand train() the precision that a GPU with an old apex would get.
     monkeypatch.setattr(apex_script, "choose_precision",
-                        lambda args, device_type: apex_script.Precision("fp16", None, "O1", FakeFusedSGD, amp))
+                        lambda args, device_type: precision.Precision("fp16", None, "O1", FakeFusedSGD, amp))
     common = [*SMALL, "--amp-impl", "apex", "--clip-grad", "1.0", "--checkpoint-dir", tmp_path / "ckpt"]
     run_in_this_process([*common, "--max-steps", "2", "--metrics", tmp_path / "m.jsonl"])
     assert calls["initialize"] == [(FakeFusedSGD, "O1")]
