@@ -12,7 +12,7 @@ entry in CASES fails test_flag ("no entry"). An entry is one or more of:
 - Refused(argv, fragment): `--check-args` and the run itself both exit with status 2 and
   print the same one line (holding `fragment`), and the run trained nothing.
 - Elsewhere(test): what needs several processes or a GPU is shown by that test, which
-  must exist.
+  must exist; the flag's item here is then skipped, naming it (it checks nothing itself).
 
 The scripts run in this process (about 0.1 s each) with the machine's GPUs hidden
 (conftest.keep_on_cpu). distributed_mp.py's processes are started inline, one after the
@@ -581,7 +581,7 @@ def test_flag(run_script_here, script, flags, case):
         path, name = case.test.split("::")
         assert re.search(rf"^def {re.escape(name)}\(", (ROOT / path).read_text(), re.M), \
             f"{case.test} does not exist"
-        return
+        pytest.skip(f"shown by {case.test}")
     argv = [flags[0] if token is FLAG else token for token in case.argv]
     if isinstance(case, Works):
         first = [flags[0] if token is FLAG else token for token in case.first] if case.first else None
