@@ -23,7 +23,9 @@ It is torchrun itself (torch.distributed.run, in this process), plus, with a c10
   network). NCCL is left to choose its own interfaces.
 
 then asks utils/network.py's decision, the one the training scripts make, and refuses in one
-line (exit status 2) what no setting here avoids. And one watch: once this node's training
+line (exit status 2) what no setting here avoids. On a node that does not host the store, it waits
+for the endpoint to take a connection as long as torchrun's client would, and says in one line
+(exit status 1) when it never does: nothing listens there, or a firewall. And one watch: once this node's training
 processes have run, if none has been alive for TORCHRUN_GRACE seconds (default 90) while
 torchrun is still here, it says why in one line and ends torchrun (exit status 1). A finished
 job (the workers succeeded) is never cut short.
@@ -120,6 +122,31 @@ def refuse_what_no_setting_saves(args, endpoint):
         print_line(f"torchrun_bounded.py: {'error' if finding.certain else 'warning'}: {finding.line}")
         if finding.certain:
             sys.exit(2)
+
+
+def wait_for_the_store(args, endpoint):
+    """On a node that does not host the store: wait until the endpoint takes a connection, as long as torchrun's
+    own client would try (two connects of --rdzv-conf read_timeout, 60 s by default), then say so in one line
+    (exit status 1) in place of torchrun's C++ stack traces: nothing listens there yet, or a firewall."""
+    import socket
+    conf = dict(item.split("=", 1) for item in (args.rdzv_conf or "").split(",") if "=" in item)
+    if endpoint is None or str(args.nnodes).split(":")[-1] == "1" or _names_this_node(endpoint[0]) \
+            or conf.get("is_host", "").lower() in ("1", "true"):
+        return
+    waited = 2 * float(conf.get("read_timeout", 60))
+    until = time.monotonic() + waited
+    while True:
+        try:
+            return socket.create_connection(endpoint, timeout=5).close()
+        except OSError as err:
+            if time.monotonic() > until:
+                host, port = endpoint
+                print_line(f"torchrun_bounded.py: error: the rendezvous endpoint {host}:{port} took no connection in "
+                           f"{waited:.0f} s ({err.strerror or err}): start its node's launcher with the same "
+                           f"--rdzv-endpoint, and open port {port} to the other nodes (python3 scripts/preflight.py "
+                           f"--rdzv-endpoint {host}:{port} checks it from here)")
+                sys.exit(1)
+            time.sleep(POLL_S)
 
 
 def _uses_gloo(script_args: list) -> bool:
@@ -252,6 +279,7 @@ def main():
     if decided:
         import socket
         print_line(f"torchrun_bounded.py on {socket.gethostname()}: {decided}")
+    wait_for_the_store(args, endpoint)
     from torch.distributed.run import main as torchrun
     sys.argv = ["torchrun", *argv]
     if sys.platform.startswith("linux"):  # /proc: the watch is Linux's; elsewhere plain torchrun

@@ -645,6 +645,40 @@ def test_two_agents_of_a_job_on_one_host_meet_as_torchrun_would(make_hosts, tmp_
     assert "is_host" not in job.log("first") + job.log("second")  # torchrun's guess is right here
 
 
+def test_an_endpoint_that_takes_no_connection_is_one_line_within_torchruns_own_wait(make_hosts, tmp_path):
+    """Node B's launcher where nothing takes connections at the endpoint (node A's launcher not started,
+    another port there, or a firewall that rejects them): it waits as long as torchrun's own client would
+    (two connects of --rdzv-conf read_timeout, here 3 s), then ends with one line and exit status 1, where
+    torchrun printed C++ stack traces and its RendezvousConnectionError (after two minutes by default).
+    Node A started within that wait: the job trains."""
+    hosts = make_hosts()
+    training = ["distributed.py", *TINY, "--train-samples", "64", "--batch-size", "32", "--workers", "0",
+                "--dist-timeout", "20"]
+
+    def launcher(read_timeout):
+        return ["scripts/torchrun_bounded.py", *torchrun_across(hosts, 1, endpoint=f"nodea:{PORT}", launcher=(),
+                                                                rdzv=[f"--rdzv-conf=read_timeout={read_timeout}"]),
+                *training]
+    alone = Job(hosts, tmp_path)
+    started = time.monotonic()
+    alone.start("nodeb", "nodeb", launcher(3))
+    alone.wait(60, expect=1)
+    log = alone.log("nodeb")
+    errors = [line for line in log.splitlines() if "error" in line.lower()]
+    assert errors == [f"torchrun_bounded.py: error: the rendezvous endpoint nodea:{PORT} took no connection in 6 s "
+                      "(Connection refused): start its node's launcher with the same --rdzv-endpoint, and open "
+                      f"port {PORT} to the other nodes (python3 scripts/preflight.py --rdzv-endpoint nodea:{PORT} "
+                      "checks it from here)"], log
+    assert "Traceback" not in log and "frame #" not in log and time.monotonic() - started < 40, log
+    late = Job(hosts, tmp_path / "late")
+    (tmp_path / "late").mkdir()
+    late.start("nodeb", "nodeb", launcher(15))
+    time.sleep(5)
+    late.start("nodea", "nodea", launcher(15))
+    late.wait(120)
+    assert "done: 2 steps" in late.log("nodea") + late.log("nodeb")
+
+
 STORE_OF_A_LIVE_JOB = """
 import datetime, os, time
 from torch.distributed import TCPStore
