@@ -24,8 +24,8 @@ It is torchrun itself (torch.distributed.run, in this process), plus, with a c10
 
 then asks utils/network.py's decision, the one the training scripts make, and refuses in one
 line (exit status 2) what no setting here avoids. On a node that does not host the store, it waits
-for the endpoint to take a connection as long as torchrun's client would, and says in one line
-(exit status 1) when it never does: nothing listens there, or a firewall. And one watch: once this node's training
+for the endpoint to take a connection about as long as torchrun's client would, and says in one
+line (exit status 1) when it never does: nothing listens there, or a firewall. And one watch: once this node's training
 processes have run, if none has been alive for TORCHRUN_GRACE seconds (default 90) while
 torchrun is still here, it says why in one line and ends torchrun (exit status 1). A finished
 job (the workers succeeded) is never cut short.
@@ -125,8 +125,8 @@ def refuse_what_no_setting_saves(args, endpoint):
 
 
 def wait_for_the_store(args, endpoint):
-    """On a node that does not host the store: wait until the endpoint takes a connection, as long as torchrun's
-    own client would try (two connects of --rdzv-conf read_timeout, 60 s by default), then say so in one line
+    """On a node that does not host the store: wait until the endpoint takes a connection, twice --rdzv-conf
+    read_timeout (torchrun's own client gave up after 121 s with its default, 60 s), then say so in one line
     (exit status 1) in place of torchrun's C++ stack traces: nothing listens there yet, or a firewall."""
     import socket
     conf = dict(item.split("=", 1) for item in (args.rdzv_conf or "").split(",") if "=" in item)

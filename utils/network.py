@@ -155,9 +155,10 @@ def findings(meet_at, uses_gloo: bool, flag: str = "MASTER_ADDR") -> list:
             if mine:
                 fix = (f"list {meet_at} in {name}'s own /etc/hosts with its network address, as the other nodes "
                        "resolve it, not on a 127.x line")
-            elif flag != "MASTER_ADDR" or is_address(meet_at):  # an address: by hand, or torchrun's --master-addr
-                fix = f"give {flag} node 0's network address" + (
-                    " (torchrun's --master-addr, 127.0.0.1 if not given)" if flag == "MASTER_ADDR" else "")
+            elif flag != "MASTER_ADDR":
+                fix = f"give {flag} node 0's network address"
+            elif is_address(meet_at):  # by hand, or bare torchrun's static rendezvous
+                fix = "give MASTER_ADDR node 0's network address (torchrun's --master-addr, 127.0.0.1 if not given)"
             else:
                 fix = ("torchrun's c10d rendezvous sets it to node 0's own name as socket.getfqdn() gives it there: "
                        "list that name with node 0's network address in node 0's /etc/hosts, not on a 127.x line; "

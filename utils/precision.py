@@ -86,11 +86,10 @@ def choose_precision(args, device_type: str) -> Precision:
     if args.amp_impl == "apex":
         fused_sgd, apex_amp = find_nvidia_apex()
         if device_type != "cuda":
-            raise UsageError("NVIDIA apex runs on CUDA GPUs only; elsewhere use --amp-impl torch "
-                                 "(the default)")
+            raise UsageError("NVIDIA apex runs on CUDA GPUs only; elsewhere use --amp-impl torch (the default)")
         if apex_amp is None:
-            print0("apex: FusedSGD from NVIDIA apex; this apex has no apex.amp (removed in "
-                              "2025), so mixed precision comes from torch.amp")
+            print0("apex: FusedSGD from NVIDIA apex; this apex has no apex.amp (removed in 2025), so mixed "
+                   "precision comes from torch.amp")
     name = args.amp
     if args.opt_level == "O0" and name is not None:
         raise UsageError(f"--opt-level O0 means float32 throughout, which contradicts --amp {name}")
@@ -102,7 +101,7 @@ def choose_precision(args, device_type: str) -> Precision:
 
     if args.opt_level == "O3":
         raise UsageError("--opt-level O3 (pure float16, no float32 master weights) has no torch.amp "
-                             "equivalent: use O1 or O2 (autocast + GradScaler), or an apex with apex.amp")
+                         "equivalent: use O1 or O2 (autocast + GradScaler), or an apex with apex.amp")
     if name is None and args.opt_level != "O0":  # O0: float32 throughout, no autocast
         # apex's O1/O2 are float16 levels; with neither flag, bf16 where the hardware has it
         # (no loss scaling needed), fp16 on older GPUs.
@@ -115,7 +114,7 @@ def choose_precision(args, device_type: str) -> Precision:
         # its step only after reading the inf check back with .item(): the CPU would wait for
         # the GPU at every step. torch's fused SGD unscales and skips inside its own kernel.
         print0("apex: with fp16 and torch's GradScaler, torch's fused SGD replaces apex's FusedSGD "
-                          "(which would make every step wait for the GPU)")
+               "(which would make every step wait for the GPU)")
         fused_sgd = None
     return Precision(name or "fp32", dtype, args.opt_level, fused_sgd, None)
 
@@ -142,7 +141,7 @@ def find_nvidia_apex():
         pass
     if fused_sgd is None and apex_amp is None:
         raise UsageError(
-            "--amp-impl apex needs NVIDIA apex, built from source with its CUDA extensions (github.com/NVIDIA/apex); "
-            "the PyPI package called `apex` is unrelated; --amp-impl torch (the default) is the "
-            "upstream successor of apex.amp")
+            "--amp-impl apex needs NVIDIA apex, built from source with its CUDA extensions "
+            "(github.com/NVIDIA/apex); the PyPI package called `apex` is unrelated; --amp-impl torch (the default) "
+            "is the upstream successor of apex.amp")
     return fused_sgd, apex_amp
