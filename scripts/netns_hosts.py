@@ -2,7 +2,8 @@ r"""Several hosts on one Linux machine, for trying multi-node training without a
 
 Each host is a Linux network namespace with its own address, its own hostname and its own
 hosts file (what `ip netns exec` mounts over /etc/hosts), joined to the others by a virtual
-switch: a bridge in a namespace of its own. Links can be cut and restored. Nothing outside
+switch: a bridge in a namespace of its own. Links can be cut and restored, and a host can
+drop connections as a firewall does (with nftables' `nft`). Nothing outside
 the namespaces is touched but /etc/netns/<namespace>/ and /run/netns-hosts/, and all of it is
 removed by `down` (and by the tests, however they end). Needs root and iproute2 (`ip`).
 
@@ -10,6 +11,7 @@ removed by `down` (and by the tests, however they end). Needs root and iproute2 
     sudo python3 scripts/netns_hosts.py shell nodea         # a shell on nodea (another terminal: nodeb)
     sudo python3 scripts/netns_hosts.py run nodeb -- CMD    # one command on nodeb
     sudo python3 scripts/netns_hosts.py cut nodeb           # pull nodeb's cable; `restore nodeb` to plug it in
+    sudo python3 scripts/netns_hosts.py firewall nodea 29500  # nodea drops TCP connections but to port 29500
     sudo python3 scripts/netns_hosts.py down                # remove the hosts and every process on them
 
 `up` takes the setups that break multi-node jobs on real machines:
@@ -358,6 +360,20 @@ class Hosts:
         _ip("link", "set", f"port-{name}"[:15], "up", namespace=self.switch)
         self._wait_for_links()
 
+    def firewall(self, name, open_ports=()):
+        """Host `name` drops new TCP connections from the other hosts, but to `open_ports`: a
+        firewall that lets only those through (dropped, not refused: the other side waits until
+        its own timeout). open_ports=None removes it. Needs nftables (`nft`)."""
+        if shutil.which("nft") is None:
+            raise HostsUnavailable("`nft` is not installed (Debian: apt-get install nftables)")
+        table = "add table inet netns_hosts\ndelete table inet netns_hosts\n"  # none left, whether or not one was
+        if open_ports is not None:
+            accept = "".join(f"tcp dport {int(port)} accept; " for port in open_ports)
+            table += ("table inet netns_hosts { chain input { type filter hook input priority 0; policy accept; "
+                      f"iif lo accept; ct state established,related accept; {accept}meta l4proto tcp drop; }}; }}\n")
+        subprocess.run(["ip", "netns", "exec", self.namespace(name), "nft", "-f", "-"], input=table, text=True,
+                       check=True, capture_output=True)
+
 
 def _attached(slot: int) -> Hosts:
     """The Hosts that `up` made in `slot` (for the commands after `up`)."""
@@ -386,6 +402,10 @@ def main(argv=None):
                     help="eth0 (listed first, and the host's own name) reaches no other host; eth1 does")
     for action in ("shell", "cut", "restore"):
         sub.add_parser(action, help=f"{action} a host").add_argument("name")
+    wall = sub.add_parser("firewall", help="a host drops new TCP connections from the others, but to PORTs")
+    wall.add_argument("name")
+    wall.add_argument("ports", nargs="*", type=int, metavar="PORT")
+    wall.add_argument("--off", action="store_true", help="remove the host's firewall")
     run = sub.add_parser("run", help="run a command on a host")
     run.add_argument("name")
     run.add_argument("cmd", nargs=argparse.REMAINDER)
@@ -413,6 +433,8 @@ def main(argv=None):
         hosts.cut(args.name)
     elif args.action == "restore":
         hosts.restore(args.name)
+    elif args.action == "firewall":
+        hosts.firewall(args.name, None if args.off else args.ports)
     else:
         cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
         if args.action == "shell":

@@ -58,6 +58,8 @@ from utils.cli import UsageError  # noqa: E402
 
 DEFAULT_SHM = "/dev/shm"
 DEFAULT_PORT = 29500      # torchrun's and the launch scripts' default rendezvous port
+STORE_PORT_FIX = ("let the nodes reach each other on every TCP port: torchrun's c10d rendezvous serves the ranks' "
+                  "store at a port it picks on node 0, not the endpoint's, and gloo and NCCL pick ports of their own")
 NUM_CLASSES = 100         # CIFAR-100: the classifier's size enters the gradient's size
 ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_GLOO_")
 GiB = 2**30
@@ -540,9 +542,10 @@ def communicate(role: Role, args, device, node_facts) -> tuple:
     return result, False
 
 
-# --- the exchange: facts and results travel through the rendezvous store ----------------
-# The store is the rendezvous connection that torchrun (or this script's parent) already
-# made; it works even when the data network the collectives use does not.
+# --- the exchange: facts and results travel through the ranks' store ----------------------
+# The store at MASTER_ADDR:MASTER_PORT (under torchrun's c10d rendezvous a port it picks on
+# node 0, not the endpoint's; under plain python this script's parent): one connection per
+# rank, which works even when the data network the collectives use does not.
 
 STORE = None
 
@@ -663,8 +666,12 @@ class Report:
               f"({launched}), backend {self.backend}")
         missing = [r for r, f in self.all_facts.items() if not f]
         if missing:
+            # Under torchrun every node passed the rendezvous before its ranks started.
             self.problem(f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not report "
                          f"within --timeout {self.args.timeout:g} s",
+                         f"{STORE_PORT_FIX} (each node's own output says if its ranks could not reach "
+                         f"{f0.get('rendezvous')}); a slow start (busy file system) needs a larger --timeout"
+                         if self.role.launcher == "torchrun" else
                          "run the same command on every node, check that each reaches the rendezvous host; "
                          "a slow start (busy file system) needs a larger --timeout")
 
@@ -925,7 +932,8 @@ class Report:
         print("\nrendezvous port")
         f0 = self.all_facts[0]
         if self.role.launcher == "torchrun":
-            print(f"  {f0.get('rendezvous')}: reached by {len(self.present)} of {self.world} processes")
+            print(f"  {f0.get('rendezvous')} (the ranks' store, MASTER_ADDR:MASTER_PORT): reached by "
+                  f"{len(self.present)} of {self.world} processes")
         port = f0.get("port")
         endpoint = (self.nodes.get(f0["node"], {}).get("node_facts", {}).get("network") or {}).get("endpoint")
         if not port and endpoint and not endpoint["here"]:
@@ -1027,8 +1035,15 @@ def main(argv=None):
     # Under torchrun the agent hosts the rendezvous store (TORCHELASTIC_USE_AGENT_STORE);
     # with a launcher that does not, rank 0 hosts it, as env:// initialisation would.
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    connect_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), role.rank, role.world_size,
-                  args.timeout, host_it=role.rank == 0 and not agent)
+    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        connect_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), role.rank, role.world_size,
+                      args.timeout, host_it=role.rank == 0 and not agent)
+    except RuntimeError as err:  # torch's DistNetworkError: no report can come from this rank
+        if role.local_rank == 0:
+            print(f"preflight: rank {role.rank} ({socket.gethostname()}) cannot reach the ranks' store at {where} "
+                  f"({cli.first_line(err, typed=True)}): {STORE_PORT_FIX}", file=sys.stderr)
+        sys.exit(1)
     sys.exit(check_this_rank(role, args))
 
 

@@ -137,14 +137,16 @@ def wait_for_the_store(args, endpoint):
     until = time.monotonic() + waited
     while True:
         try:
-            return socket.create_connection(endpoint, timeout=5).close()
+            # Each try bounded by what is left: a firewall that drops packets makes a connect wait.
+            return socket.create_connection(endpoint, timeout=min(5.0, max(0.1, until - time.monotonic()))).close()
         except OSError as err:
             if time.monotonic() > until:
                 host, port = endpoint
                 print_line(f"torchrun_bounded.py: error: the rendezvous endpoint {host}:{port} took no connection in "
                            f"{waited:.0f} s ({err.strerror or err}): start its node's launcher with the same "
-                           f"--rdzv-endpoint, and open port {port} to the other nodes (python3 scripts/preflight.py "
-                           f"--rdzv-endpoint {host}:{port} checks it from here)")
+                           f"--rdzv-endpoint, and let the nodes reach each other on every TCP port, {port} and those "
+                           f"torchrun, gloo and NCCL pick (python3 scripts/preflight.py --rdzv-endpoint {host}:{port} "
+                           "checks it from here)")
                 sys.exit(1)
             time.sleep(POLL_S)
 

@@ -8,6 +8,7 @@ Needs root and iproute2; skipped with the reason otherwise. Every test tears its
 however it ends (test_the_hosts_leave_nothing_behind checks that)."""
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -645,13 +646,21 @@ def test_two_agents_of_a_job_on_one_host_meet_as_torchrun_would(make_hosts, tmp_
     assert "is_host" not in job.log("first") + job.log("second")  # torchrun's guess is right here
 
 
-def test_an_endpoint_that_takes_no_connection_is_one_line_within_torchruns_own_wait(make_hosts, tmp_path):
+NO_NFT = None if shutil.which("nft") else "`nft` is not installed (Debian: apt-get install nftables)"
+
+
+@pytest.mark.parametrize("endpoint_port", ["closed", pytest.param("dropped", marks=pytest.mark.skipif(
+    NO_NFT is not None, reason=f"a firewall that drops packets: {NO_NFT}"))])
+def test_an_endpoint_that_takes_no_connection_is_one_line_within_torchruns_own_wait(make_hosts, tmp_path,
+                                                                                    endpoint_port):
     """Node B's launcher where nothing takes connections at the endpoint (node A's launcher not started,
-    another port there, or a firewall that rejects them): it waits as long as torchrun's own client would
-    (two connects of --rdzv-conf read_timeout, here 3 s), then ends with one line and exit status 1, where
-    torchrun printed C++ stack traces and its RendezvousConnectionError (after two minutes by default).
-    Node A started within that wait: the job trains."""
+    another port there: closed; a firewall that drops them: no answer at all): it waits as long as
+    torchrun's own client would (two connects of --rdzv-conf read_timeout, here 3 s), then ends with one
+    line and exit status 1, where torchrun printed C++ stack traces and its RendezvousConnectionError
+    (after two minutes by default). Node A started within that wait: the job trains."""
     hosts = make_hosts()
+    if endpoint_port == "dropped":
+        hosts.firewall("nodea")
     training = ["distributed.py", *TINY, "--train-samples", "64", "--batch-size", "32", "--workers", "0",
                 "--dist-timeout", "20"]
 
@@ -665,11 +674,13 @@ def test_an_endpoint_that_takes_no_connection_is_one_line_within_torchruns_own_w
     alone.wait(60, expect=1)
     log = alone.log("nodeb")
     errors = [line for line in log.splitlines() if "error" in line.lower()]
+    why = "Connection refused" if endpoint_port == "closed" else "timed out"
     assert errors == [f"torchrun_bounded.py: error: the rendezvous endpoint nodea:{PORT} took no connection in 6 s "
-                      "(Connection refused): start its node's launcher with the same --rdzv-endpoint, and open "
-                      f"port {PORT} to the other nodes (python3 scripts/preflight.py --rdzv-endpoint nodea:{PORT} "
-                      "checks it from here)"], log
+                      f"({why}): start its node's launcher with the same --rdzv-endpoint, and let the nodes reach "
+                      f"each other on every TCP port, {PORT} and those torchrun, gloo and NCCL pick (python3 "
+                      f"scripts/preflight.py --rdzv-endpoint nodea:{PORT} checks it from here)"], log
     assert "Traceback" not in log and "frame #" not in log and time.monotonic() - started < 40, log
+    hosts.firewall("nodea", None)
     late = Job(hosts, tmp_path / "late")
     (tmp_path / "late").mkdir()
     late.start("nodeb", "nodeb", launcher(15))
@@ -677,6 +688,42 @@ def test_an_endpoint_that_takes_no_connection_is_one_line_within_torchruns_own_w
     late.start("nodea", "nodea", launcher(15))
     late.wait(120)
     assert "done: 2 steps" in late.log("nodea") + late.log("nodeb")
+
+
+@pytest.mark.skipif(NO_NFT is not None, reason=f"a firewall: {NO_NFT}")
+def test_a_firewall_open_only_at_the_endpoint_is_named_by_the_job_and_by_preflight(make_hosts, tmp_path):
+    """Node A lets only the rendezvous endpoint's port through, a common setup: the nodes meet, but the ranks'
+    store (a port torchrun's c10d rendezvous picks on node 0) and gloo's ports take no connection. The job
+    ends on both nodes within --dist-timeout, each with one line that says every port must be open; preflight,
+    launched as the job is, says the same in its report, and node B's ranks in one line, not a traceback."""
+    hosts = make_hosts()
+    hosts.firewall("nodea", [PORT])
+    job = Job(hosts, tmp_path)
+    for name in hosts.names:
+        job.start(name, name, ["scripts/torchrun_bounded.py", *torchrun_across(hosts, 1, launcher=()),
+                               "distributed.py", *TINY, "--train-samples", "64", "--batch-size", "32",
+                               "--dist-timeout", "15"])  # loader workers as by default
+    job.wait(60, expect=1)
+    every_port = "the nodes must reach each other on every TCP port, not only the rendezvous endpoint's"
+    for rank, name in enumerate(hosts.names):
+        lines = [line for line in job.log(name).splitlines() if line.startswith("distributed.py: error:")]
+        assert len(lines) == 1 and f"rank {rank} could not join the gloo process group" in lines[0] \
+            and every_port in lines[0], job.log(name)
+    check = Job(hosts, tmp_path / "preflight")
+    (tmp_path / "preflight").mkdir()
+    for name in hosts.names:
+        check.start(name, name, [*torchrun_across(hosts, 1), "scripts/preflight.py", "--workers", "0",
+                                 "--timeout", "10"])
+    check.wait(90, expect=1)
+    store_port_fix = "let the nodes reach each other on every TCP port: torchrun's c10d rendezvous serves"
+    report = check.log("nodea")
+    assert "rank 1 did not report within --timeout 10 s" in report and store_port_fix in report, report
+    assert re.search(r"nodea:\d+ \(the ranks' store, MASTER_ADDR:MASTER_PORT\): reached by 1 of 2", report), report
+    said = [line for line in check.log("nodeb").splitlines() if line.startswith("preflight:")]
+    assert len(said) == 1 and re.match(r"preflight: rank 1 \(nodeb\) cannot reach the ranks' store at nodea:\d+ "
+                                       r"\(DistNetworkError: .*timed out", said[0]) and store_port_fix in said[0], \
+        check.log("nodeb")
+    assert 'preflight.py", line' not in check.log("nodeb"), check.log("nodeb")
 
 
 STORE_OF_A_LIVE_JOB = """

@@ -249,8 +249,11 @@ def joining(job: DistEnv, timeout_s: float, backend: str):
     except RuntimeError as err:  # torch's DistError and its kinds are RuntimeErrors
         if not job.several_nodes:
             raise
+        # Under torchrun the ranks' store is at a port it picks on node 0, and gloo and NCCL listen on
+        # ports of their own: a firewall that lets only the endpoint's port through stops here.
         print_line(error_line(f"rank {job.rank} could not join the {backend} process group ({type(err).__name__}: "
-                              f"{first_line(err)}); scripts/preflight.py checks each node's network"))
+                              f"{first_line(err)}); the nodes must reach each other on every TCP port, not only "
+                              "the rendezvous endpoint's: scripts/preflight.py checks each node's network"))
         raise SystemExit(1) from None
     finally:
         # Stopped first: a watcher in a store call at exit meets a finalizing interpreter: SIGABRT (seen once).
