@@ -6,7 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 
-gpus=$($PY -c "import torch; print(torch.cuda.device_count())")
+# is_available, not device_count alone: device_count counts through NVML, so it sees GPUs that a driver
+# too old for this CUDA build cannot run, and the scripts would then train on the CPU with the GPU plan.
+gpus=$($PY -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
 if [ "$gpus" -gt 0 ]; then
   nproc=$gpus
   # About a minute per epoch-set on one modern GPU; real CIFAR-100 learns visibly in 10 epochs.
