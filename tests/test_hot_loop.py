@@ -30,6 +30,7 @@ LOADER = os.path.join("torch", "utils", "data", "")
 
 @pytest.mark.parametrize("script, launch, extra", [
     ("distributed.py", "torchrun", []),
+    ("distributed.py", "torchrun", ["--workers", "2"]),  # loader workers on, as by default
     ("distributed.py", "python", []),
     ("distributed_gradient_accumulation.py", "torchrun", ["--accum-steps", "2"]),
     ("dataparallel.py", "python", []),
