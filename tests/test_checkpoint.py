@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from conftest import SMALL, assert_refused
 from models import MODEL_NAMES, build_model
-from utils import checkpoint, cli, lifecycle, schedule
+from utils import checkpoint, cli, lifecycle, metrics, schedule
 from utils.distributed import DistEnv
 from utils.run import TrainingRun
 
@@ -177,6 +177,18 @@ def test_checkpoint_reads_with_weights_only_and_resumes(tmp_path, keep_signal_ha
         assert torch.equal(a, b), name
     assert resumed.scheduler.last_epoch == run.scheduler.last_epoch == 1
     assert optimizer2.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
+
+
+def test_an_epochs_end_reduces_its_training_sums_once(tmp_path, keep_signal_handlers, monkeypatch):
+    # The record's training figures and the checkpoint's sums come from one all-reduce, which every rank waits in.
+    run, model, optimizer = make_run(args_for("--checkpoint-dir", tmp_path, "--max-steps", 1))
+    take_one_step(run, model, optimizer)
+    reduced = []
+    monkeypatch.setattr(metrics, "all_reduce_sum", lambda tensor, call=None: reduced.append(tensor.clone()) or tensor)
+    run.end_epoch(dict(metrics.NOT_EVALUATED))
+    assert len(reduced) == 1
+    loss_sum, _, samples, *_ = checkpoint.load(tmp_path / "checkpoint.pt")["train_sums"]
+    assert samples == 4 and run.last_record["train_loss"] == loss_sum / samples
 
 
 @pytest.mark.parametrize("no_lock", [errno.ENOLCK, errno.ENOSYS])

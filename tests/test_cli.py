@@ -414,6 +414,15 @@ def test_given_tells_a_flag_on_the_command_line_from_its_default(no_local_rank):
     assert "_given" not in cli.plain_config(args)  # not saved as a setting
 
 
+def test_given_counts_no_destination_that_only_set_defaults_fills(no_local_rank):
+    # A destination with no flag of its own (--data-on-gpu's where the script lacks it, own data's dataset)
+    # was never typed.
+    parser = cli.build_parser(__doc__, MODEL_NAMES, own_data=True)
+    cli.add_fast_path_flags(parser)
+    args = cli.parse_args(parser, ["--workers", "0"])
+    assert args._given == {"workers"} and args.data_on_gpu is False and args.dataset is None
+
+
 def test_an_abbreviated_flag_is_refused(capsys, no_local_rank):
     # A launcher that reads --checkpoint-dir from the extra flags could not see --checkpoint-d.
     with pytest.raises(SystemExit) as excinfo:

@@ -114,8 +114,7 @@ def build_parser(doc: str, model_names, own_data: bool = False, images: bool = T
         parser.set_defaults(dataset=None)  # own_datasets records what the data is here
     else:
         g.add_argument("--dataset", choices=["cifar100", "synthetic"], default="cifar100",
-                       help="cifar100 is downloaded once to --data-dir; synthetic is an offline "
-                            "stand-in of the same shape (100 classes, 50,000/10,000 images) that a model can learn")
+                       help="cifar100: downloaded once to --data-dir; synthetic: an offline stand-in a model can learn")
     g.add_argument("--data-dir", "--data_dir", default="./data",
                    help="where the data set's files are (the script builds its data sets from it)" if own_data
                    else "where CIFAR-100 is stored (--dataset cifar100)")
@@ -123,8 +122,7 @@ def build_parser(doc: str, model_names, own_data: bool = False, images: bool = T
                    help="use only the first N training samples (quick runs, tests)")
     g.add_argument("--test-samples", type=positive_int, default=None, help="use only the first N test samples")
     g.add_argument("--workers", type=non_negative_int, default=None,
-                   help="data-loading worker processes per training process (default: the smaller of 4 "
-                        "and the CPU cores per process on this node, at least 1)")
+                   help="loader workers per training process (default: min(4, CPU cores per process), at least 1)")
 
     g = parser.add_argument_group("model")
     g.add_argument("--model", choices=model_names, default=model_names[0], help="the network to train")
@@ -164,18 +162,14 @@ def build_parser(doc: str, model_names, own_data: bool = False, images: bool = T
                    help="refresh the progress bar's loss every N steps (each refresh waits for the device; "
                         "the bar is drawn when stderr is a terminal)")
     g.add_argument("--check-args", action="store_true",
-                   help="make every check the run makes before it starts, with the launcher's variables from "
-                        "the environment (WORLD_SIZE, LOCAL_WORLD_SIZE, RANK, MASTER_ADDR), and exit: 0 if "
-                        "the run would start, else its one line and 2 (batch scripts run this before srun)")
+                   help="make the run's every check before it starts, with the launcher's variables (WORLD_SIZE, "
+                        "LOCAL_WORLD_SIZE, RANK, MASTER_ADDR), and exit: 0 if it would start, else its line and 2")
     g.add_argument("--dist-timeout", type=positive_float, default=1800.0, metavar="SECONDS",
-                   help="how long a rank waits for a peer, in a collective or to form the process group "
-                        "at the start, before the job fails (bounds the hang when a peer dies)")
+                   help="how long a rank waits for a peer, to form the group or in a collective, before the job fails")
     g.add_argument("--device", default="auto", metavar="{auto,cpu,cuda,xpu,mps,...}",
-                   help="auto: this machine's accelerator (torch.accelerator) if it has one, else the CPU; "
-                        "cpu: the CPU even where there is a GPU; or name the accelerator's type")
+                   help="auto: this machine's accelerator (torch.accelerator), else the CPU; or name a device type")
     g.add_argument("--profile", default=None, metavar="DIR",
-                   help="write a torch.profiler trace of a few steps after warm-up, one file per rank "
-                        "(open it in https://ui.perfetto.dev or chrome://tracing)")
+                   help="a torch.profiler trace of a few steps after warm-up, per rank, for https://ui.perfetto.dev")
     g.add_argument("--tensorboard", default=None, metavar="DIR",
                    help="also write the per-epoch scalars for TensorBoard (needs: pip install tensorboard)")
     # torch.distributed.launch (deprecated) passes --local-rank=N (--local_rank before 2.0).
@@ -195,16 +189,14 @@ def add_fast_path_flags(parser, data_on_gpu: bool = False, torch_compile: bool =
                             "(no loader workers)")
     if getattr(parser, "images", True):
         g.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
-                       help="images: NHWC memory format for the model and its inputs, the layout of tensor-core "
-                            "convolutions (default: on for NVIDIA GPUs of compute capability 8.0 or newer)")
+                       help="images: NHWC model and inputs (default: on for NVIDIA GPUs of compute capability 8.0+)")
     if torch_compile:
         g.add_argument("--compile", action="store_true",
                        help="torch.compile the model (compilation happens in the first steps, outside the timing)")
         g.add_argument("--compile-mode", default="default",
                        choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
                        help="torch.compile's mode (needs --compile). reduce-overhead and max-autotune replay CUDA "
-                            "graphs (fewer kernel launches from the CPU): for one process, where no DDP wrapper "
-                            "runs hooks between the graphs; max-autotune* tune kernels for minutes first")
+                            "graphs, for one process (no DDP hooks between them); max-autotune* tune for minutes")
     g.add_argument("--eval-every", type=positive_int, default=1, metavar="N",
                    help="evaluate after every N-th epoch and after the last one (the others record NaN)")
 
@@ -216,11 +208,11 @@ def given(args, name: str) -> bool:
 
 def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
-    # Which flags were given: parsed again into a namespace that already holds a marker for
-    # every destination (argparse fills in a default only where the namespace has none).
+    # Which flags were given: parsed again into a namespace that already holds a marker for every
+    # destination, set_defaults' too (argparse fills in a default only where the namespace has none).
     marker = object()
-    marked = parser.parse_args(argv, argparse.Namespace(**{
-        action.dest: marker for action in parser._actions if action.dest != argparse.SUPPRESS}))
+    marked = parser.parse_args(argv, argparse.Namespace(**dict.fromkeys(
+        [*parser._defaults, *(action.dest for action in parser._actions if action.dest != argparse.SUPPRESS)], marker)))
     args._given = frozenset(name for name, value in vars(marked).items() if value is not marker)
     if args.local_rank is not None and "LOCAL_RANK" not in os.environ:
         os.environ["LOCAL_RANK"] = str(args.local_rank)

@@ -27,12 +27,15 @@ def buffers_synced_once(model: torch.nn.Module) -> dict:
     return {"broadcast_buffers": False}
 
 
+# torch.profiler.profile's keywords for a schedule of one window (repeat=1): acc_events=True changes nothing there
+# but 2.11's warning, from the first window, that events are not kept between windows (2.14 warns from the second).
+ONE_WINDOW = {"acc_events": True}
+
+
 def kill_loader_workers_first_at_exit(kill):
-    """PyTorch 2.11 registers an exit handler for every worker of a loader with persistent workers that pins
-    memory (`_clean_up_worker`, torch/utils/data/dataloader.py): it joins a worker never told to stop, for 5 s,
-    then sends SIGTERM, which ours ignore (on an H200, a run's 15 evaluation workers kept it from ending for
-    more than 30 s). `kill` registered again runs before them, and they find the workers gone. 2.13 and
-    2.14's one handler stops the iterators properly (`_clean_up_persistent_workers_atexit`): it runs first."""
+    """2.11's exit handler for each worker of a persistent, pinned-memory loader joins it (never told to stop) for
+    5 s, then sends SIGTERM, which ours ignore: `kill`, registered again, runs first and leaves none to wait for.
+    2.14's one handler stops the loaders' iterators, and runs before `kill`."""
     from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
     if not hasattr(_MultiProcessingDataLoaderIter, "_clean_up_persistent_workers_atexit"):
         atexit.unregister(kill)

@@ -3,11 +3,7 @@
 
 A sample's augmentation depends on (--seed, epoch, index) alone, not on the loader worker that loads
 it (TrainImages, SeededSamples): so runs compare across strategies and numbers of processes or
-workers, resumes in the middle of an epoch are exact, and --data-on-gpu augments as the loader does.
-
-Loader workers hand their batches over in shared memory (/dev/shm), which Docker keeps at 64 MB unless
-told otherwise: scripts/preflight.py checks it before a job; a worker that finds it full dies of a bus
-error, which the run reports in one line (lifecycle.bus_error_message)."""
+workers, resumes in the middle of an epoch are exact, and --data-on-gpu augments as the loader does."""
 
 import contextlib
 import fcntl
@@ -247,8 +243,7 @@ class Normalize:
 
 def memory_format(args, device) -> torch.memory_format:
     """--(no-)channels-last, else NHWC on NVIDIA GPUs of compute capability 8.0+ (not ROCm's: unmeasured), whose
-    tensor-core convolutions read NHWC: NCHW trained 1.7x (TF32) to 1.8x (bf16) slower on an H200 (results/).
-    The choice is kept in args, as config.json records it."""
+    tensor-core convolutions read NHWC. The choice is kept in args, as config.json records it."""
     if args.channels_last is None:
         args.channels_last = (device.type == "cuda" and not torch.version.hip
                               and torch.cuda.get_device_capability(device) >= (8, 0))
@@ -419,9 +414,8 @@ class Loader(DataLoader):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if self.num_workers and self.multiprocessing_context is None and sys.platform == "linux":
-            # DataLoader's default, the process's start method, is "spawn" under mp.spawn ("forkserver"
-            # from Python 3.14): each worker a new interpreter importing PyTorch for work that never
-            # touches the GPU (measured: 1.1 s to the first batch and 283 MB; forked 0.05 s and 15 MB).
+            # DataLoader's default, the process's start method, is "spawn" under mp.spawn ("forkserver" from
+            # Python 3.14): each worker a new interpreter importing PyTorch for work that never touches the GPU.
             self.multiprocessing_context = "fork"
 
     def start_workers(self):

@@ -88,8 +88,7 @@ def run_main(main, argv=None):
             sys.exit(1)
         if not _joined_a_group:
             raise
-        # A failure after joining (a bug, a dead peer): through the interpreter's teardown, a rank
-        # whose peer had died stayed until torchrun killed it 30 s later (measured).
+        # A failure after joining (a bug, a dead peer): leave, as the teardown of a rank whose peer died can hang.
         traceback.print_exc()
         leave(1)
     if _joined_a_group:
@@ -97,11 +96,10 @@ def run_main(main, argv=None):
 
 
 def leave(code: int = 0, message: str = None):
-    """End this process now, skipping the interpreter's teardown on purpose: gloo's worker threads outlive
-    destroy_process_group() once DDP has used the group (pytorch/pytorch issues 72366, 107298), and one that frees a
-    work item's tensors while the interpreter finalizes is ended by Python (up to 3.13) with pthread_exit in a noexcept
-    destructor: SIGABRT, a failure reported for a job that completed (tutorials/09-debugging.md). Only the atexit
-    handlers (which end the loader workers still alive and flush logging) run, and stdout and stderr are flushed."""
+    """End this process now, skipping the interpreter's teardown on purpose: gloo's threads outlive
+    destroy_process_group() once DDP has used the group, and one still running while the interpreter finalizes
+    can abort it (SIGABRT, a failure reported for a job that completed: tutorials/09-debugging.md). Only the atexit
+    handlers run (they end the loader workers still alive and flush logging), and stdout and stderr are flushed."""
     if threading.current_thread() is threading.main_thread():
         for sig in SIGNALS:  # ending now: a stop signal that comes late (mp.spawn forwards one) would only
             signal.signal(sig, signal.SIG_IGN)  # interrupt the exit handlers, with a traceback
@@ -154,10 +152,8 @@ def watch_launcher(grace_s: float = 30.0, poll_s: float = 1.0):
 def deadline(seconds: float, line=None, code: int = 1):
     """Inside, this process ends (with `line` on stderr and in torchrun's error file, and exit status `code`)
     once `seconds` have passed (`line` may be a function, called then: what was learnt meanwhile): for waits
-    that keep no timeout of their own. A TCPStore call across a network partition waits until the kernel drops
-    the connection, about 15 minutes with Linux's tcp_retries2 (two hosts, a cut link: get, add and check still
-    waiting 45 s into a 5 s timeout, PyTorch 2.14); gloo's full-mesh connect, 150 s into 30. One watchdog thread
-    checks every deadline; it does no I/O."""
+    that overrun their own timeout, as a TCPStore call or gloo's connect across a network partition does (until
+    the kernel drops the connection). One watchdog thread checks every deadline; it does no I/O."""
     global _watchdog
     key = object()
     _deadlines[key] = (time.monotonic() + seconds, line, code)
@@ -185,10 +181,9 @@ def _watch_deadlines():
 # --- bad input ------------------------------------------------------------------------------
 
 def refuse(message: str, prints: bool):
-    """Before exit status 2 for bad input: the line on stderr (where `prints`), in torchrun's error file,
-    and told to the ranks that wait (`tell_the_job`). SIGTERM is ignored from here on: under torchrun the
-    first rank out makes the agent stop the others, and one still on its way out lost its own status to
-    it (seen under load). A rank that does not print waits 2 s under torchrun: rank 0's line comes first."""
+    """Before exit status 2 for bad input: the line on stderr (where `prints`), in torchrun's error file, and told
+    to the ranks that wait (`tell_the_job`). SIGTERM is ignored from here on: the first rank out makes torchrun's
+    agent stop the others, on their way to status 2 too. Under torchrun a silent rank waits 2 s: rank 0's line first."""
     if _as_program and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     line = error_line(message)

@@ -1,19 +1,14 @@
-"""--profile and --tensorboard: looking inside a run beyond its metrics file.
-
---profile DIR: a torch.profiler trace of a few optimizer steps once the run is warm, in DIR/trace-rank{rank}.json,
-for https://ui.perfetto.dev or chrome://tracing (each ProfilerStep#N is one optimizer step). DDP's gradient hooks
-launch the all-reduces during the backward pass, which they overlap (on a CUDA stream of their own, on gloo's
-threads on the CPU): that makes DDP fast. A run ending inside the window writes what it recorded.
-
---tensorboard DIR: rank 0 writes each epoch record's scalars at its global step, flushed for a live
-`tensorboard --logdir DIR`; the optional tensorboard package is imported only then.
-
-TrainingRun (utils/run.py) makes every call (Observers(...), step, epoch, close) on every rank; none communicates."""
+"""--profile DIR: a torch.profiler trace of a few optimizer steps once the run is warm, in DIR/trace-rank{rank}.json
+(each ProfilerStep#N is one optimizer step); a run ending inside the window writes what it recorded.
+--tensorboard DIR: rank 0 writes each epoch record's scalars at its global step, flushed for a live `tensorboard
+--logdir DIR`. TrainingRun (utils/run.py) makes every call on every rank; none communicates."""
 import math
 import os
 
 import torch
 from torch.profiler import ProfilerActivity
+
+from . import compat
 
 
 # The profiled window, in optimizer steps from the run's start (or resume). WAIT keeps the start-up
@@ -47,11 +42,9 @@ class Observers:
         self._profiler = self._writer = self._traced_up_to = None  # _traced_up_to: the last step in the trace
         self._step, self._window = start_step, profiled_steps(start_step)
         if self.profile_dir:
-            # The profiler counts its own steps from here (each step() ends one): the window falls after
-            # this run's warm-up, also after a resume. With one window (repeat=1), acc_events=True only
-            # spares PyTorch 2.11's warning that events are not kept between windows.
+            # It counts steps from here (each step() ends one): the window follows this run's warm-up, resumed or not.
             self._profiler = torch.profiler.profile(
-                activities=profiler_activities(env.device), on_trace_ready=self._write_trace, acc_events=True,
+                activities=profiler_activities(env.device), on_trace_ready=self._write_trace, **compat.ONE_WINDOW,
                 schedule=torch.profiler.schedule(wait=WAIT_STEPS, warmup=WARMUP_STEPS, active=ACTIVE_STEPS, repeat=1))
             self._profiler.start()
         if getattr(args, "tensorboard", None) and env.is_main:

@@ -1,17 +1,6 @@
 """The bookkeeping of a training run, the same in every script: epochs and steps, resume, checkpoints,
 stop signals, --max-steps, progress bar, per-epoch summary and metrics. The scripts keep the lesson (how
-the model is wrapped, how a step is taken) and hand this object the rest:
-
-    run = TrainingRun(args, env, model, optimizer, scheduler, ...)   # resumes if asked
-    for epoch in run.epochs():
-        train_loader.sampler.set_epoch(epoch, run.step_in_epoch)
-        for images, targets in run.progress(train_loader):
-            ...forward, backward, optimizer.step()...
-            run.meter.update(loss, logits, targets)
-            if run.step_done():      # True when training ends (the last step, --max-steps, a stop)
-                break
-        run.end_epoch(evaluate(model, test_loader, env.device, inputs=to_model))
-    run.finish()
+the model is wrapped, how a step is taken) and hand this object the rest (distributed.py's loop shows how).
 
 Where the ranks meet: every rank must make each of these calls, at the same points and in the same
 order, or the others wait in it until --dist-timeout and fail with an error that names the call
@@ -23,7 +12,7 @@ order, or the others wait in it until --dist-timeout and fail with an error that
   loaded it (a sharded model loads in a collective).
 - `step_done()`: every `check_every` steps (10 under a launcher, 1 alone) a stop-signal agreement; when a
   checkpoint is due, an all-reduce of the epoch's training sums (`save`) and a sharded model's save.
-- `end_epoch()`: an all-reduce of the training sums for the summary, another in `save`, then a stop
+- `end_epoch()`: an all-reduce of the training sums (for the summary and the checkpoint), then a stop
   agreement (for a signal that came during evaluation). The script's `metrics.evaluate` before it
   makes its own (the broadcasts of batch-norm buffers, one all-reduce).
 - `finish()` and `epochs()` communicate nothing."""
@@ -210,13 +199,14 @@ class TrainingRun:
         print0(f"resumed from {path}: epoch {self.epoch + 1}, step {self.step_in_epoch} of "
                f"{self.steps_per_epoch} in it, {self.global_step} steps in all")
 
-    def save(self):
-        """Checkpoint now (every rank must call it at the same step)."""
+    def save(self, sums=None):
+        """Checkpoint now (every rank must call it at the same step); sums: the meter's global_sums, if made."""
         if not self.checkpoint_path:
             return
         with meeting(f"the checkpoint of step {self.global_step} (in run.step_done() or run.end_epoch())"):
             model_and_optimizer = self.state.save(self.global_step, self.checkpoint_path)
-            sums = self.meter.global_sums() if self.meter is not None else [0.0, 0.0, 0.0]
+            if sums is None:
+                sums = self.meter.global_sums() if self.meter is not None else [0.0, 0.0, 0.0]
         if not self.env.is_main:
             return
         state = {"format": checkpoint.FORMAT, **model_and_optimizer, "scheduler": self.scheduler.state_dict(),
@@ -264,9 +254,8 @@ class TrainingRun:
 
     def clip_grad_norm(self, parameters):
         """--clip-grad-norm (nothing without it): scale the gradients down to that global L2 norm if theirs is
-        larger; the epoch's record gets the mean norm before clipping. Call it once per optimizer step, where
-        the gradients are final: after backward (under DDP they are averaged by then: every rank clips alike),
-        after the last micro-batch with accumulation, after GradScaler.unscale_ (not the scaled loss's norm)."""
+        larger; the epoch's record gets the mean norm before clipping. Once per optimizer step, on final gradients
+        (DDP's averaged ones: every rank clips alike): after the last micro-batch, after GradScaler.unscale_."""
         if self.args.clip_grad_norm is None:
             return None
         norm = torch.nn.utils.clip_grad_norm_(parameters, self.args.clip_grad_norm)
@@ -310,7 +299,8 @@ class TrainingRun:
         timing = self._timing or self.timer.stop()
         self._timing = None
         with meeting(f"run.end_epoch() after step {self.global_step} (the epoch's training sums)"):
-            train = self.meter.summary()
+            sums = self.meter.global_sums()
+        train = TrainMeter.summary(sums)
         memory = peak_memory_mb(self.env.device)
         self.last_record = record = {
             "event": "epoch", "epoch": self.epoch + 1, "step": self.global_step,
@@ -319,7 +309,7 @@ class TrainingRun:
             "world_size": self.env.world_size, "global_batch": self.args.batch_size,
             "strategy": self.strategy, "device": device_name(self.env.device), **self.extra_record}
         # Checkpoint first, then record: a record that fails to write loses no training.
-        self.save()
+        self.save(sums)
         self.record(record)
         self.observers.epoch(record)
         acc5 = "" if math.isnan(eval_metrics["test_acc5"]) else f"acc5 {eval_metrics['test_acc5']:.2f}% "
@@ -360,13 +350,10 @@ class TrainingRun:
 # --- stop signals --------------------------------------------------------------------------------
 
 class StopSignal:
-    """Stop cleanly on SIGTERM, SIGINT (Ctrl-C), SIGUSR1 (SLURM's warning before a time limit or preemption) and
-    SIGHUP (a closed terminal or ssh session):
-    checkpoint at the next step that every rank agrees on and exit 0; --resume then continues with the exact
-    next batch. torchrun kills the workers 30 s after forwarding SIGTERM; scripts/slurm.sbatch's `--signal=B:USR1@120`
-    gives two minutes. The handler only sets a flag: a rank that stopped alone would leave the others waiting.
-    A Ctrl-C pressed again, FORCE_AFTER_S or more after the first signal, stops this process at once, unsaved
-    (exit status 130): one Ctrl-C can come twice (from the terminal, and passed on by mp.spawn's parent)."""
+    """On SIGTERM, SIGINT, SIGUSR1 (SLURM's warning before a time limit or preemption) or SIGHUP, checkpoint at the
+    next step that every rank agrees on and exit 0. The handler only sets a flag: a rank that stopped alone would
+    strand the others. A second Ctrl-C, FORCE_AFTER_S or more after the first signal, stops this process at once,
+    unsaved (exit status 130): one Ctrl-C can come twice (from the terminal, and passed on by mp.spawn's parent)."""
 
     FORCE_AFTER_S = 2.0
 
