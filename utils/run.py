@@ -353,12 +353,14 @@ class StopSignal:
     """On SIGTERM, SIGINT, SIGUSR1 (SLURM's warning before a time limit or preemption) or SIGHUP, checkpoint at the
     next step that every rank agrees on and exit 0. The handler only sets a flag: a rank that stopped alone would
     strand the others. A second Ctrl-C, FORCE_AFTER_S or more after the first signal, stops this process at once,
-    unsaved (exit status 130): one Ctrl-C can come twice (from the terminal, and passed on by mp.spawn's parent)."""
+    unsaved (exit status 130): one Ctrl-C can come twice (from the terminal, and passed on by mp.spawn's parent).
+    torchrun's workers have sessions of their own: torchrun passes the first Ctrl-C on as SIGINT and the second as
+    SIGTERM, which forces too after a SIGINT (never after a SIGTERM: Slurm's comes twice, and must checkpoint)."""
 
     FORCE_AFTER_S = 2.0
 
     def __init__(self, distributed: bool, check_every: int = 10):
-        self.received, self._received_at = None, math.inf  # the first stop signal; when this process got its own
+        self.received, self._first, self._received_at = None, None, None  # this process's own first: which, when
         # One agreement per `check_every` steps: each waits for the slowest rank.
         self.check_every = check_every if distributed else 1
         self._previous = {sig: signal.signal(sig, self._handler) for sig in stop_signals()}
@@ -370,13 +372,15 @@ class StopSignal:
         self._previous = {}
 
     def _handler(self, signum, frame):
-        if self._received_at == math.inf:  # this process's first (a rank may know of another's already)
-            self._received_at = time.monotonic()
+        if self._first is None:  # this process's first (a rank may know of another's already)
+            self._first, self._received_at = signum, time.monotonic()
             if self.received is None:
                 self.received = signal.Signals(signum).name
                 stop_under_way()
-        elif signum == signal.SIGINT and time.monotonic() - self._received_at >= self.FORCE_AFTER_S:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # its copy (mp.spawn's parent passes it on) is not a third
+        elif signal.SIGINT in (signum, self._first) and signum in (signal.SIGINT, signal.SIGTERM) \
+                and time.monotonic() - self._received_at >= self.FORCE_AFTER_S:
+            for again in (signal.SIGINT, signal.SIGTERM):  # a copy (mp.spawn's parent passes it on) is not a third
+                signal.signal(again, signal.SIG_IGN)
             raise KeyboardInterrupt
 
     def should_stop(self, global_step: int, call: str = "the stop-signal agreement", now: bool = False) -> bool:
