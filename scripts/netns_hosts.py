@@ -20,8 +20,9 @@ removed by `down` (and by the tests, however they end). Needs root and iproute2 
                           installers write /etc/hosts (the other hosts' names resolve to them)
     --own-name localhost  `127.0.0.1 localhost nodea`: the name after localhost, a common hand
                           edit (socket.getfqdn() then answers "localhost")
-    --own-name fqdn       `127.0.0.1 nodea.cluster nodea`, as cloud-init's Red Hat template
-                          writes it with manage_etc_hosts (the others know nodea.cluster)
+    --own-name fqdn       `127.0.0.1 nodea.cluster nodea` and `::1 nodea.cluster nodea`, as
+                          cloud-init's Red Hat template writes them with manage_etc_hosts (the
+                          others know nodea.cluster)
     --two-interfaces      eth0, the interface each host lists first and its own name resolves
                           to, reaches no other host; eth1 is the link between them
 
@@ -228,8 +229,9 @@ class Hosts:
         form = self.form(name)
         if form == "localhost":
             lines = [f"127.0.0.1\tlocalhost {name}"]
-        elif form == "fqdn":  # cloud-init's hosts.redhat.tmpl: the host's line first
-            lines = [f"127.0.0.1\t{name}.cluster {name}", "127.0.0.1\tlocalhost localhost.localdomain"]
+        elif form == "fqdn":  # cloud-init's hosts.redhat.tmpl: the name on 127.0.0.1 and on ::1 (lo has both)
+            lines = [f"127.0.0.1\t{name}.cluster {name}", "127.0.0.1\tlocalhost localhost.localdomain",
+                     f"::1\t{name}.cluster {name}"]
         else:
             lines = ["127.0.0.1\tlocalhost"]
         for other in self.names:
@@ -447,4 +449,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except HostsUnavailable as err:  # a slot taken, no `nft`: one line, no traceback
+        sys.exit(f"netns_hosts.py: error: {err}")

@@ -51,13 +51,14 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import DEFAULT_PORT as C10D_PORT  # noqa: E402
 
 from models import MODEL_NAMES, build_model  # noqa: E402
-from utils import cli, distributed as dist_utils, lifecycle, spawn  # noqa: E402
+from utils import cli, distributed as dist_utils, lifecycle, network, spawn  # noqa: E402
 from utils.cli import UsageError  # noqa: E402
 
 DEFAULT_SHM = "/dev/shm"
-DEFAULT_PORT = 29500      # torchrun's and the launch scripts' default rendezvous port
+DEFAULT_PORT = 29500      # torchrun's --master-port and the launch scripts' default rendezvous port
 STORE_PORT_FIX = ("let the nodes reach each other on every TCP port: torchrun's c10d rendezvous serves the ranks' "
                   "store at a port it picks on node 0, not the endpoint's, and gloo and NCCL pick ports of their own")
 NUM_CLASSES = 100         # CIFAR-100: the classifier's size enters the gradient's size
@@ -88,7 +89,7 @@ def tcp_port(text):
 
 
 def endpoint(text):
-    """HOST[:PORT], an IPv6 address in brackets: [ADDRESS]:PORT."""
+    """HOST[:PORT], an IPv6 address in brackets: [ADDRESS]:PORT; without a port, c10d's default, as torchrun."""
     if text.endswith(":"):  # torchrun refuses an empty port; the default would check another endpoint
         raise argparse.ArgumentTypeError(f"{text!r} ends with a colon: give the port after it, or leave both out")
     if text.startswith("["):
@@ -98,13 +99,14 @@ def endpoint(text):
         port = port[1:]
     elif text.count(":") > 1:  # torchrun splits at the last colon too (parse_rendezvous_endpoint)
         host, _, port = text.rpartition(":")
+        meant = f"[{host}]:{port}" if network.is_address(host) and port.isdigit() else f"[{text}]:PORT"
         raise argparse.ArgumentTypeError(f"{text} is a bare IPv6 address, which torchrun reads as host {host!r} "
-                                         f"and port {port}: write it in brackets, [{text}]:PORT")
+                                         f"and port {port}: write it in brackets, {meant}")
     else:
         host, _, port = text.partition(":")
     if not host:
         raise argparse.ArgumentTypeError(f"expected HOST or HOST:PORT, got {text!r}")
-    return host, tcp_port(port) if port else DEFAULT_PORT
+    return host, tcp_port(port) if port else C10D_PORT
 
 
 def build_parser():
@@ -340,7 +342,6 @@ def network_facts(role: Role, args, device) -> dict:
     interface that reaches the rendezvous host, and utils/network.py's findings, the run's
     own decision. The rendezvous host: --rdzv-endpoint under plain python; under torchrun
     MASTER_ADDR, when the job has several nodes."""
-    from utils import network
     name = socket.gethostname()
     known = network.interfaces()
     gloo_address, gloo_why = network.gloo_listens_on(known)
@@ -352,7 +353,7 @@ def network_facts(role: Role, args, device) -> dict:
     peer, flag, findings = None, "MASTER_ADDR", []
     if role.launcher == "python" and args.rdzv_endpoint is not None:
         (peer, port), flag = args.rdzv_endpoint, "the rendezvous endpoint"
-        out["endpoint"] = {"host": peer, "port": port, "here": is_this_host(peer)}
+        out["endpoint"] = {"host": peer, "port": port, "here": network.own_address(peer) is not None}
         if not out["endpoint"]["here"] and network.resolve(peer):
             out["endpoint"]["answers"] = endpoint_answers(peer, port)
         findings += endpoint_findings(peer)
@@ -361,17 +362,11 @@ def network_facts(role: Role, args, device) -> dict:
     if peer is not None:
         out["peer"] = peer
         out["peer_addresses"] = network.resolve(peer)  # how this node resolves it (the others may differ)
-        out["peer_is_here"] = is_this_host(peer)
+        out["peer_is_here"] = network.own_address(peer) is not None
         out["toward"] = list(network.route_toward(peer, known))
         findings += network.findings(peer, uses_gloo=device.type == "cpu", flag=flag)  # accelerators: NCCL, no gloo
     out["findings"] = [{"certain": f.certain, "what": f.what, "fix": f.fix} for f in findings]
     return out
-
-
-def is_this_host(host: str) -> bool:
-    """Whether `host` (a name or an address) is this host: an address of it is bindable here."""
-    from utils import network
-    return any(network.can_bind(address) for address in network.resolve(host))
 
 
 def endpoint_findings(endpoint: str) -> list:
@@ -382,20 +377,19 @@ def endpoint_findings(endpoint: str) -> list:
     resolve to is not recognised, and nobody hosts the store."""
     from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
-    from utils import network
     name = socket.gethostname()
     try:
         hosts = _matches_machine_hostname(endpoint)
     except OSError:  # this host's own name does not resolve
         hosts = False
-    here = is_this_host(endpoint)
+    here = network.own_address(endpoint)  # the endpoint's address that is this host's
     if here and not hosts:
         return [network.Finding(
             True, f"this host is the rendezvous endpoint {endpoint}, but torchrun's c10d rendezvous will not host "
                   f"its store here: it recognises itself by its name, and {name} resolves to "
                   f"{', '.join(network.resolve(name)) or 'nothing'}; every node then waits for a store that "
                   "nobody serves, and fails 1.5 to 3 minutes later with RendezvousConnectionError",
-            f"map {name} to {endpoint} in /etc/hosts; or add --rdzv-conf is_host=1 to torchrun on this node only "
+            f"map {name} to {here} in /etc/hosts; or add --rdzv-conf is_host=1 to torchrun on this node only "
             "(scripts/torchrun_bounded.py, which the launchers use, does); or use the static rendezvous: "
             f"--master-addr {endpoint} --master-port PORT --node-rank 0 here (1, 2... elsewhere)")]
     if hosts and not here:

@@ -18,9 +18,10 @@ It is torchrun itself (torch.distributed.run, in this process), plus, with a c10
   node that HOST names: HOST itself, as every node reaches the store there (that node's own
   view of the name, a loopback line or an interface the others do not use, is no one else's).
   Elsewhere: this node's address toward HOST.
-- GLOO_SOCKET_IFNAME, unless set: the interface toward HOST (utils/network.py way_out).
-  Otherwise gloo listens on the address that the host name resolves to (loopback, or another
-  network). NCCL is left to choose its own interfaces.
+- GLOO_SOCKET_IFNAME, unless set: the interface toward HOST (utils/network.py way_out); on the
+  node that HOST names by name, its one interface that is not loopback, if it has only one (the
+  route to its own name says nothing of the others'). Otherwise gloo listens on the address that
+  the host name resolves to (loopback, or another network). NCCL chooses its own interfaces.
 
 then asks utils/network.py's decision, the one the training scripts make, and refuses in one
 line (exit status 2) what no setting here avoids. On a node that does not host the store, it waits
@@ -49,6 +50,7 @@ import os
 import sys
 import threading
 import time
+from typing import NamedTuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -60,92 +62,101 @@ POLL_S = 1.0
 _last_state = None  # what torchrun's agent last found its workers doing
 
 
+class Rendezvous(NamedTuple):
+    """A c10d rendezvous as this node joins it."""
+    host: str  # the endpoint's, as torchrun reads it
+    port: int
+    hosts_store: bool  # this node's agent serves the store: is_host given, else decided here, else torchrun's guess
+    read_timeout: int  # --rdzv-conf read_timeout: how long torchrun's store client waits for an answer
+
+
 def node_settings(argv: list) -> tuple:
-    """(argv with is_host and --local_addr added, what was decided, the c10d endpoint as (host, port) or None
-    where there is nothing to decide); GLOO_SOCKET_IFNAME, where decided, is set in os.environ."""
+    """(argv with is_host and --local_addr added, what was decided, the Rendezvous, or None where there is
+    nothing to decide); GLOO_SOCKET_IFNAME, where decided, is set in os.environ."""
+    import socket
     from torch.distributed.run import get_args_parser
     args = get_args_parser().parse_args(argv)
     if args.rdzv_backend != "c10d" or not args.rdzv_endpoint or args.standalone:
         return argv, "", None
-    from torch.distributed.elastic.rendezvous import utils as rendezvous_utils
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, utils as rendezvous_utils
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import DEFAULT_PORT
+    from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
 
     from utils import network
     try:  # the host as torchrun reads it ("[IPV6]" with or without a port: the brackets go)
-        host, port = rendezvous_utils.parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
+        host, port = rendezvous_utils.parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=DEFAULT_PORT)
+        # --rdzv-conf as torchrun reads it: keys and values stripped, is_host 1, true, yes, y...
+        conf = RendezvousParameters(args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id, 1, 1,
+                                    **_parse_rendezvous_config(args.rdzv_conf))
+        given, read_timeout = conf.get_as_bool("is_host"), conf.get_as_int("read_timeout", 60)
     except ValueError as err:
         print_line(f"torchrun_bounded.py: error: {err}")
         sys.exit(2)
-    decided, addresses = [], network.resolve(host)  # none: IPv6 or unknown (findings)
-    is_host = int(_names_this_node(host))
+    decided, here = [], network.own_address(host) is not None
     # torchrun guesses is_host itself where it is not given, and an agent guessed the host whose port is taken
     # becomes a client: a second agent of the job on this machine (_create_tcp_store). One given is_host=1
     # fails there instead: it is given only where the guess is wrong (this host's name on a loopback line).
     try:
-        guess = int(rendezvous_utils._matches_machine_hostname(host))
+        guess = rendezvous_utils._matches_machine_hostname(host)
     except OSError:  # this host's own name does not resolve: torchrun's guess would fail the same way
         guess = None
-    if "is_host" not in (args.rdzv_conf or "") and addresses and is_host != guess:
-        conf = f"{args.rdzv_conf},is_host={is_host}" if args.rdzv_conf else f"is_host={is_host}"
-        argv = [f"--rdzv-conf={conf}", *[a for i, a in enumerate(argv) if not _is_rdzv_conf(argv, i)]]
-        decided.append(f"is_host={is_host}")
-    # HOST's node is reached at HOST as written, where every node reaches its store (its own view of the name,
-    # a loopback line or an interface the others do not use, is no one else's); another node, by its way there.
-    # (A loopback HOST that is not this host's name, 127.0.0.1 or localhost, reaches no other node: several nodes
-    # are refused below, in the endpoint's words, which the training's own check at HOST would only repeat worse.)
-    interface, address = network.way_out(host) if addresses else (None, None)
-    named = is_host and (network.is_own_name(host) or not network.is_loopback(addresses[0]))
+    if given is None and network.resolve(host, socket.AF_UNSPEC) and here != guess:
+        merged = f"{args.rdzv_conf},is_host={int(here)}" if args.rdzv_conf else f"is_host={int(here)}"
+        argv = [f"--rdzv-conf={merged}", *[a for i, a in enumerate(argv) if not _is_rdzv_conf(argv, i)]]
+        decided.append(f"is_host={int(here)}")
+        given = here
+    rendezvous = Rendezvous(host, port, bool(guess) if given is None else given, read_timeout)
+    # HOST's node is reached at HOST as written, where every node reaches its store; another node, by its way
+    # there. HOST's node's own view of a name (a loopback line, an interface the others do not use) is no one
+    # else's: it says neither what to call the node nor which interface the others reach. (A loopback HOST
+    # that is not this host's name, 127.0.0.1 or localhost, reaches no other node: several nodes are refused
+    # below, in the endpoint's words, which the training's own check at HOST would only repeat worse.)
+    # IPv4 only, as utils/network.py: an IPv6 endpoint leaves these to torchrun and gloo.
+    addresses, toward = network.resolve(host), None if here and not network.is_address(host) else host
+    interface, address = network.way_out(toward) if addresses else (None, None)
+    named = here and bool(addresses) and (network.is_own_name(host) or not network.is_loopback(addresses[0]))
     local_addr = host if named else address
     if local_addr and not args.local_addr:
-        argv = [f"--local_addr={local_addr}", *argv]  # the spelling torchrun 2.11 knows too
+        argv = [f"--local_addr={local_addr}", *argv]
         decided.append(f"--local_addr={local_addr}")
     if interface and not os.environ.get("GLOO_SOCKET_IFNAME"):
         os.environ["GLOO_SOCKET_IFNAME"] = interface
         decided.append(f"GLOO_SOCKET_IFNAME={interface}")
-    return argv, " ".join(decided), (host, port)
+    return argv, " ".join(decided), rendezvous
 
 
-def _names_this_node(host: str) -> bool:
-    """Whether the endpoint's HOST names this node: a socket can listen on one of its addresses."""
-    from utils import network
-    return any(network.can_bind(address) for address in network.resolve(host))
-
-
-def refuse_what_no_setting_saves(args, endpoint):
+def refuse_what_no_setting_saves(args, host: str, warn: bool):
     """The run's own network decision (exit status 2 in one line where it is sure), in this node's settings:
     here, where the job meets at the endpoint, with the backend the script will use. (The ranks meet at node
     rank 0's --local_addr, which c10d picks by their order as strings; the endpoint's node, named by name,
-    sorts after the others' addresses.) args: torchrun's, as node_settings left them."""
+    sorts after the others' addresses.) args: torchrun's, as node_settings left them. warn: print what it is
+    not sure of too (not after --check-args, whose script has just printed it)."""
     from utils import network
-    if endpoint is None or str(args.nnodes).split(":")[-1] == "1":
-        return
-    for finding in network.findings(endpoint[0], _uses_gloo(args.training_script_args), "the rendezvous endpoint"):
-        print_line(f"torchrun_bounded.py: {'error' if finding.certain else 'warning'}: {finding.line}")
+    for finding in network.findings(host, _uses_gloo(args.training_script_args), "the rendezvous endpoint"):
+        if finding.certain or warn:
+            print_line(f"torchrun_bounded.py: {'error' if finding.certain else 'warning'}: {finding.line}")
         if finding.certain:
             sys.exit(2)
 
 
-def wait_for_the_store(args, endpoint):
+def wait_for_the_store(rendezvous: Rendezvous):
     """On a node that does not host the store: wait until the endpoint takes a connection, twice --rdzv-conf
     read_timeout (torchrun's own client gave up after 121 s with its default, 60 s), then say so in one line
     (exit status 1) in place of torchrun's C++ stack traces: nothing listens there yet, or a firewall."""
     import socket
-    conf = dict(item.split("=", 1) for item in (args.rdzv_conf or "").split(",") if "=" in item)
-    if endpoint is None or str(args.nnodes).split(":")[-1] == "1" or _names_this_node(endpoint[0]) \
-            or conf.get("is_host", "").lower() in ("1", "true"):
-        return
-    waited = 2 * float(conf.get("read_timeout", 60))
+    host, port, waited = rendezvous.host, rendezvous.port, 2 * rendezvous.read_timeout
     until = time.monotonic() + waited
     while True:
         try:
             # Each try bounded by what is left: a firewall that drops packets makes a connect wait.
-            return socket.create_connection(endpoint, timeout=min(5.0, max(0.1, until - time.monotonic()))).close()
+            return socket.create_connection((host, port), timeout=min(5.0, max(0.1, until - time.monotonic()))).close()
         except OSError as err:
             if time.monotonic() > until:
-                host, port = endpoint
-                print_line(f"torchrun_bounded.py: error: the rendezvous endpoint {host}:{port} took no connection in "
+                at = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # an IPv6 address in brackets
+                print_line(f"torchrun_bounded.py: error: the rendezvous endpoint {at} took no connection in "
                            f"{waited:.0f} s ({err.strerror or err}): start its node's launcher with the same "
                            f"--rdzv-endpoint, and let the nodes reach each other on every TCP port, {port} and those "
-                           f"torchrun, gloo and NCCL pick (python3 scripts/preflight.py --rdzv-endpoint {host}:{port} "
+                           f"torchrun, gloo and NCCL pick (python3 scripts/preflight.py --rdzv-endpoint {at} "
                            "checks it from here)")
                 sys.exit(1)
             time.sleep(POLL_S)
@@ -235,31 +246,30 @@ def _watch(pid: int):
         since = since or time.monotonic()
         if time.monotonic() - since >= GRACE_S:
             print_line(f"torchrun_bounded.py: error: no training process has run on this node for {GRACE_S:g} s "
-                       "and torchrun is still waiting, most likely for a rendezvous store it cannot reach (a network "
-                       "partition, or the store's node lost): ending it. Check the link to the rendezvous host, "
-                       "then start the job again with --resume")
+                       "and torchrun is still waiting, most likely for a node it cannot reach (a network partition, "
+                       "or a node lost): ending it. Check the links between the nodes, then start the job again "
+                       "with --resume")
             os._exit(1)
 
 
-def check_args(args, endpoint):
+def check_args(args, rendezvous):
     """`SCRIPT ... --check-args` as this node's first training process would run it, in this node's settings
     (node_settings: args and os.environ have them): one of nnodes x nproc_per_node ranks, meeting at this
-    node's --local_addr on the endpoint's node, elsewhere at the endpoint (without c10d, torchrun's
+    node's --local_addr on the node that hosts the store, elsewhere at the endpoint (without c10d, torchrun's
     --master-addr and --master-port). An elastic job (--nnodes=MIN:MAX) is checked at every node count it may
     run with: a batch that 2 and 4 nodes split, 3 may not. Exits with its status where that is not 0. The
     launchers run it before torchrun: a refused worker would be restarted."""
     import subprocess
     from torch.distributed.run import determine_local_world_size
-    host, port = endpoint or (args.master_addr, args.master_port or 29500)  # None by default in 2.14, 29500 in 2.11
+    # Without c10d: --master-port, None by default in 2.14, 29500 in 2.11
+    host, port, hosts_store = rendezvous[:3] if rendezvous else (args.master_addr, args.master_port or 29500, False)
     try:
         nprocs = determine_local_world_size(args.nproc_per_node)  # a number, or gpu, cpu, auto... as torchrun
     except ValueError as err:
         print_line(f"torchrun_bounded.py: error: --nproc_per_node={args.nproc_per_node}: {err}")
         sys.exit(2)
-    conf = args.rdzv_conf or ""  # the endpoint's node: is_host given, or left to torchrun's (right) guess
-    here = "is_host=1" in conf or ("is_host" not in conf and endpoint is not None and _names_this_node(host))
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE=str(nprocs), MASTER_PORT=str(port),
-               MASTER_ADDR=args.local_addr if args.local_addr and here else host)
+               MASTER_ADDR=args.local_addr if args.local_addr and hosts_store else host)
     fewest, _, most = str(args.nnodes).partition(":")  # N, or MIN:MAX
     for nodes in range(int(most or fewest), int(fewest) - 1, -1):  # the most first: a fixed job's line
         env["WORLD_SIZE"] = str(nodes * nprocs)
@@ -270,18 +280,21 @@ def check_args(args, endpoint):
 
 def main():
     from torch.distributed.run import get_args_parser
-    argv, decided, endpoint = node_settings(sys.argv[1:])
+    argv, decided, rendezvous = node_settings(sys.argv[1:])
     args = get_args_parser().parse_args(argv)
+    several_nodes = rendezvous is not None and str(args.nnodes).split(":")[-1] != "1"
     checking = "--check-args" in args.training_script_args  # check them, start nothing
     if checking:
-        check_args(args, endpoint)  # first: its line names a bad flag
-    refuse_what_no_setting_saves(args, endpoint)
+        check_args(args, rendezvous)  # first: its line names a bad flag
+    if several_nodes:
+        refuse_what_no_setting_saves(args, rendezvous.host, warn=not checking)
     if checking:
         sys.exit(0)
     if decided:
         import socket
         print_line(f"torchrun_bounded.py on {socket.gethostname()}: {decided}")
-    wait_for_the_store(args, endpoint)
+    if several_nodes and not rendezvous.hosts_store:
+        wait_for_the_store(rendezvous)
     from torch.distributed.run import main as torchrun
     sys.argv = ["torchrun", *argv]
     if sys.platform.startswith("linux"):  # /proc: the watch is Linux's; elsewhere plain torchrun

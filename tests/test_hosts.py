@@ -154,6 +154,15 @@ def test_the_hosts_leave_nothing_behind_however_the_test_ends():
                 and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
 
 
+def test_up_on_a_taken_slot_says_so_in_one_line(make_hosts):
+    hosts = make_hosts()
+    proc = subprocess.run([sys.executable, ROOT / "scripts" / "netns_hosts.py", "--slot", str(hosts.slot), "up"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stderr.startswith("netns_hosts.py: error: no free slot for hosts (slot "), \
+        proc.stderr
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
+
+
 # --- a. the same training, bitwise, on two hosts as on one -----------------------------------
 
 @pytest.mark.not_on_floor("two agents on one c10d rendezvous: the killed-worker test here; across hosts: "
@@ -413,7 +422,7 @@ def test_fsdp_checkpoint_written_from_two_hosts_resumes_on_one(make_hosts, tmp_p
 # (scripts/netns_hosts.py, --own-name), and the address gloo would then listen on.
 LOOPBACK_FORMS = {"loopback": "127.0.1.1",   # Debian's and Ubuntu's installers: 127.0.1.1 nodea
                   "localhost": "127.0.0.1",  # a hand edit: 127.0.0.1 localhost nodea
-                  "fqdn": "127.0.0.1"}       # cloud-init's Red Hat template: 127.0.0.1 nodea.cluster nodea
+                  "fqdn": "::1"}             # cloud-init's Red Hat template: 127.0.0.1 and ::1 nodea.cluster nodea
 REFUSED_WITHIN = 30  # s from the start of both nodes' torchrun to the end of every process
 SLOW_START = 3  # s: node B's process starts that much later than node A's
 BY_HAND_S = 15  # s: node B started later by hand, within a refusal's lifecycle.DELIVERY_S
@@ -434,7 +443,8 @@ def test_a_host_name_on_a_loopback_line_is_refused_on_every_host_within_seconds(
     trap, which preflight names and scripts/torchrun_bounded.py avoids, below.)
     - loopback: gloo would listen on 127.0.1.1 on both hosts;
     - localhost: torchrun hands every rank MASTER_ADDR=localhost (socket.getfqdn() on node A);
-    - fqdn: MASTER_ADDR=nodea.cluster reaches node A, but gloo would listen on 127.0.0.1.
+    - fqdn: MASTER_ADDR=nodea.cluster reaches node A, but gloo would listen on ::1 (then 127.0.0.1: the
+      fix names both lines).
     Node B's process starts SLOW_START s late (a slower host): node A's agent, which serves
     the store, must not end with its refusing rank before node B's rank has refused too (B's
     agent would then fail on the lost store and end its rank before its line)."""
@@ -455,7 +465,8 @@ def test_a_host_name_on_a_loopback_line_is_refused_on_every_host_within_seconds(
             assert "MASTER_ADDR localhost is 127.0.0.1 here" in line and "--local-addr" in line, line
         else:
             assert f"gloo will listen on {LOOPBACK_FORMS[form]} (the address of this host's name {name})" in line
-            assert f"list {name} with {hosts.address(name)} in /etc/hosts" in line and "GLOO_SOCKET_IFNAME=eth0" in line
+            assert f"list {name} with {hosts.address(name)} in /etc/hosts, on no loopback line (127.x, ::1)" in line
+            assert "GLOO_SOCKET_IFNAME=eth0" in line, line
     # Node B starts SLOW_START s later. Meeting at localhost, no node can tell the others: each holds
     # its agent up DELIVERY_S (tell_the_job).
     bound = REFUSED_WITHIN + SLOW_START + (lifecycle.DELIVERY_S if form == "localhost" else 0)
@@ -608,26 +619,34 @@ def test_the_wrong_interface_is_named_by_preflight_and_the_variable_fixes_it(mak
     assert "done: 8 steps" in fixed.log("fixed-nodea") + fixed.log("fixed-nodeb")
 
 
-def test_the_launcher_names_node_0_as_the_endpoint_not_as_node_0_resolves_its_name(make_hosts, tmp_path):
+@pytest.mark.parametrize("node_rank_0", ["nodea", "nodeb"])
+def test_the_launcher_names_node_0_as_the_endpoint_not_as_node_0_resolves_its_name(make_hosts, tmp_path,
+                                                                                   node_rank_0):
     """The endpoint by name, as slurm.sbatch gives it (head_node); node A resolves its own name to eth0's
-    address, which no other host reaches (node B resolves it to eth1's); GLOO_SOCKET_IFNAME=eth1 on both,
-    the fix preflight names above. Node A's --local_addr, every rank's MASTER_ADDR where node A is node
-    rank 0, is the name as the other host reaches it: the job trains, and node A does not advise moving
-    gloo to eth0."""
+    address, which no other host reaches (node B resolves it to eth1's). Node A's --local_addr, every rank's
+    MASTER_ADDR where node A is node rank 0, is the name as the other host reaches it. Node A's route to its
+    own name says nothing of the interface the others reach it by: its launcher sets no GLOO_SOCKET_IFNAME
+    (it had set eth0, and the run then advised eth1 toward node B's address). Node B's sets eth1. On each
+    node the run advises no other interface than its launcher set, and the job trains."""
     hosts = make_hosts(two_interfaces=True)
     job = Job(hosts, tmp_path)
     for name in hosts.names:
-        # c10d numbers the nodes in the order of their --local_addr, as strings. Node B's is its name, as
-        # socket.getfqdn() gives it to bare torchrun: it sorts after node A's, an address or "nodea", so node
-        # A is node rank 0 whatever the slot's addresses, and its --local_addr is what every rank meets at.
-        own = [f"--local_addr={name}"] if name == "nodeb" else []
+        # c10d numbers the nodes in the order of their --local_addr, as strings: node B's own, its address,
+        # sorts before "nodea"; given its name (as socket.getfqdn() gives it to bare torchrun), after.
+        own = [f"--local_addr={name}"] if name == "nodeb" and node_rank_0 == "nodea" else []
         job.start(name, name, ["scripts/torchrun_bounded.py", *torchrun_across(hosts, 1, endpoint=f"nodea:{PORT}",
                                                                                rdzv=own, launcher=()),
                                "distributed.py", *TINY, "--train-samples", "64", "--batch-size", "32",
-                               "--workers", "0", "--dist-timeout", "20"], GLOO_SOCKET_IFNAME="eth1")
+                               "--workers", "0", "--dist-timeout", "20"])
     job.wait(120)
-    assert "done: 2 steps" in job.log("nodea"), job.log("nodea")  # global rank 0: node A is node rank 0
-    assert "reached through" not in job.log("nodea"), job.log("nodea")
+    assert "done: 2 steps" in job.log(node_rank_0), job.log(node_rank_0)  # global rank 0
+    for name in hosts.names:
+        log = job.log(name)
+        [decided] = [line for line in log.splitlines() if line.startswith(f"torchrun_bounded.py on {name}: ")]
+        chosen = set(re.findall(r"GLOO_SOCKET_IFNAME=(\w+)", decided))
+        assert chosen == ({"eth1"} if name == "nodeb" else set()), decided
+        advised = set(re.findall(r"export GLOO_SOCKET_IFNAME=(\w+)", log))
+        assert not chosen or advised <= chosen, log
 
 
 def test_two_agents_of_a_job_on_one_host_meet_as_torchrun_would(make_hosts, tmp_path):

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, assert_one_line_error, read_metrics
+from conftest import ROOT, assert_one_line_error, read_metrics, run_script
 from test_fault_tolerance import Proc, expect
 
 LAUNCHERS = ["scripts/launch_single_node.sh", "scripts/launch_multi_node.sh",
@@ -202,11 +202,21 @@ def test_torchrun_bounded_reads_the_endpoint_as_torchrun_does(endpoint, host, ca
     from torch.distributed.run import get_args_parser
     argv, _, found = torchrun_bounded.node_settings(["--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
                                                      "distributed.py", "--device", "cpu"])
-    assert found[0] == host
+    assert found.host == host
     with pytest.raises(SystemExit) as refused:
-        torchrun_bounded.refuse_what_no_setting_saves(get_args_parser().parse_args(argv), found)
+        torchrun_bounded.refuse_what_no_setting_saves(get_args_parser().parse_args(argv), found.host, warn=True)
     assert refused.value.code == 2
     assert f"the rendezvous endpoint {host} is a loopback address" in capsys.readouterr().err
+
+
+def test_a_check_of_the_arguments_says_each_warning_once():
+    """torchrun_bounded.py --check-args runs the script's own check, which prints what it is not sure of (an
+    IPv6 endpoint, here another host's); the launcher's check of the same endpoint adds no second line."""
+    proc = run_script(["scripts/torchrun_bounded.py", "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
+                       "--rdzv-endpoint=[fd00:57::1]:29400", "distributed.py", *TINY, "--device", "cpu",
+                       "--check-args"], timeout=120)
+    warnings = [line for line in proc.stderr.splitlines() if "warning:" in line]
+    assert len(warnings) == 1 and "fd00:57::1 is IPv6 here" in warnings[0], proc.stderr
 
 
 @pytest.mark.parametrize("nproc, processes", [("8", "16 processes"), ("cpu", "")])  # cpu: as torchrun counts
@@ -234,7 +244,7 @@ def test_an_elastic_job_is_checked_at_every_node_count_it_may_run_with(monkeypat
     args = get_args_parser().parse_args([f"--nnodes={nnodes}", "--nproc_per_node=8", "distributed.py",
                                          "--batch-size", "64", "--check-args"])
     with pytest.raises(SystemExit) if 24 in checked else contextlib.nullcontext() as refused:
-        torchrun_bounded.check_args(args, ("10.0.0.1", 29500))
+        torchrun_bounded.check_args(args, torchrun_bounded.Rendezvous("10.0.0.1", 29500, False, 60))
     assert sizes == checked and (refused is None or refused.value.code == 2)
 
 

@@ -1,7 +1,9 @@
 """utils/network.py's decision, and the settings torchrun_bounded.py draws from it, on hosts described by
 hand: this host's name, its interfaces, what each name resolves to here. (The same on real hosts, each in a
 network namespace: tests/test_hosts.py.)"""
+import re
 import socket
+import sys
 
 import pytest
 
@@ -13,11 +15,11 @@ NODE_A = {"lo": "127.0.0.1", "eth0": "10.0.1.1", "eth1": "10.0.0.1"}
 
 @pytest.fixture
 def on_host(monkeypatch):
-    """on_host(name, interfaces, {host: address}): this process sees that host."""
-    def describe(name, known, names):
+    """on_host(name, interfaces, {host: address}, IPv6 addresses of its own): this process sees that host."""
+    def describe(name, known, names, own_ipv6=()):
         monkeypatch.setattr(network.socket, "gethostname", lambda: name)
         monkeypatch.setattr(network, "interfaces", lambda: dict(known))
-        monkeypatch.setattr(network, "can_bind", lambda address: address in [*known.values(), "::1"])
+        monkeypatch.setattr(network, "can_bind", lambda address: address in [*known.values(), "::1", *own_ipv6])
 
         def resolve(host, family=socket.AF_INET):  # a host's addresses in the resolver's order, IPv6 ones too
             found = names.get(host, [host])
@@ -78,23 +80,27 @@ def test_gloo_takes_the_first_address_of_this_hosts_name_ipv6_included(on_host, 
     assert network.gloo_listens_on() == ("::1", "the address of this host's name nodea")
     [finding] = network.findings("nodeb", uses_gloo=True)
     assert finding.certain and "gloo will listen on ::1" in finding.what and "a loopback address" in finding.what
-    assert finding.fix.startswith("list nodea with 10.0.0.1 in /etc/hosts"), finding.line
+    # cloud-init's Red Hat template lists the name on 127.0.0.1 too: a fix that names one line is followed by the other
+    assert finding.fix.startswith("list nodea with 10.0.0.1 in /etc/hosts, on no loopback line (127.x, ::1)"), \
+        finding.line
 
 
-@pytest.mark.parametrize("endpoint, gloo", [("nodea", "eth0"), ("10.0.0.1", "eth1")])
+@pytest.mark.parametrize("endpoint, gloo", [("nodea", None), ("10.0.0.1", "eth1")])
 def test_the_endpoints_node_is_named_to_the_others_as_the_endpoint(on_host, monkeypatch, endpoint, gloo):
     """torchrun_bounded.py on node A, the rendezvous endpoint's node: --local_addr (every rank's MASTER_ADDR
     where node A is node rank 0) is the endpoint as the user wrote it, which every node reaches, not the
     address the name has here (eth0's, which no other node reaches). is_host=1 is given where torchrun's
-    own guess misses node A (its name on a loopback line, say)."""
+    own guess misses node A (its name on a loopback line, say). GLOO_SOCKET_IFNAME: the interface of the
+    address every node is given; by name, node A's route to its own name (eth0) says nothing of the others'
+    (the run would then advise eth1 toward node rank 0's address): none, where node A has two."""
     from scripts import torchrun_bounded
     from torch.distributed.elastic.rendezvous import utils as rendezvous_utils
     on_host("nodea", NODE_A, {"nodea": "10.0.1.1"})
     monkeypatch.setattr(rendezvous_utils, "_matches_machine_hostname", lambda host: False)
     argv, decided, found = torchrun_bounded.node_settings(["--nnodes=2", "--rdzv-backend=c10d",
                                                            f"--rdzv-endpoint={endpoint}:29500", "distributed.py"])
-    assert found == (endpoint, 29500)
-    assert decided == f"is_host=1 --local_addr={endpoint} GLOO_SOCKET_IFNAME={gloo}"
+    assert decided == f"is_host=1 --local_addr={endpoint}" + (f" GLOO_SOCKET_IFNAME={gloo}" if gloo else "")
+    assert found[:3] == (endpoint, 29500, True)  # host, port, and this node hosts the store
     assert f"--local_addr={endpoint}" in argv and "--rdzv-conf=is_host=1" in argv
 
 
@@ -113,3 +119,68 @@ def test_is_host_is_given_only_where_torchruns_guess_is_wrong(on_host, monkeypat
     conf = [a for a in argv if a.startswith("--rdzv-conf")]
     assert conf == ([f"--rdzv-conf={given}"] if given else []), argv
     assert ("is_host" in decided) == bool(given), decided
+
+
+def launched(monkeypatch, argv: list):
+    """scripts/torchrun_bounded.py ARGV to where it starts torchrun (stubbed: nothing starts), with every
+    connection to the endpoint refused: ("torchrun", its argv), ("check", the first check's environment),
+    or else ("exit", status)."""
+    import subprocess
+    from torch.distributed import run
+    from scripts import torchrun_bounded
+    started = []
+    monkeypatch.setattr(sys, "argv", ["torchrun_bounded.py", *argv])
+    monkeypatch.setattr(sys, "platform", "test")  # no watch: nothing to watch
+    monkeypatch.setattr(torchrun_bounded, "POLL_S", 0.05)
+    monkeypatch.setattr(run, "main", lambda: started.append(("torchrun", sys.argv[1:])))
+    monkeypatch.setattr(subprocess, "run", lambda cmd, env: started.append(("check", env)) or
+                        subprocess.CompletedProcess(cmd, 0))
+
+    def refused(*args, **kwargs):
+        raise ConnectionRefusedError(111, "Connection refused")
+    monkeypatch.setattr(socket, "create_connection", refused)
+    try:
+        torchrun_bounded.main()
+    except SystemExit as stop:
+        return started[0] if started else ("exit", stop.code)
+    return started[0]
+
+
+JOB = ["--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=[fd00:57::1]:29400"]
+SCRIPT = ["distributed.py", "--device", "cpu"]
+
+
+def test_an_ipv6_endpoint_on_its_own_node_is_served_there_at_once(on_host, monkeypatch):
+    """[fd00:57::1] is an address of node A, and torchrun's own guess says so: node A's agent will serve the
+    store, so the launcher starts it at once, rather than wait for that store to take a connection (a wait
+    that could only end in its one line, exit status 1, where bare torchrun works)."""
+    from torch.distributed.elastic.rendezvous import utils as rendezvous_utils
+    on_host("nodea", NODE_A, {}, own_ipv6=["fd00:57::1"])
+    monkeypatch.setattr(rendezvous_utils, "_matches_machine_hostname", lambda host: True)
+    assert launched(monkeypatch, [*JOB, "--rdzv-conf=read_timeout=1", *SCRIPT]) == \
+        ("torchrun", [*JOB, "--rdzv-conf=read_timeout=1", *SCRIPT])
+
+
+def test_an_ipv6_endpoint_that_takes_no_connection_is_named_as_torchrun_and_preflight_read_it(on_host, monkeypatch,
+                                                                                            capsys):
+    from scripts import preflight
+    on_host("nodeb", {"lo": "127.0.0.1", "eth0": "10.0.0.2"}, {})
+    assert launched(monkeypatch, [*JOB, "--rdzv-conf=read_timeout=1", *SCRIPT]) == ("exit", 1)
+    [line] = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert "the rendezvous endpoint [fd00:57::1]:29400 took no connection in 2 s" in line, line
+    named = re.search(r"preflight.py --rdzv-endpoint (\S+) checks", line).group(1)
+    assert preflight.endpoint(named) == ("fd00:57::1", 29400), line
+
+
+@pytest.mark.parametrize("is_host", ["yes", " Y ", "true", "1"])
+def test_is_host_is_read_as_torchrun_reads_it(on_host, monkeypatch, is_host):
+    """--rdzv-conf is_host in any of torchrun's spellings of true, spaces around it too (torchrun strips
+    keys and values): this node serves the store, though the endpoint is none of its addresses (a DNS
+    name that resolves to another address here, say). The launcher starts torchrun at once, and the
+    check of the arguments meets at this node's --local_addr, where the job will."""
+    on_host("nodeb", {"lo": "127.0.0.1", "eth0": "10.0.0.2"}, {"nodea": "10.0.0.1", "nodeb": "10.0.0.2"})
+    job = ["--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=nodea:29400", "--local_addr=10.0.0.2",
+           f"--rdzv-conf=read_timeout=1,is_host={is_host}"]
+    assert launched(monkeypatch, [*job, *SCRIPT])[0] == "torchrun"
+    what, env = launched(monkeypatch, [*job, *SCRIPT, "--check-args"])
+    assert what == "check" and env["MASTER_ADDR"] == "10.0.0.2", (what, env)

@@ -104,9 +104,13 @@ def test_a_bad_flag_is_one_line_and_exit_2():
     (["--port", "70000"], "a TCP port is 1..65535"),
     (["--timeout", "0"], "must be greater than 0"),
     # torchrun splits at the last colon, as preflight did: host 'fe80:', port 1, which never resolves
-    (["--rdzv-endpoint", "fe80::1"], "which torchrun reads as host 'fe80:' and port 1"),
+    (["--rdzv-endpoint", "fe80::1"], "which torchrun reads as host 'fe80:' and port 1: write it in brackets, "
+                                     "[fe80::1]:PORT"),
+    # an address and a port as torchrun reads them: written in brackets, the same endpoint
+    (["--rdzv-endpoint", "fd00:57::1:29400"], "host 'fd00:57::1' and port 29400: write it in brackets, "
+                                              "[fd00:57::1]:29400"),
     (["--rdzv-endpoint", "[fe80::1]x"], "expected [IPV6 ADDRESS]:PORT"),
-    (["--rdzv-endpoint", "nodea:"], "ends with a colon"),  # torchrun refuses it; it was checked at 29500
+    (["--rdzv-endpoint", "nodea:"], "ends with a colon"),  # torchrun refuses it; the default port is checked
 ])
 def test_bad_arguments_exit_2_before_starting_anything(argv, fragment, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -160,6 +164,32 @@ def test_port_in_use_is_seen():
 def test_interface_variables_match_as_nccl_and_gloo_read_them(value, prefix_match, expected):
     names = ["docker0", "eth0", "eth1", "lo"]
     assert preflight.ifname_matches(value, names, prefix_match) == expected
+
+
+@pytest.mark.parametrize("text", ["nodea", "nodea:29500", "10.0.0.1", "[fd00:57::1]", "[fd00:57::1]:29500"])
+def test_an_endpoint_is_read_as_torchruns_c10d_rendezvous_reads_it(text):
+    """The port too: without one, c10d's default (29400), which torchrun and torchrun_bounded.py use."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import DEFAULT_PORT
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+    assert preflight.endpoint(text) == parse_rendezvous_endpoint(text, default_port=DEFAULT_PORT)
+
+
+@pytest.mark.parametrize("endpoint, torchrun_hosts, fix", [
+    ("node0.cluster", False, "map nodea to 10.0.0.1 in /etc/hosts; "),  # an alias: /etc/hosts maps names to addresses
+    ("fd00:57::1", True, None),  # an IPv6 address of this host, which torchrun recognises: nothing to fix
+])
+def test_this_host_as_the_endpoint_is_recognised_by_any_of_its_addresses(monkeypatch, endpoint, torchrun_hosts, fix):
+    """This host is nodea, whose name is on a loopback line; 10.0.0.1 and fd00:57::1 are its addresses."""
+    from torch.distributed.elastic.rendezvous import utils as rendezvous_utils
+    from utils import network
+    names = {"nodea": ["127.0.1.1"], "node0.cluster": ["10.0.0.1"], "fd00:57::1": ["fd00:57::1"]}
+    monkeypatch.setattr(socket, "gethostname", lambda: "nodea")
+    monkeypatch.setattr(network, "resolve", lambda host, family=socket.AF_INET: [
+        a for a in names.get(host, []) if family == socket.AF_UNSPEC or (":" in a) == (family == socket.AF_INET6)])
+    monkeypatch.setattr(network, "can_bind", lambda address: address in ("10.0.0.1", "fd00:57::1"))
+    monkeypatch.setattr(rendezvous_utils, "_matches_machine_hostname", lambda host: torchrun_hosts)
+    found = preflight.endpoint_findings(endpoint)
+    assert len(found) == (1 if fix else 0) and all(f.fix.startswith(fix) for f in found), found
 
 
 def test_a_loopback_endpoint_is_named_as_the_user_gave_it():

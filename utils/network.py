@@ -90,6 +90,11 @@ def can_bind(address: str) -> bool:
     return False
 
 
+def own_address(host: str):
+    """The first address `host` resolves to here (IPv4 or IPv6) that is this host's own; None: not this host."""
+    return next((address for address in resolve(host, socket.AF_UNSPEC) if can_bind(address)), None)
+
+
 def route_toward(host: str, known: dict = None):
     """(interface, address) of this host that reaches `host`: its own, or the one the route to it
     leaves from (a UDP socket only picks its route: nothing is sent); (None, None) if unknown."""
@@ -139,7 +144,8 @@ def findings(meet_at, uses_gloo: bool, flag: str = "MASTER_ADDR") -> list:
     name, known = socket.gethostname(), interfaces()
     iface, address = way_out(meet_at, known)
     iface_fix = f"GLOO_SOCKET_IFNAME={iface or '<the interface the other nodes reach this host by>'}"
-    hosts_fix = f"list {name} with {address or 'its network address'} in /etc/hosts (not on a 127.x line)"
+    # On no loopback line: cloud-init's Red Hat template lists the name on 127.0.0.1 and on ::1, gloo takes either.
+    hosts_fix = f"list {name} with {address or 'its network address'} in /etc/hosts, on no loopback line (127.x, ::1)"
     if meet_at is not None:
         addresses = resolve(meet_at)
         ipv6 = not addresses and resolve(meet_at, socket.AF_INET6)  # torch and gloo take it; the rest reads IPv4
@@ -183,7 +189,7 @@ def findings(meet_at, uses_gloo: bool, flag: str = "MASTER_ADDR") -> list:
                         f"{hosts_fix}, or export {iface_fix}")]
     gloo_iface = next((i for i, a in known.items() if a == gloo), None)
     # A name of this host resolves here as it may nowhere else: the route to it says nothing of the others'.
-    itself = not is_address(meet_at or "") and any(can_bind(own) for own in resolve(meet_at or ""))
+    itself = not is_address(meet_at or "") and own_address(meet_at or "")
     if iface and address and gloo_iface != iface and meet_at and not itself:
         return [Finding(False, f"gloo will listen on {gloo} ({how}), but {meet_at} is reached through {iface} "
                                f"({address}): if the other nodes cannot reach {gloo}, the job waits until its "
