@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -173,6 +174,39 @@ def test_a_refusal_left_by_a_node_s_flags_is_named_by_node_0_of_the_next_run(tmp
     assert f"(as {rendezvous}.refused says; if an earlier run left it, delete it)" in line
 
 
+def test_a_node_rerun_with_its_flags_corrected_is_not_ended_by_its_own_old_refusal(tmp_path, start_two_nodes):
+    # Node 1 refused its flags before any process started, and its line waits in PATH.refused. Rerun corrected,
+    # node 1 removes it (a rank of its own, from before this run started them): with node 0 started after, the
+    # job trains, where every rank took the old line for this run's and ended at once with it.
+    iface, _ = two_nodes_here()
+    rendezvous = tmp_path / "rdzv"
+    meet = ["--nodes", "2", "--nproc-per-node", "1", "--init-method", f"file://{rendezvous}"]
+    node_1 = run_script(["distributed_mp.py", *SMALL, *meet, "--node-rank", "1", "--batch-size", "33"], check=False,
+                        env=subprocess_env(GLOO_SOCKET_IFNAME=iface))
+    assert node_1.returncode == 2 and os.path.exists(f"{rendezvous}.refused"), node_1.stderr
+    node_1 = start_two_nodes.node(iface, 1, meet, 1)
+    deadline = time.monotonic() + 60
+    while os.path.exists(f"{rendezvous}.refused"):
+        assert node_1.poll() is None and time.monotonic() < deadline, node_1.communicate()
+        time.sleep(0.2)
+    node_0 = start_two_nodes.node(iface, 0, meet, 1)
+    for node in (node_0, node_1):
+        out, err = node.communicate(timeout=180)
+        assert node.returncode == 0 and "batch size 33" not in err, err
+
+
+def test_torchrun_is_refused_in_one_line(tmp_path):
+    # The script starts its own processes. Under torchrun its workers inherited the agent's store variables: on
+    # 2.11 each waited --dist-timeout for a store that nobody served there; on 2.14 each torchrun worker trained
+    # a job of its own.
+    proc = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "distributed_mp.py",
+                       *SMALL, "--dist-timeout", "60"], check=False, timeout=60)
+    first, *_ = proc.stderr.splitlines()  # then torchrun's own report of a failed worker
+    assert proc.returncode == 1 and 'distributed_mp.py", line' not in proc.stderr, proc.stderr
+    assert first == ("distributed_mp.py: error: torchrun: this script starts and numbers its own processes "
+                     "(--nproc-per-node); run it with plain python, not a launcher (torchrun runs distributed.py)")
+
+
 def two_nodes_here():
     """(interface, address) for two nodes on this host: not loopback, where gloo listens for a job of
     several nodes (utils/network.py refuses 127.x there); skipped without one."""
@@ -202,6 +236,7 @@ def start_two_nodes():
         node_0 = node(iface, 0, flags, nproc)
         node_0.first_line = node_0.stdout.readline()  # "starting 1 process on node 0 of 2 ...", or "" if it ended
         return node_0, node(iface, 1, flags, nproc)
+    start.node = node  # one node, started by the test itself
     yield start
     for proc in started:
         if proc.poll() is None:

@@ -40,9 +40,12 @@ def check_launch(args) -> int:
     if args.init_method is not None and (cli.given(args, "ip") or args.port is not None):
         raise cli.UsageError(f"--init-method {args.init_method} names the rendezvous itself: leave out "
                              "--ip and --port (they make tcp://IP:PORT when --init-method is not given)")
-    if args.local_rank is not None:
-        raise cli.UsageError(f"--local-rank {args.local_rank}: this script starts and numbers its own "
-                             "processes (--nproc-per-node); run it with plain python, not a launcher")
+    # torch.distributed.launch passes --local-rank; torchrun sets TORCHELASTIC_RUN_ID, and its store variables,
+    # which 2.11's workers would read for a store that nobody serves here.
+    if args.local_rank is not None or "TORCHELASTIC_RUN_ID" in os.environ:
+        launcher = f"--local-rank {args.local_rank}" if args.local_rank is not None else "torchrun"
+        raise cli.UsageError(f"{launcher}: this script starts and numbers its own processes (--nproc-per-node); "
+                             "run it with plain python, not a launcher (torchrun runs distributed.py)")
     device_type = dist_utils.device_type(args.device, distributed=True)  # what no process group can use
     gpus = 0 if device_type == "cpu" else torch.accelerator.device_count()
     args.nproc_per_node = args.nproc_per_node or gpus or 2
@@ -69,9 +72,19 @@ def check_launch(args) -> int:
         raise cli.UsageError(f"--init-method {args.init_method}: use tcp://HOST:PORT or file:///PATH")
     elif url.netloc or not url.path.startswith("/"):
         raise cli.UsageError(f"--init-method {args.init_method}: expected file:///ABSOLUTE/PATH")
+    refused = lifecycle.refusal_file(url.path)
+    if url.scheme == "file" and os.path.exists(refused) and not args.check_args:
+        with open(refused, errors="replace") as f:
+            peer = f.readline().strip()
+        if peer.isdigit() and int(peer) // args.nproc_per_node == args.node_rank:
+            # One of this node's ranks, before this run started them: an earlier run's, which every rank of
+            # this one would take for its own.
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(refused)
     if args.nodes > 1 and not args.check_args:  # from here on the other nodes hear of a refusal (rank 0 is node 0's)
         dist_utils.tell_refusals_to(dist_utils.DistEnv(args.node_rank * args.nproc_per_node, 0, world_size,
-                                                       args.nproc_per_node, True, init_method=args.init_method))
+                                                       args.nproc_per_node, distributed=True,
+                                                       init_method=args.init_method))
     if gpus and args.nproc_per_node > gpus:
         raise cli.UsageError(f"--nproc-per-node {args.nproc_per_node} but only {gpus} GPU{'s' if gpus != 1 else ''} "
                              f"visible: use {gpus} or fewer (one process per GPU), or --device cpu", met_by="node")
@@ -90,10 +103,9 @@ def check_launch(args) -> int:
     if url.scheme == "file" and args.nodes == 1 and os.path.exists(url.path) and os.path.getsize(url.path) > 0:
         raise cli.UsageError(f"--init-method {args.init_method}: the file exists (left by an earlier "
                              "run?); delete it or name a new file")
-    # A refusal that a node left before its processes started (its flags): this run's other node's, said at once,
-    # or an earlier run's (node 0 removes the file only once its own processes ran), which every node would take
-    # for this run's: the line says where it is.
-    refused = lifecycle.refusal_file(url.path)
+    # Another node's refusal, left before its processes started (its flags): this run's other node's, said at
+    # once, or an earlier run's (node 0 removes the file only once its own processes ran), which every node would
+    # take for this run's: the line says where it is.
     if url.scheme == "file" and args.node_rank == 0 and os.path.exists(refused):
         with open(refused, errors="replace") as f:
             peer, _, line = f.read().partition("\n")
