@@ -1,33 +1,15 @@
 """Benchmark every training strategy on this machine.
 
-Per row: its precision as it runs here (fp32 convolutions run in TF32 on Ampere
-and newer GPUs, cuDNN's default), images/s after each epoch's warm-up steps and
-over whole epochs (each as median and min-max over the timed epochs), the
-measured seconds of one epoch, peak memory, the share of the hardware's peak
-FLOP/s that it reaches, and its speed against the plain DDP row (`ddp`) measured
-in the same run.
-
-Every row runs a real training script through its real launcher (python,
-torchrun, the script's own mp.spawn) with the same model, and reads the figures
-that the script itself measured (its --metrics records). An epoch is a real
-CIFAR-sized one: as many whole global batches as 50,000 images hold (97 steps of
-512 = 49,664 images), and a row's "s per epoch" is the median measured duration
-of such an epoch, training only (evaluation runs after the clock stops). The
-synthetic set is written once as CIFAR-100 files, which the rows read as they
-read the real data set (write_synthetic_files). Epoch 1 is warm-up (loader
-start, cudnn autotuning, torch.compile) and is not counted: a row's figures are
-over epochs 2..E. The ceiling rows time the training step alone
-in a process of their own, on random tensors already on the device (no loader, no
-DDP, no communication): in NCHW (ceiling-bf16-nchw), in channels_last
-(ceiling-bf16-channels-last) and CUDA-graphed (ceiling-bf16-cudagraphs, GPUs only).
-
-The report (benchmark.md, benchmark.json, benchmark.png in --out) is rewritten
-after every row, and each row's output is kept in --log-dir, so a run cut short
-(--time-budget, a row timeout, SIGTERM or Ctrl-C, which end the running row's
-processes) still leaves every finished row behind. A row whose processes have not
-exited 30 s after its end record keeps its figures, is ended with every process's
-Python stack written to its log, and makes the exit status 1: a job that would
-hold its nodes after its work is done is a bug to see, not a slow row.
+Every row runs a real training script through its real launcher (python, torchrun, the
+script's own mp.spawn) on a CIFAR-sized epoch and reads the figures that the script itself
+measured (its --metrics records); epoch 1 is warm-up (loader start, cudnn autotuning,
+torch.compile), the figures are over epochs 2..E. The ceiling rows time the training step
+alone, in a process of their own, on random tensors already on the device. benchmark.md says
+what each column means; it, benchmark.json and benchmark.png (in --out) are rewritten after
+every row and each row's output is kept in --log-dir, so a run cut short (--time-budget, a row
+timeout, SIGTERM or Ctrl-C) still leaves every finished row behind. A row whose processes
+outlive its work (EXIT_SECONDS after its end record, or its launcher) keeps its figures and
+makes the exit status 1: a job that would hold its nodes is a bug to see, not a slow row.
 
     # every row, on all local GPUs (the report records how long it took)
     python scripts/benchmark.py
@@ -75,7 +57,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from models import MODEL_NAMES, build_model  # noqa: E402
-from utils import cli, data, device_data, lifecycle, precision  # noqa: E402
+from utils import cli, data, device_data, lifecycle, metrics, precision  # noqa: E402
 from utils.data import NUM_CLASSES  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))  # also when this file is imported from elsewhere (tests)
@@ -253,14 +235,11 @@ COMPARISONS = [
     ("fast-bf16-cudagraphs-ddp", "fast-bf16-cudagraphs", "CUDA graphs under DDP against without it"),
     ("ceiling-bf16-channels-last", "ceiling-bf16-nchw", "channels_last against NCHW, the step alone, bf16"),
     ("ceiling-bf16-cudagraphs", "ceiling-bf16-channels-last", "CUDA graphs against eager, the step alone, bf16"),
-    ("ddp-bf16-nchw", "ceiling-bf16-nchw", "the loader path against its ceiling, bf16 NCHW"),
     ("ddp-bf16", "ceiling-bf16-channels-last", "the loader path (the default layout) against the channels_last "
                                                "step alone, bf16"),
-    ("fast-fp32", "ceiling-fp32", "fast path against its ceiling, fp32"),
-    ("fast-bf16", "ceiling-bf16-channels-last", "fast path against its ceiling, eager"),
-    ("fast-bf16-compile", "ceiling-bf16-compile", "fast path against its ceiling, compiled"),
-    ("fast-bf16-cudagraphs", "ceiling-bf16-cudagraphs", "fast path against its ceiling, CUDA graphs"),
 ]
+# Each ceiling against the script row whose step it times.
+COMPARISONS += [(c.mirrors, c.name, f"{c.mirrors} against its step alone ({c.about})") for c in CEILINGS]
 
 
 # --- precision: what each row computes in -------------------------------------------
@@ -328,12 +307,19 @@ def flat(prefix: str, s: dict, suffix: str) -> dict:
     return {f"{key}_{prefix}{suffix}": s[key] for key in ("median", "min", "max")}
 
 
+def timed_steps(steps: int) -> int:
+    """The steps of an epoch that the scripts' images/s counts: all but the first
+    min(10, steps // 4), or all of them when that leaves none (utils.metrics.EpochTimer)."""
+    warmup = min(10, steps // 4)
+    return steps - warmup if steps > warmup else steps
+
+
 def summarize_epochs(records: list) -> dict:
     """A row's figures from its --metrics records, over the epochs after warm-up: the
-    steady images/s (the scripts' own figure, which leaves out the first min(10, steps/4)
-    steps of each epoch) and the whole epoch's (every step of it: steps x global batch /
-    the measured epoch), each as median, min and max; the median measured epoch duration;
-    the largest peak memory."""
+    steady images/s (the scripts' own figure, over timed_steps of each epoch) and the whole
+    epoch's (every step of it: steps x global batch / the measured epoch), each as median,
+    min and max; the median measured epoch duration; the largest peak memory of those
+    epochs (epoch 1's, cudnn's autotuning and torch.compile included, is in `epochs`)."""
     epochs = [r for r in records if r.get("event") == "epoch"]
     if not epochs:
         raise ValueError("no epoch records")
@@ -343,19 +329,21 @@ def summarize_epochs(records: list) -> dict:
         steps = r["step"] - previous_step if "step" in r else None
         whole = (steps * r["global_batch"] / r["epoch_seconds"]
                  if steps and r.get("global_batch") and r["epoch_seconds"] > 0 else None)
-        summary_epochs.append({"epoch": r["epoch"], "steps": steps, "images_per_second": r["images_per_second"],
-                               "whole_epoch_images_per_second": whole, "epoch_seconds": r["epoch_seconds"],
-                               "peak_memory_mb": r.get("peak_memory_mb")})
+        summary_epochs.append({"epoch": r["epoch"], "steps": steps,
+                               "timed_steps": timed_steps(steps) if steps else None,
+                               "images_per_second": r["images_per_second"], "whole_epoch_images_per_second": whole,
+                               "epoch_seconds": r["epoch_seconds"], "peak_memory_mb": r.get("peak_memory_mb")})
         previous_step = r.get("step", previous_step)
     steady = [e for e in summary_epochs if e["epoch"] > WARMUP_EPOCHS]
     counted = steady or summary_epochs  # a one-epoch run has nothing but its warm-up epoch
-    peaks = [e["peak_memory_mb"] for e in summary_epochs if e["peak_memory_mb"] is not None]
+    peaks = [e["peak_memory_mb"] for e in counted if e["peak_memory_mb"] is not None]
     rate = spread([e["images_per_second"] for e in counted])
     whole = spread([e["whole_epoch_images_per_second"] for e in counted])
     return {
         **flat("", rate, "images_per_second"),
         **flat("whole_epoch_", whole, "images_per_second"),
         "timed_count": rate["count"], "timed_unit": "epochs",
+        "timed_steps": counted[-1]["timed_steps"],  # per epoch; every epoch of a row has as many steps
         "median_epoch_seconds": statistics.median(e["epoch_seconds"] for e in counted),
         "counted_epochs": [e["epoch"] for e in counted],
         "warmup_included": not steady,
@@ -438,7 +426,7 @@ class Plan:
     per_device_batch: int
     steps: int                  # 0: one CIFAR-sized epoch of whole batches, per row
     epochs: int
-    workers: int
+    workers: int                # --workers; None: each row's own (row_workers)
     model: str
     dataset: str
     data_dir: str
@@ -453,7 +441,6 @@ class Plan:
     ceiling_windows: int = 5
     compile_ceiling: bool = True
     log_dir: str = ""
-    workers_note: str = ""      # why fewer loader workers than the cores allow
     synthetic_files: str = ""   # --dataset synthetic: the folder the rows read it from (write_synthetic_files)
 
 
@@ -503,23 +490,31 @@ def resolve_plan(args) -> Plan:
         if args.dataset == "cifar100" and steps_ * batch > EPOCH_IMAGES:
             raise cli.UsageError(f"row {row.name}: --steps {steps_} x global batch {batch} = {steps_ * batch} "
                                  f"images per epoch, more than CIFAR-100's {EPOCH_IMAGES}: lower --steps")
-    if args.workers is not None:
-        plan.workers = args.workers
-    elif use_cuda:
-        # Enough loader processes to feed a GPU; the cores are shared by every training process.
-        wanted = max(1, min(16, (os.cpu_count() or 2) // procs - 1))
-        free = lifecycle.shm_free_bytes(lifecycle.SHM_DIR)
-        plan.workers = workers_that_fit(wanted, procs, per_device_batch, free)
-        if plan.workers < wanted:
-            plan.workers_note = (f"{wanted} by the cores, {plan.workers} by the {free / 2**20:,.0f} MiB free in "
-                                 f"{lifecycle.SHM_DIR} (each worker's prefetched batches are held there)")
-    # (On the CPU: 0, the training processes already share the cores.)
+    # On the CPU the training processes already share the cores: no loader workers.
+    plan.workers = args.workers if args.workers is not None or use_cuda else 0
     return plan
 
 
 # The shared memory one loader sample takes: a uint8 3x32x32 image (normalised later, on the
 # device) and an int64 label.
 LOADER_SAMPLE_BYTES = 3 * 32 * 32 + 8
+
+
+def row_workers(row, plan: Plan) -> tuple:
+    """(loader workers per process, why fewer than the cores allow, or ""): --workers, or
+    enough to feed a GPU from the cores that the row's own processes share (dataparallel.py's
+    one process loads every GPU's batch), as many as fit in /dev/shm; 0 with the data on the device."""
+    if row.fast_loader:
+        return 0, ""
+    if plan.workers is not None:
+        return plan.workers, ""
+    procs, batch = row_shape(row, plan)[:2]
+    wanted = max(1, min(16, (os.cpu_count() or 2) // procs - 1))
+    free = lifecycle.shm_free_bytes(lifecycle.SHM_DIR)
+    workers = workers_that_fit(wanted, procs, batch // procs, free)
+    return workers, "" if workers == wanted else (
+        f"{wanted} by the cores, {workers} by the {free / 2**20:,.0f} MiB free in {lifecycle.SHM_DIR} "
+        "(each worker's prefetched batches are held there)")
 
 
 def workers_that_fit(wanted: int, procs: int, per_device_batch: int, free) -> int:
@@ -580,7 +575,7 @@ def row_command(row: Row, plan: Plan, metrics_path: str, as_typed: bool = False)
         # Evaluation runs after each epoch's clock has stopped; one image per process keeps
         # the rows short while still running it.
         "--test-samples", str(procs),
-        "--workers", str(0 if row.fast_loader else plan.workers), "--metrics", metrics_path, *row.flags,
+        "--workers", str(row_workers(row, plan)[0]), "--metrics", metrics_path, *row.flags,
     ]
     if dataset == "cifar100":
         train_args += ["--data-dir", data_dir]
@@ -646,8 +641,15 @@ def short_command(row, plan: Plan) -> str:
     return " ".join([launcher, row.script, *row.flags])
 
 
-def subprocess_env(plan: Plan) -> dict:
+def subprocess_env(plan: Plan, graphs: bool = False) -> dict:
+    """graphs: the row runs torch.compile's mode reduce-overhead, whose every fall-back to running
+    a graph without CUDA graphs inductor logs as "skipping cudagraphs due to ..." (a warning of
+    its log artifact `cudagraphs`, on by default); named in TORCH_LOGS, so that a TORCH_LOGS of
+    ours that quiets inductor cannot hide it (cudagraph_utils.log_cudagraph_skip_and_bump_counter,
+    2.11 and 2.14)."""
     env = dict(os.environ)
+    if graphs:
+        env["TORCH_LOGS"] = ",".join(filter(None, [env.get("TORCH_LOGS"), "cudagraphs"]))
     # A launcher's identity in our own environment would be inherited by the row's processes.
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT"):
@@ -791,6 +793,21 @@ def _signal(pid: int, sig) -> bool:
         return False
 
 
+def _group_running(pgid: int) -> list:
+    """The running processes of process group `pgid`: a zombie is none (a container's init may
+    never reap an orphan's)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state, _, group = f.read().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if state != "Z" and int(group) == pgid:
+            found.append(int(pid))
+    return found
+
+
 def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -815,7 +832,8 @@ def run_process(cmd: list, env: dict, timeout: float, log_path: str, finished=No
     processes have EXIT_SECONDS to exit; if they have not, or if the timeout comes first,
     their stacks go to the log (dump_stacks), they are ended, and the status is
     DID_NOT_EXIT: a job that would have held its nodes until the scheduler's time limit,
-    whose figures are whole all the same."""
+    whose figures are whole all the same. So is a launcher that exits 0 with processes of
+    its group still running EXIT_SECONDS later (ended, without their stacks)."""
     with open(log_path, "w") as log:
         log.write(f"$ {shlex.join(cmd)}\n")
         log.flush()
@@ -826,15 +844,24 @@ def run_process(cmd: list, env: dict, timeout: float, log_path: str, finished=No
             while True:
                 try:
                     status = proc.wait(timeout=max(0.01, min(1.0, deadline - time.monotonic())))
-                    if _group_alive(proc.pid):  # workers that outlived their launcher
+                    # Its processes have EXIT_SECONDS to follow the launcher (an orphaned loader
+                    # worker notices within 5 s); one still running then would outlive a job.
+                    waited = time.monotonic()
+                    while _group_running(proc.pid) and time.monotonic() - waited < EXIT_SECONDS:
+                        time.sleep(0.1)
+                    left = _group_running(proc.pid)
+                    if left:
+                        log.write(f"\n--- benchmark: {len(left)} of its processes still ran {EXIT_SECONDS:.0f} s "
+                                  "after its launcher exited; ended ---\n")
                         end_group(proc, grace=5)
+                        status = DID_NOT_EXIT if status == 0 else status
                     break
                 except subprocess.TimeoutExpired:
                     now = time.monotonic()
                     if done_at is None and finished is not None and finished():
                         done_at = now
                     if done_at is not None and (now - done_at >= EXIT_SECONDS or now >= deadline):
-                        dump_stacks(proc, log, f"the row's processes had not exited {now - done_at:.0f} s "
+                        dump_stacks(proc, log, f"its processes had not exited {now - done_at:.0f} s "
                                                "after its end record")
                         end_group(proc)
                         status = DID_NOT_EXIT
@@ -883,22 +910,52 @@ def base_result(row, plan: Plan) -> dict:
                 "multiplier": plan.procs, "devices": plan.procs, "short_command": short_command(row, plan),
                 "status": "skipped", "reason": ""}
     procs, batch, devices, steps = row_shape(row, plan)
+    workers, workers_note = row_workers(row, plan)
     result = {"name": row.name, "kind": "script", "about": row.about, "script": row.script,
               "launcher": row.launcher, "flags": list(row.flags), "amp": amp, "precision": precision_label,
               "wrapper": row_wrapper(row), "processes": procs, "global_batch": batch,
               "devices": devices, "steps_per_epoch": steps, "epoch_images": steps * batch,
+              "workers": workers, "workers_note": workers_note,
               "short_command": short_command(row, plan), "status": "skipped", "reason": ""}
     if row.name.startswith("dp") and not plan.use_cuda:
         result["about"] += " (CPU: DataParallel needs GPUs, this trains the plain module)"
     return result
 
 
+def launch(result: dict, cmd: list, plan: Plan, timeout: float, finished, graphs: bool) -> str:
+    """Run a row's command (run_process) into its log, result["log"]; finished(): whether its
+    figures are written. `result` is marked failed (status, reason, the output's tail) unless
+    the command exited 0 with its figures and, for `graphs` (reduce-overhead), ran every graph
+    in CUDA graphs. Returns the output."""
+    started = time.perf_counter()
+    try:
+        status, output = run_process(cmd, subprocess_env(plan, graphs), timeout, result["log"], finished)
+    finally:
+        result["wall_seconds"] = time.perf_counter() - started
+    if status == DID_NOT_EXIT:  # the figures are whole; the processes are the problem
+        status = 0
+        why, stacks = (re.findall(r"--- benchmark: (.*?); (the Python stacks)?", output) or [("", "")])[-1]
+        result["did_not_exit"] = (f"wrote its figures, but {why or 'its processes did not exit'}: they were ended"
+                                  + ("; their stacks are in its log" if stacks else ""))
+    if status != 0 or not finished():
+        result.update(status="failed", timed_out=status is None, output_tail=output.splitlines()[-30:],
+                      reason=f"timed out after {timeout:.0f} s (row timeout)" if status is None
+                      else f"exit status {status}: {last_message(output)}")
+        return output
+    result["status"] = "ok"
+    skips = re.findall(r".*skipping cudagraphs? due to.*", output) if graphs else []
+    if skips:
+        # Timed all the same, but not what the row's name says: a failure to see, not a figure to quote.
+        result.update(status="failed", cudagraph_skips=len(skips),
+                      reason=f"torch.compile ran without CUDA graphs ({len(skips)} skip(s) logged): "
+                             f"{skips[-1].strip()[:200]}")
+    return output
+
+
 def run_row(row: Row, plan: Plan, work_dir: str, timeout: float = None) -> dict:
-    timeout = timeout or plan.timeout
     result = base_result(row, plan)
-    reason = skip_reason(row, plan)
-    if reason:
-        result["reason"] = reason
+    result["reason"] = skip_reason(row, plan)
+    if result["reason"]:
         return result
     metrics_path = os.path.join(work_dir, f"{row.name}.jsonl")
     if os.path.exists(metrics_path):
@@ -908,34 +965,18 @@ def run_row(row: Row, plan: Plan, work_dir: str, timeout: float = None) -> dict:
     # As a reader would type it: no interpreter path, no log directory.
     result["display_command"] = shlex.join(["python", *row_command(row, plan, f"{row.name}.jsonl", True)[1:]])
     result["log"] = os.path.join(work_dir, f"{row.name}.log")
-    started = time.perf_counter()
-    try:
-        status, output = run_process(cmd, subprocess_env(plan), timeout, result["log"],
-                                     finished=lambda: any(r.get("event") == "end" for r in read_records(metrics_path)))
-    finally:
-        result["wall_seconds"] = time.perf_counter() - started
-    records = read_records(metrics_path)
-    if status == DID_NOT_EXIT:  # the figures are whole; the processes are the problem
-        status = 0
-        waited = re.search(r"--- benchmark: the row's processes had not exited (\d+ s) after", output)
-        result["did_not_exit"] = (f"trained and wrote its figures, but its processes had not exited "
-                                  f"{waited.group(1) if waited else 'some time'} later and were ended; "
-                                  "their stacks are in its log")
-    if status != 0 or not any(r.get("event") == "epoch" for r in records):
-        result["status"], result["timed_out"] = "failed", status is None
-        if status is None:
-            result["reason"] = f"timed out after {timeout:.0f} s (row timeout)"
-        else:
-            result["reason"] = f"exit status {status}: {last_message(output)}"
-        result["output_tail"] = output.splitlines()[-30:]
+    launch(result, cmd, plan, timeout or plan.timeout, graphs="reduce-overhead" in row.flags,
+           finished=lambda: any(r.get("event") == "end" for r in read_records(metrics_path)))
+    if result["status"] != "ok" and "cudagraph_skips" not in result:
         return result
-    result.update(summarize_epochs(records), status="ok")
+    records = read_records(metrics_path)
+    result.update(summarize_epochs(records))
     first = records[0]
     # Not the records' `strategy`: it names the script, not what this launch wrapped the model in
     # (distributed.py writes "ddp-torchrun" under plain python too); the row's `wrapper` says that.
     # Their `amp`, where they write one, must agree with the row's.
     result.update(device=first.get("device"), world_size=first.get("world_size"))
-    if first.get("amp") not in (None, result["amp"]):
+    if result["status"] == "ok" and first.get("amp") not in (None, result["amp"]):
         result.update(status="failed", reason=f"the row asks for {result['amp']} but its script recorded "
                                               f"amp {first['amp']!r}")
     return result
@@ -943,11 +984,9 @@ def run_row(row: Row, plan: Plan, work_dir: str, timeout: float = None) -> dict:
 
 # --- the ceiling: the same step on tensors already on the device ---------------------
 
-def time_steps(step, device, warmup: int, steps: int, windows: int) -> list:
-    """Seconds taken by each of `windows` windows of `steps` steps, after `warmup` untimed steps.
-    On a GPU the windows are timed with CUDA events: no sync between steps."""
-    for _ in range(warmup):
-        step()
+def time_steps(step, device, steps: int, windows: int) -> list:
+    """Seconds taken by each of `windows` windows of `steps` steps. On a GPU the windows are
+    timed with CUDA events: no sync between steps."""
     seconds = []
     for _ in range(windows):
         if device.type == "cuda":
@@ -987,8 +1026,6 @@ def measure_ceiling(spec: dict) -> dict:
     targets = torch.randint(0, NUM_CLASSES, (batch,), device=device)
     mode = spec["compile_mode"]
     graphs = mode == "reduce-overhead"
-    if graphs:
-        torch._logging.set_logs(perf_hints=True)  # why a graph ran without CUDA graphs, if one did, in the log
     forward = torch.compile(model, mode=mode) if mode else model
 
     def step():  # the scripts' step, minus loading, DDP and bookkeeping
@@ -1002,13 +1039,13 @@ def measure_ceiling(spec: dict) -> dict:
 
     # CUDA graphs: the first call compiles, the second records, the third is the first replay.
     warmup = max(spec["warmup"], 3) if graphs else spec["warmup"]
-    windows = time_steps(step, device, warmup, spec["steps"], spec["windows"])
-    measured = {"window_seconds": windows, "warmup_steps": warmup,
-                "peak_memory_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None}
-    if graphs:
-        from torch._dynamo.utils import counters
-        measured["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
-    return measured
+    for _ in range(warmup):
+        step()
+    # The timed steps' peak, as the rows' is their counted epochs': not cudnn's autotuning or compilation.
+    metrics.reset_peak_memory(device)
+    windows = time_steps(step, device, spec["steps"], spec["windows"])
+    return {"window_seconds": windows, "warmup_steps": warmup,
+            "peak_memory_mb": metrics.peak_memory_mb(device)["peak_memory_mb"]}
 
 
 def run_ceiling(ceiling: Ceiling, plan: Plan, work_dir: str, timeout: float = None) -> dict:
@@ -1016,11 +1053,9 @@ def run_ceiling(ceiling: Ceiling, plan: Plan, work_dir: str, timeout: float = No
     devices (GPUs, or CPU processes with the rows' threads each): what the rows would
     reach with nothing but the step. Its spread is over the timed windows; it has no
     epochs, so no whole-epoch figure."""
-    timeout = timeout or plan.timeout
     result = base_result(ceiling, plan)
-    reason = skip_reason(ceiling, plan)
-    if reason:
-        result["reason"] = reason
+    result["reason"] = skip_reason(ceiling, plan)
+    if result["reason"]:
         return result
     batch = result["per_device_batch"]
     spec = {"device": "cuda:0" if plan.use_cuda else "cpu", "dtype": ceiling.dtype, "batch": batch,
@@ -1031,32 +1066,20 @@ def run_ceiling(ceiling: Ceiling, plan: Plan, work_dir: str, timeout: float = No
         os.remove(out_path)
     cmd = [sys.executable, os.path.abspath(__file__), "--measure-ceiling", json.dumps(spec), "--out", out_path]
     result["log"] = os.path.join(work_dir, f"{ceiling.name}.log")
-    started = time.perf_counter()
-    try:
-        status, output = run_process(cmd, subprocess_env(plan), timeout, result["log"])
-    finally:
-        result["wall_seconds"] = time.perf_counter() - started
-    if status != 0 or not os.path.exists(out_path):
-        result["status"], result["timed_out"] = "failed", status is None
-        result["reason"] = (f"timed out after {timeout:.0f} s (row timeout)" if status is None
-                            else f"exit status {status}: {last_message(output)}")
-        result["output_tail"] = output.splitlines()[-30:]
+    launch(result, cmd, plan, timeout or plan.timeout, finished=lambda: os.path.exists(out_path),
+           graphs=ceiling.compile_mode == "reduce-overhead")
+    if result["status"] != "ok" and "cudagraph_skips" not in result:
         return result
     with open(out_path) as f:
         measured = json.load(f)
     per_device = [plan.ceiling_steps * batch / s for s in measured["window_seconds"]]
     rate = spread([x * plan.procs for x in per_device])
-    result.update(status="ok", window_seconds=measured["window_seconds"],
+    result.update(window_seconds=measured["window_seconds"],
                   window_images_per_second_per_device=per_device, warmup_steps=measured["warmup_steps"],
                   **flat("", rate, "images_per_second"), timed_count=rate["count"], timed_unit="windows",
+                  timed_steps=plan.ceiling_steps,
                   median_whole_epoch_images_per_second=None, min_whole_epoch_images_per_second=None,
                   max_whole_epoch_images_per_second=None, peak_memory_mb=measured["peak_memory_mb"])
-    if measured.get("cudagraph_skips"):
-        # Timed all the same, but not what the row's name says: a failure to see, not a figure to quote.
-        skipped = [line.strip() for line in output.splitlines() if "skipping cudagraphs" in line]
-        result.update(status="failed", cudagraph_skips=measured["cudagraph_skips"],
-                      reason=f"torch.compile ran {measured['cudagraph_skips']} graph(s) without CUDA graphs"
-                             + (f": {skipped[-1][:200]}" if skipped else " (its log says why)"))
     return result
 
 
@@ -1070,22 +1093,26 @@ def fmt(x, spec, unit=""):
     return f"{x:{spec}}{unit}" if x is not None else "n/a"
 
 
+def per_device(r) -> float:
+    """A row's median images/s per device: a one-process row does one device's share of the
+    all-device rows' work, so totals would put it at 1/N of them on N devices."""
+    return r["median_images_per_second"] / r["devices"]
+
+
 def add_derived(rows: list, flops: dict, peak_tflops):
-    """Share of peak per device, ratio to the baseline row of this run."""
+    """Share of peak per device, ratio to the baseline row of this run per device."""
     base = next((r for r in rows if r["name"] == BASELINE and r["status"] == "ok"), None)
     for r in rows:
         if r["status"] != "ok":
             continue
-        rate = r["median_images_per_second"]
-        # The peak is one device's: N devices together are compared with N peaks.
-        r["share_of_peak"] = share_of_peak(rate / r["devices"], flops["train_step_per_image"], peak_tflops)
-        r["vs_baseline"] = rate / base["median_images_per_second"] if base else None
+        r["share_of_peak"] = share_of_peak(per_device(r), flops["train_step_per_image"], peak_tflops)
+        r["vs_baseline"] = per_device(r) / per_device(base) if base else None
 
 
 def comparisons(rows: list) -> list:
     """The named ratios of COMPARISONS whose two rows were both measured in this run, of
     images/s per device: a one-process row is compared with the same work per device."""
-    rate = {r["name"]: r["median_images_per_second"] / r["devices"] for r in rows if r["status"] == "ok"}
+    rate = {r["name"]: per_device(r) for r in rows if r["status"] == "ok"}
     return [{"rows": [a, b], "what": what, "ratio": rate[a] / rate[b], "per": "device"}
             for a, b, what in COMPARISONS if a in rate and b in rate]
 
@@ -1105,6 +1132,40 @@ def spread_text(r, what: str = "") -> str:
     return f"{low:,.0f}-{high:,.0f}"
 
 
+def timed_text(r) -> str:
+    """What the median images/s is a median of: timed epochs (ceilings: windows) x the steps timed in each."""
+    return f"{r['timed_count']} x {r['timed_steps']}" if r.get("timed_steps") else "n/a"
+
+
+def summary_lines(report: dict) -> list:
+    """The table of rows and the table of ratios: the markdown's, and the console's summary."""
+    lines = [
+        "| row | what runs | precision | processes | global batch | img/s after warm-up steps: median | min-max "
+        "| timed: epochs (windows) x steps | whole-epoch img/s: median | min-max | epoch: steps x batch = images "
+        f"| s per epoch (measured) | peak MiB | % of peak per device | vs {BASELINE} per device |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in report["rows"]:
+        start = f"| {r['name']} | {r['short_command']} | {r['precision']} | {r['processes']} | {r['global_batch']} "
+        if r["status"] == "ok":
+            share = r["share_of_peak"]
+            lines.append(
+                start + f"| {fmt_rate(r['median_images_per_second'])} | {spread_text(r)} | {timed_text(r)} "
+                f"| {fmt_rate(r['median_whole_epoch_images_per_second'])} | {spread_text(r, 'whole_epoch_')} "
+                f"| {epoch_text(r)} | {fmt(r.get('median_epoch_seconds'), '.2f')} "
+                f"| {fmt(r['peak_memory_mb'], ',.0f')} | {fmt(share * 100 if share is not None else None, '.1f', '%')} "
+                f"| {fmt(r['vs_baseline'], '.2f', 'x')} |")
+        else:
+            lines.append(start + f"| {r['status']} | | | | | | | | | |")
+    lines += ["", "## Ratios measured in this run (images/s per device)", "", "| rows | what the ratio tells | ratio |",
+              "| --- | --- | ---: |"]
+    lines += [f"| {c['rows'][0]} / {c['rows'][1]} | {c['what']} | {c['ratio']:.2f}x |"
+              for c in report["comparisons"]]
+    if not report["comparisons"]:
+        lines.append("| (none: no pair of rows measured) | | |")
+    return lines
+
+
 def write_markdown(path: str, report: dict):
     h, plan = report["header"], report["settings"]
     lines = [
@@ -1120,8 +1181,9 @@ def write_markdown(path: str, report: dict):
         + (" (written as CIFAR-100 files, which the rows read as the real data set)" if plan.get("synthetic_files")
            else "") + f", {plan['per_device_batch']} images per device and "
         f"step unless the row says otherwise, {plan['epochs']} epochs per row (epoch 1 is warm-up: the figures "
-        f"are over epochs 2..{plan['epochs']}), loader workers per process {plan['workers']}"
-        + (f" ({plan['workers_note']})" if plan.get("workers_note") else ""),
+        f"are over epochs 2..{plan['epochs']}), loader workers per process "
+        + (str(plan["workers"]) if plan["workers"] is not None else "by the row (its command's --workers: CPU cores "
+           "/ its processes - 1, at most 16, no more than /dev/shm holds)"),
         f"- FLOPs per image: {report['flops']['forward_per_image'] / 1e9:.4g} GFLOP forward "
         f"({report['flops']['forward_per_image'] / 2e9:.4g} G multiply-adds), "
         f"{report['flops']['train_step_per_image'] / 1e9:.4g} GFLOP per training step (forward + backward), "
@@ -1129,49 +1191,26 @@ def write_markdown(path: str, report: dict):
         "- peak: " + (f"{report['peak']['tflops']:g} TFLOP/s per device ({report['peak']['source']})"
                        if report["peak"]["tflops"] else f"n/a ({report['peak']['source']})"),
         "",
-        "| row | what runs | precision | processes | global batch | img/s after warm-up steps: median | min-max "
-        "| whole-epoch img/s: median | min-max | epoch: steps x batch = images | s per epoch (measured) "
-        f"| peak MiB | % of peak per device | vs {BASELINE} |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        *summary_lines(report),
     ]
-    for r in report["rows"]:
-        start = f"| {r['name']} | {r['short_command']} | {r['precision']} | {r['processes']} | {r['global_batch']} "
-        if r["status"] == "ok":
-            share = r["share_of_peak"]
-            lines.append(
-                start + f"| {fmt_rate(r['median_images_per_second'])} | {spread_text(r)} "
-                f"| {fmt_rate(r['median_whole_epoch_images_per_second'])} | {spread_text(r, 'whole_epoch_')} "
-                f"| {epoch_text(r)} | {fmt(r.get('median_epoch_seconds'), '.2f')} "
-                f"| {fmt(r['peak_memory_mb'], ',.0f')} | {fmt(share * 100 if share is not None else None, '.1f', '%')} "
-                f"| {fmt(r['vs_baseline'], '.2f', 'x')} |")
-        else:
-            lines.append(start + f"| {r['status']} | | | | | | | | |")
-    lines += ["", "## Ratios measured in this run (images/s per device)", "", "| rows | what the ratio tells | ratio |",
-              "| --- | --- | ---: |"]
-    lines += [f"| {c['rows'][0]} / {c['rows'][1]} | {c['what']} | {c['ratio']:.2f}x |"
-              for c in report["comparisons"]]
-    if not report["comparisons"]:
-        lines.append("| (none: no pair of rows measured) | | |")
     notes = [f"- {r['name']}: {r['status']}: {r['reason']}" for r in report["rows"] if r["status"] != "ok"]
     notes += [f"- {r['name']}: {r['did_not_exit']}" for r in report["rows"] if r.get("did_not_exit")]
-    if plan.get("tf32_convolutions"):
-        precision_note = ("- precision: fp32 rows run their convolutions in TF32, cuDNN's default "
-                          "(torch.backends.cudnn.allow_tf32 is True) on this GPU; distributed_apex.py and the "
-                          "ceilings also let float32 matmuls use TF32 (torch.backends.cuda.matmul.allow_tf32, "
-                          "False by default). bf16 and fp16 rows autocast; FSDP2's bf16 row computes in bf16 by "
-                          "its MixedPrecisionPolicy and reduces gradients in fp32.")
-    else:
-        precision_note = ("- precision: fp32 rows compute in float32 (no TF32 on this device); bf16 and fp16 rows "
-                          "autocast; FSDP2's bf16 row computes in bf16 by its MixedPrecisionPolicy and reduces "
-                          "gradients in fp32.")
+    notes += [f"- {r['name']}: loader workers {r['workers_note']}" for r in report["rows"] if r.get("workers_note")]
     lines += ["", "## Notes", ""] + notes + [
         "- img/s after warm-up steps: the scripts' own figure (their --metrics records), which leaves out the "
-        "first min(10, steps/4) steps of each epoch; median and min-max over the timed epochs (ceilings: "
-        "windows). With one timed epoch there is no spread to show.",
+        "first min(10, steps // 4) steps of each epoch; median and min-max over the timed epochs (ceilings: "
+        "windows), of as many steps as the timed column says. With one timed epoch there is no spread to show.",
         "- whole-epoch img/s: steps x global batch / the measured epoch, its first steps (loader start, cudnn "
         "autotuning, torch.compile) included: what a training run gets per epoch. s per epoch is that "
         "epoch's measured training time (evaluation runs after the clock stops).",
-        precision_note,
+        "- precision: fp32 rows " + (
+            "run their convolutions in TF32, cuDNN's default (torch.backends.cudnn.allow_tf32 is True) on this GPU; "
+            "distributed_apex.py and the ceilings also let float32 matmuls use TF32 "
+            "(torch.backends.cuda.matmul.allow_tf32, False by default)" if plan.get("tf32_convolutions")
+            else "compute in float32 (no TF32 on this device)") + ". bf16 and fp16 rows autocast; FSDP2's bf16 "
+        "row computes in bf16 by its MixedPrecisionPolicy and reduces gradients in fp32.",
+        "- peak MiB: the largest of the timed epochs' (ceilings: windows') peaks of memory allocated; epoch 1's, "
+        "cudnn's autotuning and torch.compile included, is in the per-epoch list below.",
         "- one-process rows (ddp-1proc, ddp-1proc-noddp, fast-bf16-cudagraphs) run one device's batch, "
         "the same work per device as the all-device rows. Under a launcher the scripts wrap the model in "
         "DDP at any world size, one process included (ddp-1proc); under plain python in nothing "
@@ -1181,7 +1220,8 @@ def write_markdown(path: str, report: dict):
         "with several devices, one device's figure times their number. They have no epochs: no whole-epoch "
         "figure.",
         "- % of peak: images/s per device x FLOPs per training step per image / the device's peak FLOP/s; "
-        "fp32 rows are measured against the same (bf16 tensor-core) peak.",
+        f"fp32 rows are measured against the same (bf16 tensor-core) peak. vs {BASELINE}, the ratios and the "
+        "chart are per device too.",
         f"- the benchmark took {report['header']['total_seconds']:.0f} s"
         + (f" of a {report['settings']['time_budget_s']:.0f} s budget" if report['settings']['time_budget_s']
            else "") + ".",
@@ -1194,14 +1234,15 @@ def write_markdown(path: str, report: dict):
         lines.append(f"- {r['name']} ({how}): {r['about']}")
     lines += [
         "",
-        "## Per-epoch images/s (epoch 1 is warm-up): after warm-up steps / whole epoch (seconds)",
+        "## Per-epoch images/s (epoch 1 is warm-up): after warm-up steps / whole epoch (seconds, peak MiB)",
         "",
     ]
     for r in report["rows"]:
         if r["status"] == "ok" and r["kind"] == "script":
             samples = ", ".join(f"{e['epoch']}: {fmt_rate(e['images_per_second'])} / "
-                                f"{fmt_rate(e['whole_epoch_images_per_second'])} ({e['epoch_seconds']:.2f} s)"
-                                for e in r["epochs"])
+                                f"{fmt_rate(e['whole_epoch_images_per_second'])} ({e['epoch_seconds']:.2f} s"
+                                + (f", {e['peak_memory_mb']:,.0f} MiB)" if e.get("peak_memory_mb") is not None
+                                   else ")") for e in r["epochs"])
             lines.append(f"- {r['name']}: {samples}")
         elif r["status"] == "ok":
             samples = ", ".join(fmt_rate(x) for x in r["window_images_per_second_per_device"])
@@ -1230,12 +1271,12 @@ def write_chart(path: str, report: dict) -> bool:
     if not rows:
         return False
     names = [r["name"] for r in rows][::-1]  # barh draws bottom-up: keep the table's order top-down
-    rates = [r["median_images_per_second"] for r in rows][::-1]
+    rates = [per_device(r) for r in rows][::-1]
     # The timed epochs' (windows') min-max as a line across each bar; none where only one was timed.
-    low = [r["median_images_per_second"] - (r["min_images_per_second"] or r["median_images_per_second"])
-           for r in rows][::-1]
-    high = [(r["max_images_per_second"] or r["median_images_per_second"]) - r["median_images_per_second"]
-            for r in rows][::-1]
+    low = [(r["median_images_per_second"] - (r["min_images_per_second"] or r["median_images_per_second"]))
+           / r["devices"] for r in rows][::-1]
+    high = [((r["max_images_per_second"] or r["median_images_per_second"]) - r["median_images_per_second"])
+            / r["devices"] for r in rows][::-1]
     colours = ["#9aa7b4" if r["kind"] == "ceiling" else "#2f6db5" for r in rows][::-1]
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.8))
     ax.barh(names, rates, color=colours, xerr=[low, high], error_kw={"elinewidth": 1, "capsize": 2})
@@ -1243,12 +1284,11 @@ def write_chart(path: str, report: dict) -> bool:
         ax.text(rate + above, y, f" {rate:,.0f}", va="center", fontsize=8)  # past the min-max line
     base = next((r for r in rows if r["name"] == BASELINE), None)
     if base:
-        ax.axvline(base["median_images_per_second"], color="#c0392b", linestyle="--", linewidth=1,
-                   label=f"{BASELINE} (baseline)")
+        ax.axvline(per_device(base), color="#c0392b", linestyle="--", linewidth=1, label=f"{BASELINE} (baseline)")
         ax.legend(loc="lower right", fontsize=8)
-    ax.set_xlabel("images per second after each epoch's warm-up steps: median and min-max over the epochs after "
-                  "the first (ceilings: timed windows)", fontsize=8)
-    ax.set_xlim(0, max(r["max_images_per_second"] or r["median_images_per_second"] for r in rows) * 1.18)
+    ax.set_xlabel("images per second per device after each epoch's warm-up steps: median and min-max over the "
+                  "epochs after the first (ceilings: timed windows)", fontsize=8)
+    ax.set_xlim(0, max(rate + above for rate, above in zip(rates, high)) * 1.18)
     s = report["settings"]
     ax.set_title(f"{s['model']}, {s['per_device_batch']} images per device, PyTorch {report['header']['torch']}\n"
                  f"{report['header']['hardware'][:100]}", fontsize=9)
@@ -1261,24 +1301,8 @@ def write_chart(path: str, report: dict) -> bool:
 
 
 def print_summary(report: dict):
-    width = max(len("row"), *(len(r["name"]) for r in report["rows"]))
     print()
-    print(f"{'row':{width}s} {'img/s':>8s} {'min-max':>17s} {'whole-ep':>8s} {'min-max':>17s} {'s/epoch':>8s} "
-          f"{'peak MiB':>9s} {'% peak':>7s} {'vs ' + BASELINE:>7s}  precision; status")
-    for r in report["rows"]:
-        if r["status"] == "ok":
-            share = r["share_of_peak"]
-            print(f"{r['name']:{width}s} {fmt_rate(r['median_images_per_second']):>8s} {spread_text(r):>17s} "
-                  f"{fmt_rate(r['median_whole_epoch_images_per_second']):>8s} "
-                  f"{spread_text(r, 'whole_epoch_'):>17s} {fmt(r.get('median_epoch_seconds'), '.2f'):>8s} "
-                  f"{fmt(r['peak_memory_mb'], ',.0f'):>9s} "
-                  f"{fmt(share * 100 if share is not None else None, '.1f'):>7s} "
-                  f"{fmt(r['vs_baseline'], '.2f', 'x'):>7s}  {r['precision']}; ok")
-        else:
-            print(f"{r['name']:{width}s} {'':>8s} {'':>17s} {'':>8s} {'':>17s} {'':>8s} {'':>9s} {'':>7s} {'':>7s}  "
-                  f"{r['precision']}; {r['status']}: {r['reason']}")
-    for c in report["comparisons"]:
-        print(f"  {c['rows'][0]} / {c['rows'][1]}: {c['ratio']:.2f}x per device ({c['what']})")
+    print("\n".join(summary_lines(report)))
 
 
 # --- main -----------------------------------------------------------------------------
@@ -1326,8 +1350,8 @@ def build_parser():
     g.add_argument("--epochs", type=cli.positive_int, default=None,
                    help=f"epochs per row, the first one warm-up (default {full.epochs}; --quick: {quick.epochs})")
     g.add_argument("--workers", type=cli.non_negative_int, default=None,
-                   help="loader workers per process (default on GPUs: CPU cores / processes - 1, at most 16, and no "
-                        "more than the free space of /dev/shm holds; 0 on the CPU)")
+                   help="loader workers per process (default on GPUs: CPU cores / the row's processes - 1, at most "
+                        "16, and no more than the free space of /dev/shm holds; 0 on the CPU)")
     g = parser.add_argument_group("time")
     g.add_argument("--row-timeout", type=cli.positive_float, default=None, metavar="SECONDS",
                    help=f"end a row that runs longer (default {full.row_timeout:.0f}; --quick: {quick.row_timeout:.0f})")
@@ -1394,8 +1418,7 @@ class Report:
                          "global_batch": plan.global_batch,
                          "per_device_batch": plan.per_device_batch, "processes": plan.procs,
                          "steps": plan.steps or "one CIFAR-sized epoch per row", "epochs": plan.epochs,
-                         "warmup_epochs": WARMUP_EPOCHS, "workers": plan.workers,
-                         "workers_note": plan.workers_note,
+                         "warmup_epochs": WARMUP_EPOCHS, "workers": plan.workers,  # None: each row's own
                          "device": "cuda" if plan.use_cuda else "cpu", "row_timeout_s": plan.timeout,
                          "tf32_convolutions": plan.tf32,
                          "time_budget_s": plan.time_budget, "ceiling_warmup": plan.ceiling_warmup,

@@ -4,7 +4,8 @@
 #
 #   1. the environment: GPU, driver, torch/CUDA/cuDNN/NCCL versions, /dev/shm, CPU, memory
 #   2. the GPU-marked tests (pytest -m gpu), with a per-test timeout and a junit report
-#   3. memory per rank under DDP and FSDP2 (benchmark.py --memory), at most 90 s
+#   3. memory per rank under DDP and FSDP2 (benchmark.py --memory) at 1 process and at every GPU,
+#      at most 90 s on one GPU, 155 s on several
 #   4. a benchmark sized to what time is left, rows in order of importance
 #
 #   make gpu-check                              # writes results/gpu-check/
@@ -22,7 +23,7 @@
 # GPU_CHECK_PYTEST_SECONDS (the test stage, default 250), GPU_CHECK_TEST_TIMEOUT (one test,
 # default 150), GPU_CHECK_PYTEST_WORKERS (tests at a time with pytest-xdist, default 4, 0 for one
 # at a time), GPU_CHECK_PYTEST_ARGS (default: -m gpu tests), GPU_CHECK_MEMORY_ARGS (default:
-# none, every visible GPU), GPU_CHECK_BENCH_ARGS (default: the rows below, 3 epochs each). GPU_CHECK_REQUIRE_CUDA=0 runs the stages without a GPU
+# --world-sizes 1,N on N GPUs), GPU_CHECK_BENCH_ARGS (default: the rows below, 3 epochs each). GPU_CHECK_REQUIRE_CUDA=0 runs the stages without a GPU
 # (the harness's own tests do that).
 set -u
 
@@ -39,17 +40,22 @@ OUT="$(realpath -m "${OUT:-$ROOT/results/gpu-check}")"
 BENCH_ROWS="ddp,ddp-bf16,fast-bf16-cudagraphs,fast-bf16-cudagraphs-ddp,ddp-nchw,ddp-bf16-nchw,ddp-1proc-noddp"
 BENCH_ROWS="$BENCH_ROWS,fast-bf16,ceiling-bf16-nchw,ceiling-bf16-channels-last,ceiling-bf16-cudagraphs"
 BENCH_ROWS="$BENCH_ROWS,fast-bf16-compile,fsdp2,fsdp2-bf16,ddp-1proc"
-MEMORY_SECONDS=90
+# One memory-table launch (torchrun, every strategy at one world size) took 20 s with one process
+# on an H200. Two launches, 1 and N processes, not benchmark.py's 1, 2, 4, ..., N: on 8 GPUs those
+# four would not fit, and 1 against N shows the whole of what sharding saves.
+MEMORY_LAUNCH_SECONDS=65
 SECONDS=0
 cd "$ROOT" || exit 2
 
 # --- is there a GPU? ---------------------------------------------------------------------
+GPUS=1
 if [ "${GPU_CHECK_REQUIRE_CUDA:-1}" != 0 ]; then
-    probe="$(timeout -k 5 120 "$PYTHON" -c 'import torch; print(torch.__version__, torch.cuda.is_available())' 2>/dev/null)"
+    probe="$(timeout -k 5 120 "$PYTHON" -c \
+        'import torch; print(torch.__version__, torch.cuda.is_available(), torch.cuda.device_count())' 2>/dev/null)"
     case "$probe" in
-        *" True") ;;
-        *" False") echo "gpu_check: $PYTHON has PyTorch ${probe% False} but sees no CUDA GPU: nothing to check here" >&2
-                   exit 2 ;;
+        *" True "[0-9]*) GPUS="${probe##* }" ;;
+        *" False "*) echo "gpu_check: $PYTHON has PyTorch ${probe%% *} but sees no CUDA GPU: nothing to check here" >&2
+                     exit 2 ;;
         *) echo "gpu_check: $PYTHON cannot import torch (PYTHON=... names another interpreter)" >&2
            exit 2 ;;
     esac
@@ -188,15 +194,22 @@ run_stage pytest "$stage_seconds" INT "$PYTHON" -m pytest -q -p no:cacheprovider
 tail -n 25 "$WORK/pytest.out" 2>/dev/null
 
 # --- 3. memory per rank ------------------------------------------------------------------
-memory_seconds=$(( $(left) < MEMORY_SECONDS ? $(left) : MEMORY_SECONDS ))
+if [ "$GPUS" -gt 1 ]; then
+    memory_args=(${GPU_CHECK_MEMORY_ARGS:---world-sizes 1,$GPUS})
+    memory_seconds=$((25 + 2 * MEMORY_LAUNCH_SECONDS))
+else
+    memory_args=(${GPU_CHECK_MEMORY_ARGS:-})
+    memory_seconds=$((25 + MEMORY_LAUNCH_SECONDS))
+fi
+memory_seconds=$(( $(left) < memory_seconds ? $(left) : memory_seconds ))
 if [ "$memory_seconds" -lt 45 ]; then
     say "== memory: not run, ${memory_seconds} s left"
     FAILED+=("memory (no time left)")
 else
     mkdir -p "$WORK/benchmark-logs"
     # memory.md beside the other reports; its json travels in the logs' archive (8 files at most).
-    run_stage memory "$memory_seconds" TERM "$PYTHON" scripts/benchmark.py --memory ${GPU_CHECK_MEMORY_ARGS:-} \
-        --row-timeout $((memory_seconds - 25)) --out "$WORK/benchmark-logs" --log-dir "$WORK/benchmark-logs"
+    run_stage memory "$memory_seconds" TERM "$PYTHON" scripts/benchmark.py --memory "${memory_args[@]}" \
+        --row-timeout "$MEMORY_LAUNCH_SECONDS" --out "$WORK/benchmark-logs" --log-dir "$WORK/benchmark-logs"
     [ -f "$WORK/benchmark-logs/memory.md" ] && cp "$WORK/benchmark-logs/memory.md" "$OUT/memory.md"
     sed -n '/^| strategy/,/^$/p' "$WORK/memory.out" 2>/dev/null
 fi
@@ -213,7 +226,7 @@ else
     # was measured.
     run_stage benchmark "$bench_seconds" TERM "$PYTHON" scripts/benchmark.py "${bench_args[@]}" \
         --time-budget $((bench_seconds - 10)) --out "$OUT" --log-dir "$WORK/benchmark-logs"
-    sed -n '/^row /,$p' "$WORK/benchmark.out" 2>/dev/null
+    sed -n '/^| row /,$p' "$WORK/benchmark.out" 2>/dev/null
 fi
 if [ -d "$WORK/benchmark-logs" ]; then
     tar -czf "$OUT/benchmark-logs.tar.gz" -C "$WORK" benchmark-logs 2>>"$LOG" || say "could not pack the row logs"

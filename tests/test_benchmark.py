@@ -114,8 +114,8 @@ def test_every_quick_row_ran_and_its_figures_follow_from_its_epochs(quick_run):
             min(whole), max(whole))
         per_device = row["median_images_per_second"] / row["devices"]
         assert row["share_of_peak"] == pytest.approx(per_device * train_flops / (PEAK_TFLOPS * 1e12))
-        assert row["vs_baseline"] == pytest.approx(row["median_images_per_second"]
-                                                   / rows["ddp"]["median_images_per_second"])
+        assert row["vs_baseline"] == pytest.approx(per_device / (rows["ddp"]["median_images_per_second"] / 2))
+        assert row["timed_steps"] == 3  # of 4: the scripts leave out min(10, 4 // 4) = 1
         assert row["device"] == "cpu" and row["peak_memory_mb"] is None
         assert os.path.getsize(row["log"]) > 0  # the row's output is kept
     # The same global batch everywhere; one-process rows take one process's share of it.
@@ -173,8 +173,10 @@ def test_ceiling_rows(quick_run):
     assert (graphs["status"], graphs["reason"]) == ("skipped", "CUDA graphs need a GPU")
     assert graphs["compile_mode"] == "reduce-overhead" and graphs["mirrors"] == "fast-bf16-cudagraphs"
     assert "- ceiling-bf16-cudagraphs: skipped: CUDA graphs need a GPU" in (out / "benchmark.md").read_text()
-    console = next(line for line in proc.stdout.splitlines() if line.startswith("ceiling-bf16-cudagraphs "))
-    assert console.endswith("bf16 autocast; skipped: CUDA graphs need a GPU"), console
+    assert "    skipped: CUDA graphs need a GPU" in proc.stdout
+    # The console's summary is the markdown's table.
+    table = next(line for line in proc.stdout.splitlines() if line.startswith("| ceiling-bf16-cudagraphs |"))
+    assert table in (out / "benchmark.md").read_text().splitlines() and "| skipped |" in table
 
 
 def test_ratios_are_computed_from_rows_of_the_same_run(quick_run):
@@ -210,6 +212,8 @@ def test_markdown_table_has_every_row(quick_run):
              f"-{ddp['max_whole_epoch_images_per_second']:,.0f} |")
     assert f"| ddp | torchrun x2 distributed.py | fp32 | 2 | 32 | {ddp['median_images_per_second']:,.0f} |" in text
     assert f"{whole} 4 x 32 = 128 | {ddp['median_epoch_seconds']:.2f} |" in text
+    assert f"| {ddp['min_images_per_second']:,.0f}-{ddp['max_images_per_second']:,.0f} | 2 x 3 | " in text
+    assert "| ceiling-bf16-nchw |" in text and "| 3 x 4 |" in text  # 3 windows of 4 steps
     assert "| ddp-bf16 / ddp | bf16 autocast against fp32, template path |" in text
 
 
@@ -251,8 +255,9 @@ def test_the_ceilings_on_a_gpu(tmp_path):
 # --- the arithmetic, on hand-made records ----------------------------------------------------
 
 def test_medians_and_share_of_peak(tool):
+    # Epoch 1's peak is the largest, as cudnn's autotuning made it on an H200 (7,887 MiB, then 2,521).
     records = [
-        {"event": "epoch", "epoch": 1, "images_per_second": 10.0, "epoch_seconds": 9.0, "peak_memory_mb": 100.0},
+        {"event": "epoch", "epoch": 1, "images_per_second": 10.0, "epoch_seconds": 9.0, "peak_memory_mb": 900.0},
         {"event": "epoch", "epoch": 2, "images_per_second": 300.0, "epoch_seconds": 2.0, "peak_memory_mb": 120.0},
         {"event": "epoch", "epoch": 3, "images_per_second": 100.0, "epoch_seconds": 3.0, "peak_memory_mb": 110.0},
         {"event": "epoch", "epoch": 4, "images_per_second": 200.0, "epoch_seconds": 2.5, "peak_memory_mb": 115.0},
@@ -269,13 +274,16 @@ def test_medians_and_share_of_peak(tool):
         pytest.approx(400 / 3), 200.0)
     assert summary["median_epoch_seconds"] == 2.5
     assert summary["counted_epochs"] == [2, 3, 4] and not summary["warmup_included"]
-    assert summary["peak_memory_mb"] == 120.0
+    assert summary["peak_memory_mb"] == 120.0  # of the counted epochs: not the warm-up's 900
+    assert [e["peak_memory_mb"] for e in summary["epochs"]] == [900.0, 120.0, 110.0, 115.0]
+    assert summary["timed_steps"] == 6  # 8 steps an epoch, the first min(10, 8 // 4) = 2 left out
     assert [e["epoch"] for e in summary["epochs"]] == [1, 2, 3, 4]
     assert tool.share_of_peak(200.0, 3e9, 1.0) == pytest.approx(0.6)  # 6e11 FLOP/s of 1e12
     assert tool.share_of_peak(200.0, 3e9, None) is None
     # An even number of epochs after warm-up: the mean of the middle two.
     assert tool.summarize_epochs(records[:3])["median_images_per_second"] == 200.0
     # One epoch only: it is all there is, and the summary says so. No GPU: no memory figure.
+    assert tool.summarize_epochs(records[:1])["peak_memory_mb"] == 900.0
     alone = tool.summarize_epochs([dict(records[0], peak_memory_mb=None)])
     assert alone["median_images_per_second"] == 10.0 and alone["warmup_included"]
     assert alone["peak_memory_mb"] is None
@@ -388,27 +396,65 @@ def test_the_ceiling_rows_and_their_skips(tool):
     assert tool.resolve_plan(args).names == ["ceiling-bf16-channels-last", "ceiling-bf16-nchw"]
 
 
-def test_a_cuda_graphed_ceiling_that_ran_without_graphs_fails(tool, tmp_path, monkeypatch):
-    """If torch.compile falls back to running the step without CUDA graphs, the row measures
-    something else than its name: failed, with the reason from its log."""
-    plan = gpu_plan(tool, procs=1)
+# What inductor prints for each graph it runs without CUDA graphs, 2.14 (cudagraph_utils.py:401; 2.11: :207).
+SKIP_LINE = ("W1130 11:13:30.308000 28975 torch/_inductor/cudagraph_utils.py:401] [__cudagraphs] skipping "
+             "cudagraphs due to mutated inputs (1 instances)")
+
+
+@pytest.mark.parametrize("name", ["ceiling-bf16-cudagraphs", "fast-bf16-cudagraphs", "fast-bf16-cudagraphs-ddp"])
+def test_a_cuda_graphed_row_that_ran_without_graphs_fails(tool, tmp_path, monkeypatch, name):
+    """If torch.compile falls back to running a graph without CUDA graphs, a row named for them
+    measures something else: failed, with the reason from its log, which its environment asks
+    inductor for (TORCH_LOGS, whatever the user's quiets). The same output without that line is ok."""
+    plan = gpu_plan(tool, procs=2)
     plan.ceiling_steps, plan.ceiling_windows = 4, 2
+    row = {r.name: r for r in [*tool.ROWS, *tool.CEILINGS]}[name]
+    monkeypatch.setenv("TORCH_LOGS", "-inductor")
+    skipped = True
 
     def measured(cmd, env, timeout, log_path, finished=None):
-        spec = json.loads(cmd[cmd.index("--measure-ceiling") + 1])
-        assert (spec["compile_mode"], spec["channels_last"], spec["dtype"]) == ("reduce-overhead", True, "bf16")
-        with open(cmd[cmd.index("--out") + 1], "w") as f:
-            json.dump({"window_seconds": [0.5, 0.25], "warmup_steps": 20, "peak_memory_mb": 1.0,
-                       "cudagraph_skips": 1}, f)
-        return 0, "W1127 [__perf_hints] skipping cudagraphs due to mutated inputs (1 instances)\n"
+        assert env["TORCH_LOGS"] == "-inductor,cudagraphs"
+        out = cmd[cmd.index("--out" if "--measure-ceiling" in cmd else "--metrics") + 1]
+        with open(out, "w") as f:
+            if "--measure-ceiling" in cmd:
+                json.dump({"window_seconds": [0.5, 0.25], "warmup_steps": 20, "peak_memory_mb": 1.0}, f)
+            else:
+                for epoch in (1, 2, 3):
+                    f.write(json.dumps({"event": "epoch", "epoch": epoch, "step": 12 * epoch, "global_batch": 1024,
+                                        "images_per_second": 9e4, "epoch_seconds": 0.2}) + "\n")
+                f.write(json.dumps({"event": "end", "epoch": 3}) + "\n")
+        assert finished()
+        return 0, "compiling\n" + (f"{SKIP_LINE}\n" if skipped else "") + "epoch 3/3\n"
 
     monkeypatch.setattr(tool, "run_process", measured)
-    result = tool.run_ceiling(next(c for c in tool.CEILINGS if c.name == "ceiling-bf16-cudagraphs"), plan,
-                              str(tmp_path))
+    run = tool.run_ceiling if name.startswith("ceiling") else tool.run_row
+    result = run(row, plan, str(tmp_path))
     assert result["status"] == "failed", result
-    assert result["reason"] == ("torch.compile ran 1 graph(s) without CUDA graphs: W1127 [__perf_hints] "
-                                "skipping cudagraphs due to mutated inputs (1 instances)")
-    assert (result["min_images_per_second"], result["max_images_per_second"]) == (4 * 512 / 0.5, 4 * 512 / 0.25)
+    assert result["reason"] == ("torch.compile ran without CUDA graphs (1 skip(s) logged): " + SKIP_LINE)
+    assert result["median_images_per_second"] > 0  # timed all the same, in the json
+    skipped = False
+    assert run(row, plan, str(tmp_path))["status"] == "ok"
+
+
+def test_the_ceiling_s_peak_memory_leaves_out_its_warm_up(tool, monkeypatch):
+    """cudnn's autotuning and torch.compile take their memory in the first steps: the peak is
+    read over the timed steps only, after a reset, as the rows' is over their counted epochs."""
+    events = []
+    real_cross_entropy = tool.F.cross_entropy
+
+    def counted_cross_entropy(*args, **kwargs):
+        events.append("step")
+        return real_cross_entropy(*args, **kwargs)
+
+    monkeypatch.setattr(tool.F, "cross_entropy", counted_cross_entropy)
+    monkeypatch.setattr(tool.metrics, "reset_peak_memory", lambda device: events.append("reset"))
+    monkeypatch.setattr(tool.metrics, "peak_memory_mb",
+                        lambda device: {"peak_memory_mb": float(len(events) - events.index("reset") - 1)})
+    spec = {"device": "cpu", "dtype": "fp32", "batch": 2, "model": "resnet_tiny", "channels_last": False,
+            "compile_mode": "", "warmup": 3, "steps": 2, "windows": 2}
+    measured = tool.measure_ceiling(spec)
+    assert events == ["step"] * 3 + ["reset"] + ["step"] * 4
+    assert measured["peak_memory_mb"] == 4.0  # what the fake says of the steps after the reset
 
 
 def test_the_rows_read_the_synthetic_set_from_cifar_files(tool, monkeypatch, tmp_path):
@@ -448,6 +494,51 @@ def test_the_rows_read_the_synthetic_set_from_cifar_files(tool, monkeypatch, tmp
         assert all(np.array_equal(files[i][0], synthetic[i][0]) for i in range(len(synthetic)))
 
 
+def test_timed_steps_are_those_the_scripts_time(tool):
+    """The timed column's steps per epoch are the ones utils.metrics.EpochTimer counts in images/s:
+    on 8 GPUs an epoch of 12 steps times 9 of them, on one GPU 87 of 97."""
+    from utils.metrics import EpochTimer
+
+    for steps in (1, 3, 4, 12, 48, 97, 400):
+        timer = EpochTimer(torch.device("cpu"), 1, steps)
+        for _ in range(steps):
+            timer.step()
+        timer.stop()
+        assert tool.timed_steps(steps) == steps - (timer.warmup_steps if steps > timer.warmup_steps else 0), steps
+    assert (tool.timed_steps(12), tool.timed_steps(97)) == (9, 87)
+
+
+def test_a_process_that_outlives_its_launcher_is_reported(tool, tmp_path, monkeypatch):
+    """A row whose launcher exits 0 with a process of its group still running EXIT_SECONDS later
+    (a job that would hold its node) keeps its figures and says so, as when its processes do
+    not exit after its end record; the process is ended. One that ends within the time is no fault."""
+    monkeypatch.setattr(tool, "EXIT_SECONDS", 3.0)
+    pid_file = tmp_path / "child.pid"
+    script = tmp_path / "leaves_a_child.py"
+    script.write_text(
+        "import json, subprocess, sys\n"
+        "metrics = sys.argv[sys.argv.index('--metrics') + 1]\n"
+        "with open(metrics, 'w') as f:\n"
+        "    for epoch in (1, 2):\n"
+        "        f.write(json.dumps({'event': 'epoch', 'epoch': epoch, 'step': 4 * epoch, 'global_batch': 16,\n"
+        "                            'images_per_second': 100.0, 'epoch_seconds': 0.64}) + '\\n')\n"
+        "    f.write(json.dumps({'event': 'end', 'epoch': 2}) + '\\n')\n"
+        f"child = subprocess.Popen([sys.executable, '-c', 'import sys, time; time.sleep(float(sys.argv[1]))', "
+        f"sys.argv[sys.argv.index('--child-seconds') + 1]])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n")
+    plan = tool.Plan(use_cuda=False, gpus=0, procs=2, global_batch=32, per_device_batch=16, steps=4, epochs=2,
+                     workers=0, model="resnet_tiny", dataset="synthetic", data_dir="./data", timeout=60, bf16=True)
+    result = tool.run_row(tool.Row("leaves-a-child", str(script), "python", False, ("--child-seconds", "120")),
+                          plan, str(tmp_path))
+    assert result["status"] == "ok" and result["median_images_per_second"] == 100.0, result
+    assert result["did_not_exit"] == ("wrote its figures, but 1 of its processes still ran 3 s after its launcher "
+                                      "exited: they were ended"), result
+    assert not is_running(int(pid_file.read_text()))
+    result = tool.run_row(tool.Row("leaves-a-child", str(script), "python", False, ("--child-seconds", "1")),
+                          plan, str(tmp_path))
+    assert result["status"] == "ok" and "did_not_exit" not in result, result
+
+
 def test_an_epoch_is_the_whole_batches_of_cifar(tool):
     assert tool.epoch_steps(512, 0) == 97 and 97 * 512 == 49_664
     assert tool.epoch_steps(1024, 0) == 48
@@ -475,12 +566,9 @@ def test_loader_workers_on_a_gpu_fit_in_shared_memory(tool, monkeypatch):
     """16 cores and one GPU: 15 workers by the cores. With Docker's 64 MB of /dev/shm they
     would hold more than fits (a bus error): 9.5 MB each, in uint8; the benchmark starts as
     many as fit by preflight's formula, and says why in the report."""
-    monkeypatch.setattr(tool.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(tool.torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(tool.precision, "cuda_bf16_native", lambda *a: True)
-    monkeypatch.setattr(tool.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(tool.os, "cpu_count", lambda: 16)
+    fake_gpus(tool, monkeypatch, 1, cores=16)
     args = tool.build_parser().parse_args(["--rows", "ddp"])
+    ddp = rows_by_name_of(tool)["ddp"]
 
     def estimate(workers):  # 2 prefetched batches per worker, of training (512) and evaluation (1,024)
         return workers * 2 * (512 + 1024) * tool.LOADER_SAMPLE_BYTES
@@ -488,16 +576,53 @@ def test_loader_workers_on_a_gpu_fit_in_shared_memory(tool, monkeypatch):
     for free, expected in ((None, 15), (2**40, 15), (64 * 2**20, 7), (20 * 2**20, 2), (8 * 2**20, 0)):
         monkeypatch.setattr(tool.lifecycle, "shm_free_bytes", lambda path=None: free)
         plan = tool.resolve_plan(args)
-        assert plan.workers == expected, (free, plan.workers)
+        workers, note = tool.row_workers(ddp, plan)
+        assert workers == expected, (free, workers)
+        assert tool.base_result(ddp, plan)["workers"] == workers
         if free is not None and expected < 15:
-            assert estimate(plan.workers) <= free < estimate(plan.workers + 1)
-            assert plan.workers_note.startswith(f"15 by the cores, {expected} by the {free / 2**20:,.0f} MiB free")
+            assert estimate(workers) <= free < estimate(workers + 1)
+            assert note.startswith(f"15 by the cores, {expected} by the {free / 2**20:,.0f} MiB free")
         else:
-            assert plan.workers_note == ""
+            assert note == ""
     # Two GPUs: 7 workers each by the cores; both processes' workers share the one /dev/shm.
-    monkeypatch.setattr(tool.torch.cuda, "device_count", lambda: 2)
+    fake_gpus(tool, monkeypatch, 2, cores=16)
     monkeypatch.setattr(tool.lifecycle, "shm_free_bytes", lambda path=None: 6 * estimate(1))
-    assert tool.resolve_plan(args).workers == 3  # 2 processes x 3 workers fill it: not 6, as for one
+    assert tool.row_workers(ddp, tool.resolve_plan(args))[0] == 3  # 2 processes x 3 workers fill it: not 6, as for one
+    # --workers is every row's, but for the rows whose data is on the device.
+    plan = tool.resolve_plan(tool.build_parser().parse_args(["--workers", "5"]))
+    assert [tool.row_workers(rows_by_name_of(tool)[n], plan)[0] for n in ("ddp", "dp", "fast-bf16")] == [5, 5, 0]
+
+
+def test_each_row_gets_the_loader_workers_of_its_own_processes(tool, monkeypatch):
+    """8 GPUs, 32 cores: a DDP row's 8 processes get 32 // 8 - 1 = 3 workers each; dataparallel.py's
+    one process, which loads the batch of all 8 GPUs, gets 16 (the cap), as do the one-process
+    rows. /dev/shm is counted on the row's own batches: dp's one process holds as much as ddp's 8."""
+    fake_gpus(tool, monkeypatch, 8, cores=32)
+    monkeypatch.setattr(tool.lifecycle, "shm_free_bytes", lambda path=None: None)
+    plan = tool.resolve_plan(tool.build_parser().parse_args([]))
+    rows = rows_by_name_of(tool)
+
+    def workers(name):
+        command = tool.row_command(rows[name], plan, "m.jsonl")
+        return int(command[command.index("--workers") + 1])
+
+    assert workers("dp") >= 16 and workers("ddp-1proc") == 16
+    assert workers("ddp") == workers("ddp-spawn") == 3 and workers("fast-bf16") == 0
+    per_worker = 2 * 3 * 8 * 512 * tool.LOADER_SAMPLE_BYTES  # dp: one process, 4,096 images a step
+    monkeypatch.setattr(tool.lifecycle, "shm_free_bytes", lambda path=None: 5 * per_worker)
+    assert (workers("dp"), workers("ddp"), workers("ddp-1proc")) == (5, 3, 16)
+
+
+def fake_gpus(tool, monkeypatch, count, cores):
+    monkeypatch.setattr(tool.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tool.torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(tool.precision, "cuda_bf16_native", lambda *a: True)
+    monkeypatch.setattr(tool.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(tool.os, "cpu_count", lambda: cores)
+
+
+def rows_by_name_of(tool):
+    return {r.name: r for r in tool.ROWS}
 
 
 def gpu_plan(tool, procs):
@@ -520,6 +645,14 @@ def test_ratios_against_the_baseline_on_hand_made_rows(tool):
     assert ratios == {("ddp-bf16", "ddp"): pytest.approx(1.7), ("fast-bf16", "ddp-bf16"): pytest.approx(40 / 17),
                       ("ddp-bf16", "ceiling-bf16-channels-last"): pytest.approx(0.34),
                       ("fast-bf16", "ceiling-bf16-channels-last"): pytest.approx(0.8)}  # nothing with the failed row
+    # On 8 GPUs: ddp's 80,000 img/s are 10,000 per device; the one-process row's 20,000 are one
+    # device's, twice ddp's per device (not a quarter of its total).
+    rows = [{"name": "ddp", "status": "ok", "median_images_per_second": 80_000, "devices": 8},
+            {"name": "fast-bf16-cudagraphs", "status": "ok", "median_images_per_second": 20_000, "devices": 1},
+            {"name": "fast-bf16-compile", "status": "ok", "median_images_per_second": 96_000, "devices": 8}]
+    tool.add_derived(rows, {"train_step_per_image": 3e9}, 1000.0)
+    assert [r["vs_baseline"] for r in rows] == [pytest.approx(1.0), pytest.approx(2.0), pytest.approx(1.2)]
+    assert [c["ratio"] for c in tool.comparisons(rows)] == [pytest.approx(20 / 12)]  # cudagraphs / compile
     # Without the baseline row there is no ratio to it.
     rows = [r for r in rows if r["name"] != "ddp"]
     tool.add_derived(rows, {"train_step_per_image": 3e9}, None)
@@ -609,7 +742,7 @@ def test_a_row_whose_processes_do_not_exit_keeps_its_figures_and_its_stacks(tool
     assert "hang-at-exit on rank 1" in log, log
     if exit_seconds < timeout:
         assert result["wall_seconds"] < 60, result  # ended by the exit rule, long before the timeout
-    assert re.fullmatch(r"trained and wrote its figures, but its processes had not exited \d+ s later and were "
+    assert re.fullmatch(r"wrote its figures, but its processes had not exited \d+ s after its end record: they were "
                         r"ended; their stacks are in its log", result["did_not_exit"]), result
     stacks = log.split("the Python stacks of its processes follow (SIGABRT) ---", 1)[1]
     # Rank 1 (rank 0 has exited), then torchrun's agent: two whole dumps, in that order, each

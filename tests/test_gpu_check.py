@@ -10,6 +10,8 @@ import sys
 import tarfile
 import time
 
+import pytest
+
 from conftest import ROOT, subprocess_env
 
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
@@ -123,3 +125,34 @@ def test_ctrl_c_stops_the_running_stage_and_skips_the_rest(tmp_path):
     while (left := processes_in_session(proc.pid)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert left == [], f"a stage outlived the script: {left}"
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# Answers the GPU probe with FAKE_GPUS GPUs; every other command is only recorded.
+echo "$*" >>"$FAKE_CALLS"
+case "$*" in *"print(torch.__version__"*) echo "2.14.1 True $FAKE_GPUS" ;; esac
+exit 0
+"""
+
+
+@pytest.mark.parametrize("gpus, memory_args, seconds", [(8, "--world-sizes 1,8 ", 155), (1, "", 90)])
+def test_the_memory_stage_measures_1_and_every_gpu_within_its_time(tmp_path, gpus, memory_args, seconds):
+    """On N GPUs benchmark.py --memory alone would launch 1, 2, 4, ..., N processes (4 launches on
+    8 GPUs, 20 s each for one process on an H200): the stage measures 1 and N, two launches of at
+    most 65 s each, and the whole check still leaves the benchmark a minute when the tests take
+    all of theirs. Every command is a recording stand-in for python here."""
+    fake, calls = tmp_path / "python", tmp_path / "calls"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=subprocess_env(PYTHON=str(fake), OUT=str(out), FAKE_GPUS=str(gpus),
+                                             FAKE_CALLS=str(calls)))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    log = (out / "gpu_check.log").read_text()
+    assert (f"== memory: at most {seconds} s: {fake} scripts/benchmark.py --memory {memory_args}--row-timeout 65 "
+            in log), log
+    assert f"scripts/benchmark.py --memory {memory_args}--row-timeout 65 " in calls.read_text()
+    stages = dict(re.findall(r"== (\w+): at most (\d+) s", log))
+    total, kept = 510, 25 + 20  # GPU_CHECK_SECONDS, and the end's and the last kill grace's
+    assert total - kept - int(stages["pytest"]) - int(stages["memory"]) >= 60  # the benchmark's least
