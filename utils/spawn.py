@@ -72,13 +72,17 @@ def check_launch(args) -> int:
         raise cli.UsageError(f"--init-method {args.init_method}: use tcp://HOST:PORT or file:///PATH")
     elif url.netloc or not url.path.startswith("/"):
         raise cli.UsageError(f"--init-method {args.init_method}: expected file:///ABSOLUTE/PATH")
-    refused = lifecycle.refusal_file(url.path)
-    if url.scheme == "file" and os.path.exists(refused) and not args.check_args:
+    # A refusal left beside the rendezvous file before this run's processes started. One of this node's ranks'
+    # is an earlier run's, which every rank of this one would take for its own: removed. Another node's is this
+    # run's, said at once, or an earlier run's (node 0 removes the file only once its own processes ran): node 0
+    # names it below.
+    refused, left = lifecycle.refusal_file(url.path), None
+    if url.scheme == "file" and os.path.exists(refused):
         with open(refused, errors="replace") as f:
-            peer = f.readline().strip()
-        if peer.isdigit() and int(peer) // args.nproc_per_node == args.node_rank:
-            # One of this node's ranks, before this run started them: an earlier run's, which every rank of
-            # this one would take for its own.
+            peer, _, line = f.read().partition("\n")
+        if not (peer.isdigit() and int(peer) // args.nproc_per_node == args.node_rank):
+            left = peer, line
+        elif not args.check_args:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(refused)
     if args.nodes > 1 and not args.check_args:  # from here on the other nodes hear of a refusal (rank 0 is node 0's)
@@ -103,13 +107,8 @@ def check_launch(args) -> int:
     if url.scheme == "file" and args.nodes == 1 and os.path.exists(url.path) and os.path.getsize(url.path) > 0:
         raise cli.UsageError(f"--init-method {args.init_method}: the file exists (left by an earlier "
                              "run?); delete it or name a new file")
-    # Another node's refusal, left before its processes started (its flags): this run's other node's, said at
-    # once, or an earlier run's (node 0 removes the file only once its own processes ran), which every node would
-    # take for this run's: the line says where it is.
-    if url.scheme == "file" and args.node_rank == 0 and os.path.exists(refused):
-        with open(refused, errors="replace") as f:
-            peer, _, line = f.read().partition("\n")
-        raise cli.UsageError(f"rank {peer} refused to start: {line} (as {refused} says; if an earlier run "
+    if left and args.node_rank == 0:
+        raise cli.UsageError(f"rank {left[0]} refused to start: {left[1]} (as {refused} says; if an earlier run "
                              "left it, delete it)")
     if args.nodes > 1:
         flag = "--ip" if cli.given(args, "ip") else "--init-method"
