@@ -386,6 +386,17 @@ def test_a_spawned_worker_reports_a_bus_error_in_one_line_and_exits_1(tmp_path):
     assert len(lines) == 1 and "error: a DataLoader worker died of a bus error" in lines[0], proc.stderr
 
 
+@pytest.mark.parametrize("body, status, stderr", [("sys.exit()", 0, ""), ("sys.exit(3)", 3, ""),
+                                                  ("sys.exit('stopped here')", 1, "stopped here")])
+def test_a_spawned_worker_ends_a_sys_exit_as_python_would(tmp_path, body, status, stderr):
+    # A copied script's own sys.exit(): the status and the message that plain python would give it.
+    program = tmp_path / "worker.py"
+    program.write_text(SPAWNED_WORKER_WITH_A_BUS_ERROR.replace("raise RuntimeError({error!r})", body).format(
+        root=os.path.dirname(os.path.dirname(__file__)), error_dir=str(tmp_path)))
+    proc = subprocess.run([sys.executable, str(program)], capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stderr.strip()) == (status, stderr)
+
+
 def test_resolved_config_is_plain_json(no_local_rank):
     config = cli.plain_config(parse(["--dataset", "synthetic"]))
     assert json.loads(json.dumps(config)) == config

@@ -219,7 +219,7 @@ def worker_exit(errors, local_rank):
     """Around a worker's life: bad input, which every rank meets, goes to a file beside `errors` for the
     parent's one line and to the other ranks (lifecycle.tell_the_job), status 2; a stop on a signal is 0;
     then lifecycle.leave. Any other exception goes to mp.spawn, which shows the parent its traceback."""
-    code = 0
+    code, message = 0, None
     try:
         yield
     except cli.UsageError as err:
@@ -227,18 +227,18 @@ def worker_exit(errors, local_rank):
             f.write(str(err))
         lifecycle.tell_the_job(str(err))
         code = 2
-    except SystemExit as stop:  # a stop on a signal (run.step_done), or a join that failed
-        code = stop.code if isinstance(stop.code, int) else 1
+    except SystemExit as stop:  # a stop on a signal (run.step_done), a join that failed; else sys.exit's own rule
+        text = stop.code is not None and not isinstance(stop.code, int)  # sys.exit("message"): printed, 1
+        code, message = (1, str(stop.code)) if text else (stop.code or 0, None)
     except KeyboardInterrupt:  # Ctrl-C before the run's own handler: 130 as in a shell, not mp.spawn's 0
         code = 130
     except Exception as err:
-        message = lifecycle.bus_error_message(err)  # a loader worker that ran out of shared memory
-        if message is None:
+        bus_error = lifecycle.bus_error_message(err)  # a loader worker that ran out of shared memory
+        if bus_error is None:
             raise
         lifecycle.kill_loader_workers(wait_s=5.0)  # first: see lifecycle.run_main
-        cli.print_line(cli.error_line(message))
-        code = 1
-    lifecycle.leave(code)  # the work is done: skip the interpreter's teardown (see lifecycle.leave)
+        code, message = 1, cli.error_line(bus_error)
+    lifecycle.leave(code, message)  # the work is done: skip the interpreter's teardown (see lifecycle.leave)
 
 
 def forward_stop_signals(workers):
