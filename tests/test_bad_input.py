@@ -179,7 +179,9 @@ def test_resume_on_a_training_set_of_another_size_is_refused(run_in_process, tmp
                    "was trained on 64 training samples, this run has 72", "resume with the same data")
     assert (tmp_path / "ck" / "checkpoint.pt").read_bytes() == saved
     write(64)  # 64 samples again (the size is what is checked, not the pixels): it resumes
-    assert "epoch 1, step 2 of 4 in it" in expect_ok(run_in_process("distributed.py", [*argv, "--resume"]))
+    output = expect_ok(run_in_process("distributed.py", [*argv, "--resume", "--max-steps", "2"]))
+    assert "epoch 1, step 2 of 4 in it" in output  # and it stands where --max-steps stopped, in its first epoch
+    assert "nothing to train: the run already stands at epoch 1 of 1, step 2" in output, output
 
 
 def test_resume_through_a_symbolic_link_is_the_same_checkpoint(run_in_process, finished_run, tmp_path):

@@ -156,7 +156,7 @@ def test_resume_from_a_path_does_not_overwrite_another_checkpoint(straight_four_
     (tmp_path / "ck" / "checkpoint.pt").write_bytes(b"someone else's run")
     line = in_process([*RESUME_ARGS, "--resume", straight_four_steps / "ck" / "checkpoint.pt",
                        "--checkpoint-dir", tmp_path / "ck"])
-    assert "already holds a checkpoint" in line
+    assert "already holds a checkpoint: --resume" in line and "would overwrite it: give --resume alone" in line
     assert (tmp_path / "ck" / "checkpoint.pt").read_bytes() == b"someone else's run"
 
 

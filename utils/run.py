@@ -33,6 +33,14 @@ from .lifecycle import stop_signals, stop_under_way
 from .metrics import EpochTimer, TrainMeter, peak_memory_mb, reset_peak_memory
 
 
+def _launch():
+    """The torchrun launch whose worker this is, the same through its restarts: the rendezvous id (--standalone
+    draws one, the launchers here pass the job's), or where it is torchrun's default "none", the torchrun process
+    on this node. None outside torchrun."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    return f"{os.uname().nodename}:{os.getppid()}" if run_id == "none" else run_id
+
+
 def _same_file(a: str, b: str) -> bool:
     """Whether two paths name one file (through symbolic links, relative paths)."""
     try:
@@ -59,7 +67,7 @@ class TrainingRun:
         # The epoch in progress (0-based), the optimizer steps already taken in it and in the whole run.
         self.epoch = self.step_in_epoch = self.global_step = 0
         self.meter = self.last_record = self._partial_sums = self._bar = self._timing = None
-        self._stop = False
+        self._stop = self._restarted_into = False
         self._claim_outputs()
         self.started = time.perf_counter()
         self.checkpoint_path = os.path.join(args.checkpoint_dir, checkpoint.FILENAME) if args.checkpoint_dir else None
@@ -126,9 +134,10 @@ class TrainingRun:
 
     def _resume_path(self):
         """Which checkpoint to continue from, if any. A worker restarted by torchrun --max-restarts resumes from
-        --checkpoint-dir's checkpoint by itself (even after a first attempt with --resume PATH: the newer one
-        wins). --resume PATH: that file. --resume: --checkpoint-dir's checkpoint if there is one (a requeued
-        SLURM job passes it every time), else a fresh start. No run overwrites a checkpoint it did not resume."""
+        --checkpoint-dir's checkpoint by itself if its launch wrote it (even after a first attempt with --resume
+        PATH: the newer one wins); --resume PATH: that file. --resume: --checkpoint-dir's checkpoint if there is
+        one (a requeued SLURM job passes it every time), else a fresh start. No run overwrites a checkpoint it did
+        not resume, in any attempt: torchrun restarts a worker that refused, whatever its exit status."""
         args = self.args
         here = bool(self.checkpoint_path) and os.path.isfile(self.checkpoint_path)
         agreeing = "TrainingRun(...), agreeing on the checkpoint to resume from"
@@ -140,17 +149,23 @@ class TrainingRun:
         # nodes' workers may restart with a count of 0. Any rank restarted means the whole group was.
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         restarted = not all_ranks_ok(restarts == 0, agreeing)
-        if exists and restarted:
-            print0(f"torchrun restart: resuming from {self.checkpoint_path}")
-            return self.checkpoint_path
         if args.resume == "auto":
             if not exists:
                 print0(f"--resume: no checkpoint in {args.checkpoint_dir} yet, starting from scratch")
             return self.checkpoint_path if exists else None
         if exists and not (args.resume and _same_file(args.resume, self.checkpoint_path)):
-            raise UsageError(f"--checkpoint-dir {args.checkpoint_dir} already holds a checkpoint: add --resume "
-                             "to continue it, or choose another directory (it would be overwritten)")
+            if not restarted:
+                raise UsageError(self._holds_one)
+            self._restarted_into = True  # if this launch wrote it: _resume reads which did
+            return self.checkpoint_path
         return args.resume
+
+    @property
+    def _holds_one(self):
+        fix = (f"--resume {self.args.resume} would overwrite it: give --resume alone to continue it, or choose another "
+               "directory") if self.args.resume else "add --resume to continue it, or choose another directory (it " \
+            "would be overwritten)"
+        return f"--checkpoint-dir {self.args.checkpoint_dir} already holds a checkpoint: {fix}"
 
     # Flags that decide which sample comes at which step and the learning rate there, and the optimizer's
     # settings (its saved state carries them, a new value would be ignored): other values are a new run.
@@ -162,6 +177,10 @@ class TrainingRun:
         error = state = None
         try:
             state = checkpoint.load(path)  # every rank reads the file: no broadcast needed
+            if self._restarted_into:
+                if self.env.is_main and state.get("launch") != _launch():  # rank 0's: the node that saved
+                    raise UsageError(f"{self._holds_one} (this restarted launch did not write it)")
+                print0(f"torchrun restart: resuming from {path}")
             self.state.check(state, path)
             saved = state.get("config", {})
             for key in self._MUST_MATCH:
@@ -213,7 +232,8 @@ class TrainingRun:
                  "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                  "epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": self.global_step,
                  "train_sums": sums, "train_size": self.train_size, "rng": checkpoint.rng_state(self.env.device),
-                 "config": plain_config(self.args), "world_size": self.env.world_size, "strategy": self.strategy}
+                 "config": plain_config(self.args), "world_size": self.env.world_size, "strategy": self.strategy,
+                 "launch": _launch()}
         checkpoint.atomic_save(state, self.checkpoint_path)  # the commit
         self.state.saved(self.checkpoint_path)
 
@@ -231,7 +251,7 @@ class TrainingRun:
     def epochs(self):
         """The epochs still to run, from the resumed position on."""
         if self.done():
-            print0(f"nothing to train: the run already stands at epoch {self.epoch} "
+            print0(f"nothing to train: the run already stands at epoch {self.epoch + (self.step_in_epoch > 0)} "
                    f"of {self.args.epochs}, step {self.global_step}")
         while not self.done():
             self.meter, self._partial_sums = TrainMeter(self.env.device, self._partial_sums), None
