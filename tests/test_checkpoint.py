@@ -59,6 +59,17 @@ def test_save_replaces_the_previous_checkpoint(tmp_path):
     assert torch.equal(checkpoint.load(str(path))["model"]["w"], torch.full((64, 64), 3.0))
 
 
+def test_the_data_is_on_disk_before_the_rename_makes_it_the_checkpoint(tmp_path, monkeypatch):
+    # A kill leaves the page cache intact, so no crash test sees a missing fsync: a power cut would, with
+    # checkpoint.pt renamed onto a file whose data never reached the disk.
+    calls = []
+    monkeypatch.setattr(os, "fsync", lambda fd: calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))))
+    replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda src, dst: (calls.append(("replace", str(src))), replace(src, dst)))
+    checkpoint.atomic_save(state(1.0), str(tmp_path / "checkpoint.pt"))
+    assert [what for what, _ in calls] == ["fsync", "replace"] and calls[0][1] == calls[1][1], calls
+
+
 def test_checkpoint_gets_the_permissions_of_any_new_file(tmp_path):
     # A checkpoint in a shared project folder must be readable by whoever may resume
     # the run, as torch.save(obj, path) would leave it: the umask decides, not the
@@ -171,7 +182,13 @@ def test_checkpoint_reads_with_weights_only_and_resumes(tmp_path, keep_signal_ha
     assert all("momentum_buffer" in s for s in saved["optimizer"]["state"].values())
     assert saved["config"]["batch_size"] == 32 and saved["config"]["model"] == "resnet_tiny"
 
+    # What the saved run would draw next from each global generator (dropout, a user's own augmentation);
+    # make_run's manual_seed and these draws are what the resume must undo.
+    checkpoint.set_rng_state(saved["rng"])
+    expected = (torch.rand(3), np.random.rand(3), random.random())
     resumed, model2, optimizer2 = make_run(args_for("--checkpoint-dir", directory, "--resume"))
+    drawn = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(drawn[0], expected[0]) and np.array_equal(drawn[1], expected[1]) and drawn[2] == expected[2]
     assert (resumed.epoch, resumed.step_in_epoch, resumed.global_step) == (0, 1, 1)
     for (name, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
         assert torch.equal(a, b), name

@@ -23,7 +23,7 @@ from utils.precision import cpu_autocast_works
 from utils.run import TrainingRun
 
 MAX_NORM = 0.5  # below the tiny ResNet's gradient norms in these runs: every step is clipped
-STEPS = ["--max-steps", "3", "--train-samples", "128"]
+STEPS = ["--max-steps", "5", "--train-samples", "128"]  # 4 steps per epoch: crosses an epoch's end
 
 SCRIPTS = {
     "distributed": ["distributed.py"],

@@ -40,6 +40,7 @@ import torch
 import test_gpu_scripts
 from conftest import ROOT, free_port, freeze_the_imports, keep_on_cpu, read_metrics, torchrun
 from utils import checkpoint, cli, data, lifecycle, sharded
+from utils.run import TrainingRun
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 
@@ -452,7 +453,7 @@ def run_script_here(monkeypatch, capsys, tmp_path, cifar):
     spies = {}
 
     def reset_spies():
-        spies.update(saves=0, loader_iterations=0, worker_loaders=0, compiled=[], layouts=set(), dtypes=set(),
+        spies.update(steps=0, saves=0, loader_iterations=0, worker_loaders=0, compiled=[], layouts=set(), dtypes=set(),
                      after_forward=set(), group_timeouts=[])
 
     def counting(name, original):
@@ -461,6 +462,7 @@ def run_script_here(monkeypatch, capsys, tmp_path, cifar):
             return original(*args, **kwargs)
         return counted
     monkeypatch.setattr(checkpoint, "atomic_save", counting("saves", checkpoint.atomic_save))
+    monkeypatch.setattr(TrainingRun, "step_done", counting("steps", TrainingRun.step_done))
     monkeypatch.setattr(data.Loader, "__iter__", counting("loader_iterations", data.Loader.__iter__))
     monkeypatch.setattr(dataloader._MultiProcessingDataLoaderIter, "__init__",
                         counting("worker_loaders", dataloader._MultiProcessingDataLoaderIter.__init__))
@@ -599,6 +601,7 @@ def test_flag(run_script_here, script, flags, case):
         assert len(errors) == 1 and "Traceback" not in result.stderr + result.stdout, result.stderr
         assert case.fragment in errors[0], errors[0]
         assert result.records == [] and "arguments OK" not in result.stdout
+        assert (result.steps, result.saves, result.loader_iterations) == (0, 0, 0)  # refused before any step
         lines.append(errors[0])
     assert lines[0] == lines[1], f"--check-args said {lines[0]!r}, the run {lines[1]!r}"
 

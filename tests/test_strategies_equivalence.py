@@ -1,31 +1,35 @@
-"""One problem, five ways: on one CPU process, the scripts train bitwise the same.
+"""One problem, four ways: on two CPU processes, the DDP scripts train bitwise the same.
 
-Each script runs through its real launcher (plain python; mp.spawn with one
-process) for the same steps from the same seed; the final checkpoints must hold
-identical weights and optimizer state. Any difference in seeding order, model
-construction, sampling, augmentation, loss scaling or schedule would show here.
+Each script runs through its real launcher (torchrun; distributed_mp.py's own mp.spawn) for the
+same steps from the same seed; the final checkpoints must hold identical weights and optimizer
+state. Any difference in seeding order, model construction, how the batch is split across ranks,
+sampling, augmentation, loss scaling (a loss divided by the world size as well, which DDP's average
+already does), or schedule would show here. gloo's sum of two ranks' gradients is the same on both,
+in either order, so two processes are as deterministic as one. One process, DataParallel included:
+tests/test_clip_grad.py.
 """
 import pytest
 import torch
 
-from conftest import SMALL, assert_same_state, expect_ok, run_script
+from conftest import SMALL, assert_same_state, expect_ok, run_script, torchrun
 
-STEPS = ["--max-steps", "5", "--train-samples", "128"]  # 4 steps per epoch: crosses an epoch boundary
+STEPS = ["--epochs", "3", "--max-steps", "5", "--train-samples", "128"]  # 4 steps per epoch: crosses an epoch's end
 
 SCRIPTS = {
-    "distributed": ["distributed.py"],
-    "dataparallel": ["dataparallel.py"],
-    "mp_spawn": ["distributed_mp.py", "--nproc-per-node", "1"],
-    "accumulation": ["distributed_gradient_accumulation.py", "--accum-steps", "1"],
+    "distributed": ("distributed.py", []),
+    "mp_spawn": ("distributed_mp.py", ["--nproc-per-node", "2"]),
+    "accumulation": ("distributed_gradient_accumulation.py", ["--accum-steps", "1"]),
+    "apex_fp32": ("distributed_apex.py", ["--opt-level", "O0"]),
 }
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     out = {}
-    for name, argv in SCRIPTS.items():
+    for name, (script, extra) in SCRIPTS.items():
         directory = tmp_path_factory.mktemp(name)
-        run_script([*argv, *SMALL, "--epochs", "3", *STEPS, "--checkpoint-dir", directory])
+        flags = [*extra, *SMALL, *STEPS, "--checkpoint-dir", directory]
+        run_script([script, *flags]) if name == "mp_spawn" else torchrun(2, script, flags)
         out[name] = torch.load(directory / "checkpoint.pt", map_location="cpu", weights_only=True)
     return out
 
@@ -41,7 +45,6 @@ def test_bitwise_identical_to_distributed(checkpoints, name):
 
 def test_training_moved_the_weights(checkpoints, tmp_path, run_in_process):
     # Guard against a vacuous pass: a different seed gives different weights.
-    expect_ok(run_in_process("distributed.py", [*SMALL, "--epochs", "3", *STEPS, "--seed", "1",
-                                                "--checkpoint-dir", tmp_path]))
+    expect_ok(run_in_process("distributed.py", [*SMALL, *STEPS, "--seed", "1", "--checkpoint-dir", tmp_path]))
     other = torch.load(tmp_path / "checkpoint.pt", map_location="cpu", weights_only=True)
     assert not torch.equal(other["model"]["fc.weight"], checkpoints["distributed"]["model"]["fc.weight"])
