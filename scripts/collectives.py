@@ -34,7 +34,6 @@ The lesson that goes with it is tutorials/07-collectives.md.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import socket
@@ -45,9 +44,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# The repository root, for `python scripts/collectives.py`.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from utils.cli import print_line  # noqa: E402  (the repository root, for `python scripts/collectives.py`)
-from utils.lifecycle import leave  # noqa: E402
+from utils.cli import Parser, UsageError, positive_int, print_line  # noqa: E402
+from utils.distributed import job_from_env, print0  # noqa: E402
+from utils.lifecycle import leave, run_main  # noqa: E402
 from utils.spawn import free_port  # noqa: E402
 import torch.nn as nn
 
@@ -63,27 +64,12 @@ PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=60)
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-# Errors a backend raises, locally and before any communication, when it does
-# not implement an operation (e.g. older gloo has no ReduceOp.AVG).
-UNSUPPORTED_ERRORS = (RuntimeError, NotImplementedError, ValueError)
-
-# A real communication failure is also a RuntimeError; never mistake it for
-# "not supported". DistBackendError exists in every torch this targets, the
-# getattr only keeps the script importable on very old versions.
-_COMMUNICATION_ERROR = getattr(dist, "DistBackendError", ())
-
 
 class CheckFailed(Exception):
     """A computed value differed from the expected one (on at least one rank)."""
 
 
 # --- small helpers --------------------------------------------------------
-
-
-def say(message: str = "") -> None:
-    """Print on rank 0 only, so the output is read once, not N times."""
-    if dist.get_rank() == 0:
-        print(message, flush=True)
 
 
 def current_device() -> torch.device:
@@ -113,10 +99,10 @@ def print_table(title: str, before: str, after: str) -> None:
     """Collect one (before, after) pair per rank and print them as a table on rank 0."""
     rows = gather_objects((before, after))
     width_before = max(len("before"), *(len(b) for b, _ in rows))
-    say(f"\n--- {title}")
-    say(f"  rank | {'before':<{width_before}} | after")
+    print0(f"\n--- {title}")
+    print0(f"  rank | {'before':<{width_before}} | after")
     for rank, (b, a) in enumerate(rows):
-        say(f"  {rank:>4} | {b:<{width_before}} | {a}")
+        print0(f"  {rank:>4} | {b:<{width_before}} | {a}")
 
 
 def check(ok: bool, what: str, detail: str = "") -> None:
@@ -145,57 +131,12 @@ def check_equal(actual: torch.Tensor | None, expected: list[float] | None, what:
     check(ok, what, f"got {fmt(actual)}, expected {expected}")
 
 
-def unsupported_reason(error: Exception) -> str | None:
-    """A one-line reason if `error` means "this backend cannot do that", else None."""
-    if _COMMUNICATION_ERROR and isinstance(error, _COMMUNICATION_ERROR):
-        return None
-    text = str(error).strip()
-    first_line = text.splitlines()[0] if text else type(error).__name__
-    if "timed out" in first_line.lower() or "timeout" in first_line.lower():
-        return None
-    return first_line[:160]
-
-
-SKIPPED: list[str] = []
-
-
-def skip_unsupported(name: str, error: Exception) -> None:
-    """Report an unsupported primitive once (rank 0) and carry on, or re-raise a real failure.
-
-    Safe only because backends reject unsupported operations locally, before
-    talking to anyone, so every rank fails the same way at the same call.
-    """
-    reason = unsupported_reason(error)
-    if reason is None:
-        raise error
-    SKIPPED.append(name)
-    say(f"\n--- {name}: not supported by the {dist.get_backend()} backend here ({reason}); skipped")
-
-
 def rank_tensor(rank: int) -> torch.Tensor:
     """What rank r contributes: [r+1, 10(r+1)], easy to follow by eye."""
     return torch.tensor([rank + 1.0, 10.0 * (rank + 1)], device=current_device())
 
 
 # --- the collectives, one by one --------------------------------------------
-
-
-def all_reduce_mean(tensor: torch.Tensor, use_avg_op: bool = True) -> str:
-    """Average `tensor` over ranks in place; return how it was done.
-
-    ReduceOp.AVG does it in one call where the backend has it; otherwise sum
-    then divide by the world size, which gives the same numbers.
-    """
-    if use_avg_op:
-        try:
-            dist.all_reduce(tensor, op=dist.ReduceOp.AVG)
-            return "ReduceOp.AVG"
-        except UNSUPPORTED_ERRORS as error:
-            if unsupported_reason(error) is None:
-                raise
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    tensor.div_(dist.get_world_size())
-    return "ReduceOp.SUM, then divide by world size (no AVG op here)"
 
 
 def demo_all_reduce(rank: int, world_size: int) -> None:
@@ -209,8 +150,8 @@ def demo_all_reduce(rank: int, world_size: int) -> None:
 
     values = rank_tensor(rank)
     before = fmt(values)
-    method = all_reduce_mean(values)
-    print_table(f"all_reduce, average: every rank ends with the mean [{method}]", before, fmt(values))
+    dist.all_reduce(values, op=dist.ReduceOp.AVG)  # gloo and nccl both have AVG
+    print_table("all_reduce(AVG): every rank ends with the mean", before, fmt(values))
     check(
         torch.allclose(values.cpu(), torch.tensor([total / world_size, 10 * total / world_size])),
         "all_reduce average",
@@ -246,7 +187,7 @@ def demo_all_gather(rank: int, world_size: int) -> None:
     # The same into one tensor N times the input's size, with no list to concatenate.
     flat = torch.zeros(2 * world_size, device=current_device())
     all_gather_single(flat, values)
-    say(f"  into one tensor, dist.{all_gather_single.__name__}: {fmt(flat)} on every rank")
+    print0(f"  into one tensor, dist.{all_gather_single.__name__}: {fmt(flat)} on every rank")
     check_equal(flat, expected, all_gather_single.__name__)
 
 
@@ -278,11 +219,7 @@ def demo_reduce_scatter(rank: int, world_size: int) -> None:
     # Rank r holds (r+1) * [1, 2, ..., N]; element j of the sum belongs to rank j.
     values = (rank + 1) * torch.arange(1.0, world_size + 1, device=current_device())
     my_share = torch.zeros(1, device=current_device())
-    try:
-        reduce_scatter_single(my_share, values, op=dist.ReduceOp.SUM)
-    except UNSUPPORTED_ERRORS as error:
-        skip_unsupported("reduce_scatter", error)
-        return
+    reduce_scatter_single(my_share, values, op=dist.ReduceOp.SUM)
     print_table(f"reduce_scatter(SUM), dist.{reduce_scatter_single.__name__}: rank i ends with element i of the sum",
                 fmt(values), fmt(my_share))
     check_equal(my_share, [total * (rank + 1)], "reduce_scatter")
@@ -293,18 +230,14 @@ def demo_all_to_all(rank: int, world_size: int) -> None:
     # the tens say who sent it, the units who it is for.
     outgoing = 10.0 * (rank + 1) + torch.arange(float(world_size), device=current_device())
     incoming = torch.zeros_like(outgoing)
-    try:
-        dist.all_to_all_single(incoming, outgoing)
-    except UNSUPPORTED_ERRORS as error:
-        skip_unsupported("all_to_all", error)
-        return
+    dist.all_to_all_single(incoming, outgoing)
     print_table("all_to_all: element j goes to rank j (a transpose across ranks)", fmt(outgoing), fmt(incoming))
     check_equal(incoming, [10 * (sender + 1) + rank for sender in range(world_size)], "all_to_all")
 
 
 def demo_send_recv(rank: int, world_size: int) -> None:
     if world_size < 2:
-        say("\n--- send/recv and isend/irecv need at least 2 ranks; skipped")
+        print0("\n--- send/recv and isend/irecv need at least 2 ranks; skipped")
         return
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
     expected = rank_tensor(left).tolist()
@@ -360,6 +293,17 @@ def demo_barrier(rank: int, world_size: int, late_seconds: float = 0.2) -> None:
 # --- the idea DDP relies on: ring all-reduce from point-to-point messages ----
 
 
+def ring_step(rank: int, world_size: int, phase: str, step: int) -> tuple[int, int]:
+    """(the chunk `rank` sends right, the chunk it receives from the left) at `step` of `phase`.
+
+    Scatter-reduce: at step s rank r sends chunk r-s and receives chunk r-s-1, so after N-1
+    steps it holds the complete sum of chunk r+1. All-gather: it passes on the finished
+    chunk r+1-s and receives chunk r-s. Either way it receives what its left neighbour sends.
+    """
+    send_index = rank - step if phase == "scatter-reduce" else rank + 1 - step
+    return send_index % world_size, (send_index - 1) % world_size
+
+
 def ring_all_reduce(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Sum `tensor` over all ranks with messages to ring neighbours only.
 
@@ -392,19 +336,16 @@ def ring_all_reduce(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
         bytes_sent += outgoing.numel() * outgoing.element_size()
         return incoming
 
-    # Phase 1, scatter-reduce: at step s rank r sends chunk r-s and adds the
-    # incoming chunk r-s-1 into its own copy. After N-1 steps rank r holds the
-    # complete sum of chunk r+1.
+    # Phase 1, scatter-reduce: add each incoming chunk into this rank's copy.
+    # After N-1 steps rank r holds the complete sum of chunk r+1.
     for step in range(world_size - 1):
-        send_index = (rank - step) % world_size
-        receive_index = (rank - step - 1) % world_size
+        send_index, receive_index = ring_step(rank, world_size, "scatter-reduce", step)
         chunks[receive_index].add_(pass_along(send_index, receive_index))
 
     # Phase 2, all-gather: pass the finished chunks around the ring; each
     # incoming chunk is already the full sum, so it overwrites.
     for step in range(world_size - 1):
-        send_index = (rank + 1 - step) % world_size
-        receive_index = (rank - step) % world_size
+        send_index, receive_index = ring_step(rank, world_size, "all-gather", step)
         chunks[receive_index].copy_(pass_along(send_index, receive_index))
 
     return flat.view_as(tensor), bytes_sent
@@ -440,14 +381,15 @@ def demo_ring_all_reduce(rank: int, world_size: int) -> None:
 
     tensor_bytes = numel * my_input.element_size()
     theory = ring_theoretical_bytes(numel, my_input.element_size(), world_size)
-    say(f"\n--- ring all-reduce from isend/irecv: {numel} float32 ({tensor_bytes} bytes) over {world_size} ranks")
-    say(f"  {world_size - 1} scatter-reduce steps + {world_size - 1} all-gather steps = {2 * (world_size - 1)} steps")
+    print0(f"\n--- ring all-reduce from isend/irecv: {numel} float32 ({tensor_bytes} bytes) over {world_size} ranks")
+    print0(f"  {world_size - 1} scatter-reduce steps + {world_size - 1} all-gather steps "
+           f"= {2 * (world_size - 1)} steps")
     for r, (sent, diff) in enumerate(gather_objects((bytes_sent, max_difference))):
-        say(f"  rank {r}: sent {sent} bytes (theory 2(N-1)/N x {tensor_bytes} = {theory:.1f}); "
-            f"max |ring - dist.all_reduce| = {diff:.2e}")
-    say(f"  for comparison, reducing to rank 0 and sending the sum back makes rank 0 receive "
-        f"{(world_size - 1) * tensor_bytes} bytes and send as many;\n"
-        f"  the ring has every rank send (and receive) under 2 x {tensor_bytes} bytes, whatever N")
+        print0(f"  rank {r}: sent {sent} bytes (theory 2(N-1)/N x {tensor_bytes} = {theory:.1f}); "
+               f"max |ring - dist.all_reduce| = {diff:.2e}")
+    print0(f"  for comparison, reducing to rank 0 and sending the sum back makes rank 0 receive "
+           f"{(world_size - 1) * tensor_bytes} bytes and send as many;\n"
+           f"  the ring has every rank send (and receive) under 2 x {tensor_bytes} bytes, whatever N")
 
     check(close_to_library, "ring all-reduce equals dist.all_reduce", f"max diff {max_difference}")
     check(close_to_hand, "ring all-reduce equals the sum computed by hand")
@@ -560,16 +502,16 @@ def demo_data_parallel(rank: int, world_size: int, steps: int = 3) -> None:
     hand_vs_single = (params["hand_rolled"] - params["single_process"]).abs().max().item()
     moved = (params["hand_rolled"] - params["initial"]).abs().max().item()
 
-    say(f"\n--- data-parallel SGD, {steps} steps, {SAMPLES_PER_RANK} samples per rank, "
-        f"{params['initial'].numel()} parameters")
+    print0(f"\n--- data-parallel SGD, {steps} steps, {SAMPLES_PER_RANK} samples per rank, "
+           f"{params['initial'].numel()} parameters")
     for r, (to_ddp, to_single, moved_r) in enumerate(gather_objects((hand_vs_ddp, hand_vs_single, moved))):
-        say(f"  rank {r}: |hand-rolled - DDP| <= {to_ddp:.1e}, "
-            f"|hand-rolled - whole batch in one process| <= {to_single:.1e} (weights moved up to {moved_r:.3f})")
-    say("  DDP automates what the hand-rolled loop spells out: it broadcasts rank 0's parameters and\n"
-        "  buffers at construction (and by default the buffers again before the first forward and each\n"
-        "  one after a forward whose gradients it synchronised), groups gradients into buckets (~25 MiB)\n"
-        "  and all-reduces each bucket as soon as backward has filled it, overlapping communication\n"
-        "  with the rest of backward.")
+        print0(f"  rank {r}: |hand-rolled - DDP| <= {to_ddp:.1e}, "
+               f"|hand-rolled - whole batch in one process| <= {to_single:.1e} (weights moved up to {moved_r:.3f})")
+    print0("  DDP automates what the hand-rolled loop spells out: it broadcasts rank 0's parameters and\n"
+           "  buffers at construction (and by default the buffers again before the first forward and each\n"
+           "  one after a forward whose gradients it synchronised), groups gradients into buckets (~25 MiB)\n"
+           "  and all-reduces each bucket as soon as backward has filled it, overlapping communication\n"
+           "  with the rest of backward.")
 
     check(torch.equal(params["after_ddp_init"], params["initial"]), "DDP broadcasts rank 0's initial weights")
     check(moved > 1e-4, "training changed the weights", f"moved {moved}")
@@ -588,10 +530,9 @@ def run_tour(rank: int, world_size: int) -> None:
     """
     if (rank, world_size) != (dist.get_rank(), dist.get_world_size()):
         raise ValueError("run_tour: rank/world_size disagree with the process group")
-    SKIPPED.clear()
-    say(f"Collective communication tour: {world_size} ranks, backend {dist.get_backend()}, "
-        f"device {current_device().type}, torch {torch.__version__}")
-    say("Rank r starts from [r+1, 10(r+1)] unless said otherwise; every result below is checked.")
+    print0(f"Collective communication tour: {world_size} ranks, backend {dist.get_backend()}, "
+           f"device {current_device().type}, torch {torch.__version__}")
+    print0("Rank r starts from [r+1, 10(r+1)] unless said otherwise; every result below is checked.")
 
     for demo in (
         demo_all_reduce,
@@ -609,34 +550,18 @@ def run_tour(rank: int, world_size: int) -> None:
     ):
         demo(rank, world_size)
 
-    skipped = f" (skipped as unsupported: {', '.join(SKIPPED)})" if SKIPPED else ""
-    say(f"\nALL CHECKS PASSED: {world_size} ranks, backend {dist.get_backend()}{skipped}")
+    print0(f"\nALL CHECKS PASSED: {world_size} ranks, backend {dist.get_backend()}")
 
 
 # --- process setup: torchrun or self-spawned ---------------------------------
-
-
-def usage_error(message: str):
-    """Bad input: one line on stderr and exit status 2, as the training scripts do."""
-    print_line(f"{os.path.basename(sys.argv[0])}: error: {message}")
-    sys.exit(2)
-
-
-def env_int(name: str, default: int | None = None) -> int:
-    value = os.environ.get(name)
-    if value is None and default is not None:
-        return default
-    if value is None or not value.strip().isdigit():
-        usage_error(f"environment variable {name}={value!r} is not a rank or size: torchrun sets it")
-    return int(value)
 
 
 def choose_backend(requested: str | None, processes_on_this_machine: int) -> str:
     """nccl needs one GPU per process on each machine; otherwise gloo on CPU."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if requested == "nccl" and gpus < processes_on_this_machine:
-        usage_error(f"--backend nccl needs one GPU per process: {processes_on_this_machine} processes, "
-                    f"{gpus} GPU(s)")
+        raise UsageError(f"--backend nccl needs one GPU per process: {processes_on_this_machine} processes, "
+                         f"{gpus} GPU(s)", met_by="node")
     if requested:
         return requested
     return "nccl" if gpus >= processes_on_this_machine else "gloo"
@@ -662,27 +587,22 @@ def run_worker(rank: int, world_size: int, backend: str, init_method: str, local
 
 def _spawned_worker(rank: int, world_size: int, backend: str, init_method: str) -> None:
     status = run_worker(rank, world_size, backend, init_method, local_rank=rank)
-    leave(status)  # the group is destroyed: skip the interpreter's teardown (see utils/cli.py)
+    leave(status)  # the group is destroyed: skip the interpreter's teardown (utils/lifecycle.py)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="A checked tour of torch.distributed collectives.")
-    parser.add_argument("--nproc", type=int, default=2, help="processes to start when not launched by torchrun")
+def main(argv: list[str] | None = None) -> None:
+    parser = Parser(description=__doc__.strip().splitlines()[0])  # a bad flag: one line, exit status 2
+    parser.add_argument("--nproc", type=positive_int, default=2,
+                        help="processes to start when not launched by torchrun")
     parser.add_argument("--backend", choices=["gloo", "nccl"], default=None,
                         help="default: nccl if every process gets a GPU, else gloo")
     args = parser.parse_args(argv)
 
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
-        rank, world_size = env_int("RANK"), env_int("WORLD_SIZE")
-        local_rank = env_int("LOCAL_RANK", rank)
-        processes_here = env_int("LOCAL_WORLD_SIZE", world_size)
-        if not rank < world_size:
-            usage_error(f"RANK={rank} is not below WORLD_SIZE={world_size}: start the tour with torchrun")
-        backend = choose_backend(args.backend, processes_here)
-        leave(run_worker(rank, world_size, backend, "env://", local_rank))
+    job = job_from_env()  # torchrun's RANK, WORLD_SIZE...; none under plain python: this process spawns
+    if job.distributed:
+        backend = choose_backend(args.backend, job.local_world_size)
+        leave(run_worker(job.rank, job.world_size, backend, "env://", job.local_rank))
 
-    if args.nproc < 1:
-        parser.error("--nproc must be at least 1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the spawned processes
     backend = choose_backend(args.backend, args.nproc)
     # Outside the kernel's ephemeral range: rank 0 listens on it only once spawned, and a port
@@ -691,14 +611,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         mp.spawn(_spawned_worker, args=(args.nproc, backend, init_method), nprocs=args.nproc, join=True)
     except mp.ProcessExitedException as failure:
-        print(f"collectives tour FAILED: process {failure.error_index} exited with status "
-              f"{failure.exit_code}; see the messages above", file=sys.stderr)
-        return 1
+        sys.exit(f"collectives tour FAILED: process {failure.error_index} exited with status "
+                 f"{failure.exit_code}; see the messages above")
     except mp.ProcessRaisedException as failure:
-        print(f"collectives tour FAILED: a process raised an exception:\n{failure}", file=sys.stderr)
-        return 1
-    return 0
+        sys.exit(f"collectives tour FAILED: a process raised an exception:\n{failure}")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)  # bad input (UsageError): one line on stderr, exit status 2

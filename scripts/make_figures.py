@@ -13,8 +13,8 @@ r"""Draw the figures of tutorials/ into tutorials/figures/ (SVG), from data rath
 Figures and where their content comes from:
 
     dp_vs_ddp         what moves where in one step of DataParallel and of DDP (a diagram)
-    ring_allreduce    every step of a ring all-reduce over 3 ranks, computed by the same
-                      index arithmetic as ring_all_reduce in scripts/collectives.py
+    ring_allreduce    every step of a ring all-reduce over 3 ranks, stepped by ring_step,
+                      the index arithmetic of ring_all_reduce in scripts/collectives.py
     ddp_timeline      a real torch.profiler trace: backward of a CIFAR ResNet-18 under DDP
                       on 2 gloo CPU processes, with each bucket's all-reduce
     no_sync           a real trace: 4 micro-batches of gradient accumulation, with and
@@ -141,23 +141,20 @@ def draw_dp_vs_ddp(out: Path):
 # --- ring all-reduce -----------------------------------------------------------------------
 
 def ring_states(n: int = 3):
-    """Every rank's chunks (as sets of contributors) after each step of the ring.
-
-    The same index arithmetic as ring_all_reduce in scripts/collectives.py: at
-    scatter-reduce step s rank r sends chunk r-s and adds chunk r-s-1 from its left;
-    at all-gather step s it sends chunk r+1-s and overwrites chunk r-s."""
+    """Every rank's chunks (as sets of contributors) after each step of the ring, with the chunk
+    each rank sent: stepped by ring_step, the index arithmetic ring_all_reduce runs in
+    scripts/collectives.py, so the figure cannot drift from the code."""
+    from collectives import ring_step  # beside this file; imports torch, so only when drawn
     chunks = [[frozenset([r]) for _ in range(n)] for r in range(n)]
     states = [("start", [row[:] for row in chunks], None)]
     for phase in ("scatter-reduce", "all-gather"):
         for step in range(n - 1):
-            sends = []
-            for rank in range(n):
-                index = (rank - step) % n if phase == "scatter-reduce" else (rank + 1 - step) % n
-                sends.append((index, chunks[rank][index]))
-            for rank in range(n):
-                index, data = sends[(rank - 1) % n]  # what the left neighbour sent
+            moves = [ring_step(rank, n, phase, step) for rank in range(n)]  # (sent, received) chunk indices
+            sent = [chunks[rank][index] for rank, (index, _) in enumerate(moves)]
+            for rank, (_, index) in enumerate(moves):
+                data = sent[(rank - 1) % n]  # what the left neighbour sent
                 chunks[rank][index] = chunks[rank][index] | data if phase == "scatter-reduce" else data
-            states.append((f"{phase} step {step + 1}", [row[:] for row in chunks], [s[0] for s in sends]))
+            states.append((f"{phase} step {step + 1}", [row[:] for row in chunks], [m[0] for m in moves]))
     return states
 
 
