@@ -37,6 +37,7 @@ def read_state(path: str) -> dict:
     if not isinstance(state, dict):
         raise UsageError(f"{path} holds a {type(state).__name__}, not a checkpoint or a state_dict")
     if state.get("format") == checkpoint.FORMAT:
+        # load_full reads checkpoint.pt again: a sharded one is small (its tensors are in the shard folder).
         return sharded.load_full(path) if "sharded" in state else state
     if state and all(isinstance(v, torch.Tensor) for v in state.values()):
         return {"model": state}
@@ -79,9 +80,7 @@ def entries(state: dict, path: str, what: str) -> dict:
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.numel() == 0:
         return 0.0
-    if a.dtype == torch.bool:
-        return float((a != b).any())
-    # float64 so that integer counters and low-precision floats subtract exactly.
+    # float64 so that integer counters and low-precision floats subtract exactly (bool: 0 and 1).
     a, b = a.double(), b.double()
     diff = (a - b).abs()
     # Equal values (the same infinity too: inf - inf is NaN) and NaN in the same place on both sides

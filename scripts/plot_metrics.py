@@ -9,13 +9,15 @@ train dashed) and training images per second. Each run is labelled by its strate
 and number of processes, with the file name added when two labels would be the same.
 
 A metrics file is JSON lines: one "epoch" record per epoch and one "end" record per
-run, appended. A resumed run appends to the same file, so an epoch can appear twice;
-the latest record of each epoch is the one plotted. Runs of another strategy, world
-size, global batch or device appended to the same file are drawn as runs of their own.
+run, appended. A resumed run appends to the same file and continues its curves (an
+epoch cut short by --max-steps, then finished, is plotted as finished); the same
+command run again starts over at step 0 and is drawn as a run of its own, as are runs
+of another strategy, world size, global batch or device. An epoch cut short and not
+finished has a hollow marker.
 
 Prints a summary of every run (its label, epochs, last test accuracy, median
-images/s). Exit status 0, or 2 with one line for a file that is missing, unreadable
-or holds no epoch records.
+images/s of its whole epochs). Exit status 0, or 2 with one line for a file that is
+missing, unreadable or holds no epoch records.
 """
 import argparse
 import json
@@ -28,7 +30,8 @@ from dataclasses import dataclass, field
 # `python scripts/plot_metrics.py` puts scripts/ on sys.path, not the repository root.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from utils import cli, lifecycle  # noqa: E402
+# Not utils.lifecycle, the scripts' exit: it imports torch, most of this tool's start-up time.
+from utils import cli  # noqa: E402
 from utils.cli import UsageError  # noqa: E402
 
 # What makes two records parts of different runs, even in one file.
@@ -41,6 +44,10 @@ class Run:
     identity: tuple
     epochs: dict = field(default_factory=dict)   # epoch -> its latest record
     label: str = ""
+
+    def cut_short(self, epoch) -> bool:
+        """Whether the epoch's record is of part of it (--max-steps stopped the run inside it)."""
+        return self.epochs[epoch].get("epoch_complete") is False
 
     def series(self, key) -> list:
         """The field per epoch in epoch order; NaN where a record lacks it (a gap in the line)."""
@@ -59,6 +66,18 @@ class Run:
         return self.identity[1]
 
 
+def continues(last: dict, record: dict) -> bool:
+    """Whether `record` belongs to the run whose latest record is `last`, resumed or not. A run checkpoints
+    before it writes an epoch's record and resumes from its checkpoint: its steps keep growing and its epochs
+    never go back; it repeats only an epoch cut short by --max-steps, to go on with it. A fresh run starts
+    over at step 0, epoch 1. (A fresh run after one cut short in its first epoch, taking more steps than
+    it did, reads as its resume: no field of the records tells them apart.)"""
+    if record["epoch"] < last["epoch"] or (record["epoch"] == last["epoch"] and last.get("epoch_complete", True)):
+        return False
+    step, last_step = record.get("step"), last.get("step")
+    return not (isinstance(step, int) and isinstance(last_step, int)) or step > last_step
+
+
 def read_runs(path) -> list:
     """The runs in one metrics file, in the order they first appear."""
     try:
@@ -68,7 +87,7 @@ def read_runs(path) -> list:
         raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError:
         raise UsageError(f"{path} is not a text file of JSON lines") from None
-    runs = {}
+    runs, current = [], {}  # current: identity -> the run that its next record may continue
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -84,12 +103,15 @@ def read_runs(path) -> list:
         if not isinstance(record.get("epoch"), int):
             raise UsageError(f"{path}, line {number}: an epoch record without a whole-number \"epoch\"")
         identity = tuple(record.get(key) for key in IDENTITY)
-        run = runs.setdefault(identity, Run(path, identity))
-        run.epochs[record["epoch"]] = record  # a resumed run's later record wins
+        run = current.get(identity)
+        if run is None or not continues(run.epochs[max(run.epochs)], record):
+            run = current[identity] = Run(path, identity)
+            runs.append(run)
+        run.epochs[record["epoch"]] = record  # an epoch cut short, then finished after a resume: the later record
     if not runs:
         raise UsageError(f"{path} holds no epoch records (was the run started with --metrics, "
                          "and did it finish an epoch?)")
-    return list(runs.values())
+    return runs
 
 
 def label_runs(runs):
@@ -126,20 +148,27 @@ def plot(runs, out_path, title=None) -> list:
         import matplotlib
         matplotlib.use("Agg")  # files only: no display needed
         import matplotlib.pyplot as plt
+        from matplotlib.backend_bases import FigureCanvasBase
         from matplotlib.lines import Line2D
     except ImportError:
         raise UsageError("matplotlib is not installed: pip install matplotlib") from None
 
+    # Refused before anything is drawn or made: matplotlib would refuse it only once the folder exists.
+    extension = os.path.splitext(out_path)[1][1:].lower()
+    if extension and extension not in FigureCanvasBase.get_supported_filetypes():
+        raise UsageError(f"cannot write {out_path}: format {extension!r} is not supported (.png, .svg or .pdf)")
     fig, (ax_loss, ax_acc, ax_speed) = plt.subplots(1, 3, figsize=(15, 4.6))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, run in enumerate(runs):
         colour = colours[i % len(colours)]
         epochs = sorted(run.epochs)
-        ax_loss.plot(epochs, run.series("test_loss"), "-o", color=colour, markersize=3)
+        whole = [index for index, epoch in enumerate(epochs) if not run.cut_short(epoch)]
+        for ax, key in ((ax_loss, "test_loss"), (ax_acc, "test_acc1"), (ax_speed, "images_per_second")):
+            ax.plot(epochs, run.series(key), "-o", color=colour, markersize=3, markevery=whole)
+            if cut := [(epoch, value) for epoch, value in zip(epochs, run.series(key)) if run.cut_short(epoch)]:
+                ax.plot(*zip(*cut), "o", color=colour, markersize=5, markerfacecolor="white")
         ax_loss.plot(epochs, run.series("train_loss"), "--", color=colour)
-        ax_acc.plot(epochs, run.series("test_acc1"), "-o", color=colour, markersize=3)
         ax_acc.plot(epochs, run.series("train_acc1"), "--", color=colour)
-        ax_speed.plot(epochs, run.series("images_per_second"), "-o", color=colour, markersize=3)
     for ax, name in ((ax_loss, "loss"), (ax_acc, "top-1 accuracy (%)"),
                      (ax_speed, "training images / s (all processes)")):
         ax.set_xlabel("epoch")
@@ -147,17 +176,20 @@ def plot(runs, out_path, title=None) -> list:
         ax.grid(alpha=0.3)
         ax.xaxis.get_major_locator().set_params(integer=True)
     ax_speed.set_ylim(bottom=0)
-    ax_loss.legend(handles=[Line2D([], [], color="grey", linestyle="-", marker="o", markersize=3, label="test"),
-                            Line2D([], [], color="grey", linestyle="--", label="train")], fontsize=8)
+    styles = [Line2D([], [], color="grey", linestyle="-", marker="o", markersize=3, label="test"),
+              Line2D([], [], color="grey", linestyle="--", label="train")]
+    if any(run.cut_short(epoch) for run in runs for epoch in run.epochs):
+        styles.append(Line2D([], [], color="grey", linestyle="", marker="o", markersize=5,
+                             markerfacecolor="white", label="epoch cut short"))
+    ax_loss.legend(handles=styles, fontsize=8)
     handles = [Line2D([], [], color=colours[i % len(colours)], linewidth=2, label=run.label)
                for i, run in enumerate(runs)]
     legend = fig.legend(handles=handles, loc="lower center", ncol=min(len(runs), 4), fontsize=9, frameon=False)
     devices = sorted({str(run.identity[3]) for run in runs if run.identity[3]})
     fig.suptitle(title or "training curves" + (f" on {', '.join(devices)}" if devices else ""), fontsize=11)
     fig.tight_layout(rect=(0, 0.06 + 0.035 * ((len(runs) - 1) // 4), 1, 1))
-    directory = os.path.dirname(os.path.abspath(out_path))
-    os.makedirs(directory, exist_ok=True)
     try:
+        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
         fig.savefig(out_path, dpi=110)
     except (ValueError, OSError) as exc:  # an unknown extension, an unwritable folder
         raise UsageError(f"cannot write {out_path}: {str(exc).splitlines()[0]}") from None
@@ -168,14 +200,20 @@ def plot(runs, out_path, title=None) -> list:
 
 def summary(runs) -> str:
     lines = [f"{'run':40s} {'epochs':>6s} {'test acc1':>9s} {'img/s':>9s}  file"]
-    # img/s: the median over epochs, so that the first epoch's warm-up does not weigh in.
+    # img/s: the median over whole epochs, so that the first epoch's warm-up does not weigh in; an epoch
+    # cut short may have timed its warm-up steps too (utils/metrics.py, EpochTimer).
     for run in runs:
         last = run.epochs[max(run.epochs)]
-        speeds = [s for s in run.series("images_per_second") if not math.isnan(s)]
+        speeds = [s for epoch, s in zip(sorted(run.epochs), run.series("images_per_second"))
+                  if not run.cut_short(epoch) and not math.isnan(s)]
         acc = last.get("test_acc1")
-        lines.append(f"{run.label:40s} {len(run.epochs):>6d} "
+        whole = sum(not run.cut_short(epoch) for epoch in run.epochs)
+        epochs = f"{whole}+" if whole < len(run.epochs) else str(whole)
+        lines.append(f"{run.label:40s} {epochs:>6s} "
                      f"{format(acc, '.2f') + '%' if isinstance(acc, (int, float)) else '-':>9s} "
                      f"{format(statistics.median(speeds), ',.0f') if speeds else '-':>9s}  {run.path}")
+    if any(run.cut_short(epoch) for run in runs for epoch in run.epochs):
+        lines.append("N+: N whole epochs and one cut short (--max-steps), left out of img/s")
     return "\n".join(lines)
 
 
@@ -187,11 +225,16 @@ def main(argv=None):
                         help="picture to write (.png, .svg or .pdf)")
     parser.add_argument("--title", default=None, help="the figure's title (default: the devices)")
     args = parser.parse_args(argv)
-    runs = label_runs([run for path in args.metrics for run in read_runs(path)])
-    plot(runs, args.output, args.title)
+    try:
+        runs = label_runs([run for path in args.metrics for run in read_runs(path)])
+        plot(runs, args.output, args.title)
+    except UsageError as err:  # bad input: one line, exit status 2, as the training scripts
+        print(f"plot_metrics.py: error: {err}", file=sys.stderr)
+        return 2
     print(summary(runs))
     print(f"wrote {args.output} ({len(runs)} run{'s' if len(runs) != 1 else ''})")
+    return 0
 
 
 if __name__ == "__main__":
-    lifecycle.run_main(main)
+    sys.exit(main())

@@ -30,18 +30,19 @@ def load_tool():
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """Two runs of distributed.py with the same flags and one with another seed, 2
-    steps each; in this process, which spares three `import torch` subprocesses. On the CPU
-    on a GPU machine too: "the same flags give the same weights" is a bitwise claim there."""
+    """Two runs of distributed.py with the same flags, one with another seed and one with
+    another --lr, 2 steps each; in this process, which spares four `import torch` subprocesses.
+    On the CPU on a GPU machine too: "the same flags give the same weights" is a bitwise claim there."""
     root = tmp_path_factory.mktemp("runs")
     paths = {}
     with pytest.MonkeyPatch.context() as mp:
         for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
             mp.delenv(name, raising=False)  # one process, no process group
         keep_on_cpu(mp)
-        for name, seed in (("first", 0), ("again", 0), ("other_seed", 1)):
+        runs = {"first": [], "again": [], "other_seed": ["--seed", "1"], "other_lr": ["--lr", "0.05"]}
+        for name, flags in runs.items():
             script = load_module("distributed", ROOT / "distributed.py")
-            script.main([*SMALL, "--max-steps", "2", "--seed", str(seed), "--checkpoint-dir", str(root / name)])
+            script.main([*SMALL, "--max-steps", "2", *flags, "--checkpoint-dir", str(root / name)])
             paths[name] = root / name / "checkpoint.pt"
     return paths
 
@@ -60,6 +61,18 @@ def test_different_seeds_differ(checkpoints, capsys):
     assert "differs: model.conv1.weight max |A-B| = " in out
     assert "differs: model.fc.weight max |A-B| = " in out
     assert "match:" not in out
+
+
+def test_another_learning_rate_is_named_in_the_optimizer_state(checkpoints, capsys):
+    """Plain values (lr, momentum) are compared too, not only tensors."""
+    assert load_tool().main([str(checkpoints["first"]), str(checkpoints["other_lr"]), "--what", "optimizer"]) == 1
+    out = capsys.readouterr().out
+    # --lr is per 128 samples a step (linear scaling): batch 32 gives a quarter.
+    assert "differs: optimizer.param_groups.0.initial_lr 0.025 vs 0.0125" in out
+    assert "differs: optimizer.param_groups.0.lr " in out
+    assert "differs: optimizer.state.0.momentum_buffer max |A-B| = " in out
+    assert "optimizer.param_groups.0.momentum" not in out  # the same value on both sides
+    assert "model." not in out  # --what optimizer: the weights, different too, are not compared
 
 
 def test_corrupt_file_is_one_line_and_exit_2(checkpoints, tmp_path):
@@ -130,6 +143,22 @@ def test_the_same_infinity_matches_and_another_dtype_differs(tmp_path, capsys):
     assert "differs: model.w max |A-B| = inf" in capsys.readouterr().out
     assert tool.main([str(tmp_path / "a.pt"), str(tmp_path / "f64.pt")]) == 1
     assert "dtype differs: model.w torch.float32 vs torch.float64" in capsys.readouterr().out
+
+
+def test_bool_tensors_differ_by_one(tmp_path, capsys):
+    """A mask that differs in some place counts as a difference of 1, as True - False."""
+    tool = load_tool()
+    mask = torch.tensor([True, False, True])
+    assert tool.max_abs_diff(mask, mask.clone()) == 0.0
+    assert tool.max_abs_diff(mask, ~mask) == 1.0
+    assert tool.max_abs_diff(torch.tensor(True), torch.tensor(False)) == 1.0
+    torch.save({"mask": mask}, tmp_path / "a.pt")
+    torch.save({"mask": torch.tensor([True, True, True])}, tmp_path / "b.pt")
+    assert tool.main([str(tmp_path / "a.pt"), str(tmp_path / "a.pt")]) == 0
+    assert tool.main([str(tmp_path / "a.pt"), str(tmp_path / "b.pt")]) == 1
+    assert "differs: model.mask max |A-B| = 1" in capsys.readouterr().out
+    assert tool.main([str(tmp_path / "a.pt"), str(tmp_path / "b.pt"), "--atol", "1"]) == 0
+    capsys.readouterr()
 
 
 def test_not_a_state_dict_is_exit_2(tmp_path, capsys):

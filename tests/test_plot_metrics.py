@@ -103,7 +103,6 @@ def test_a_missing_file_is_one_line_and_exit_2(tmp_path):
     assert not (tmp_path / "x.png").exists()
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 @pytest.mark.parametrize("content, fragment", [
     ('{"event": "epoch", "epoch": 1}\n{"event": "epo', "line 2: not JSON"),
     ('{"event": "end", "epoch": 3}\n', "holds no epoch records"),
@@ -114,18 +113,97 @@ def test_a_missing_file_is_one_line_and_exit_2(tmp_path):
 def test_bad_metrics_files_exit_2_with_one_line(content, fragment, tmp_path, capsys):
     path = tmp_path / "bad.jsonl"
     path.write_text(content)
-    with pytest.raises(SystemExit) as exit_:
-        plot_metrics.lifecycle.run_main(plot_metrics.main, [str(path), "-o", str(tmp_path / "x.png")])
-    assert exit_.value.code == 2
+    assert plot_metrics.main([str(path), "-o", str(tmp_path / "x.png")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and fragment in err and str(path) in err, err
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
-def test_an_unknown_picture_format_exits_2(tmp_path, capsys):
+def test_an_unknown_picture_format_exits_2_and_makes_no_folder(tmp_path):
     path = tmp_path / "ok.jsonl"
     path.write_text(json.dumps(record(1)) + "\n")
-    with pytest.raises(SystemExit) as exit_:
-        plot_metrics.lifecycle.run_main(plot_metrics.main, [str(path), "-o", str(tmp_path / "curves.xyz")])
-    assert exit_.value.code == 2
-    assert "cannot write" in capsys.readouterr().err
+    proc = run_script(["scripts/plot_metrics.py", path, "-o", tmp_path / "new" / "curves.xyz"], check=False)
+    assert_one_line_error(proc, "cannot write", "curves.xyz", "'xyz'")
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_folder_that_cannot_be_made_is_one_line_and_exit_2(tmp_path):
+    path = tmp_path / "ok.jsonl"
+    path.write_text(json.dumps(record(1)) + "\n")
+    # A file where the folder should be: os.makedirs fails, as it does under /proc or without write permission.
+    (tmp_path / "taken").write_text("")
+    proc = run_script(["scripts/plot_metrics.py", path, "-o", tmp_path / "taken" / "sub" / "x.png"], check=False)
+    assert_one_line_error(proc, "cannot write", "x.png")
+
+
+def test_torch_is_not_imported(tmp_path):
+    """A tool that reads JSON and draws: `import torch` would be most of its start-up time."""
+    path = tmp_path / "ok.jsonl"
+    path.write_text(json.dumps(record(1)) + "\n")
+    proc = run_script(["-X", "importtime", "scripts/plot_metrics.py", path, "-o", tmp_path / "x.png"])
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "matplotlib" in imported  # the list is the real one
+    assert "torch" not in imported
+
+
+# --- runs in one file: a resume continues its run, a fresh run starts another ------------
+
+def steps(*records):
+    """Hand-made records of one identity: (epoch, step, whole epoch?) or "end"."""
+    return [{"event": "end"} if r == "end" else record(r[0], step=r[1], epoch_complete=r[2]) for r in records]
+
+
+@pytest.mark.parametrize("records, runs", [
+    # Run again with the same flags: the steps start over.
+    (steps((1, 8, True), (2, 16, True), (3, 24, True), "end", (1, 8, True), (2, 16, True)), [[1, 2, 3], [1, 2]]),
+    # --max-steps 12 stops in epoch 2 (its record, then the end record); --resume finishes epoch 2.
+    (steps((1, 8, True), (2, 12, False), "end", (2, 16, True), "end"), [[1, 2]]),
+    # Cut twice in epoch 2, then finished; or stopped by a signal mid-epoch 2 (no record), then resumed.
+    (steps((1, 8, True), (2, 10, False), (2, 12, False), (2, 16, True)), [[1, 2]]),
+    (steps((1, 8, True), (2, 16, True), (3, 24, True)), [[1, 2, 3]]),
+    # A fresh run on more samples: its steps pass the last run's, its epochs start over.
+    (steps((1, 4, True), (2, 8, True), (1, 10, True)), [[1, 2], [1]]),
+    # A fresh run repeats a whole epoch; a resume repeats only one cut short.
+    (steps((1, 8, True), (1, 9, True)), [[1], [1]]),
+    # A fresh run after one cut short, stopping earlier than it.
+    (steps((1, 5, False), (1, 3, False)), [[1], [1]]),
+])
+def test_a_resume_continues_its_run_and_a_fresh_run_starts_another(records, runs, tmp_path):
+    path = tmp_path / "runs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert [sorted(run.epochs) for run in plot_metrics.read_runs(str(path))] == runs
+
+
+def test_the_same_flags_run_twice_into_one_file_are_two_runs(tmp_path):
+    path = tmp_path / "twice.jsonl"
+    first = [record(e, step=8 * e, epoch_complete=True, test_acc1=acc) for e, acc in ((1, 10), (2, 20), (3, 30))]
+    again = [record(e, step=8 * e, epoch_complete=True, test_acc1=acc) for e, acc in ((1, 11), (2, 21))]
+    path.write_text("".join(json.dumps(r) + "\n" for r in [*first, dict(first[-1], event="end"), *again]))
+    runs = plot_metrics.label_runs(plot_metrics.read_runs(str(path)))
+    assert [run.series("test_acc1") for run in runs] == [[10, 20, 30], [11, 21]]
+    rows = plot_metrics.summary(runs).splitlines()[1:]
+    assert len(rows) == 2 and " 30.00% " in rows[0] and " 21.00% " in rows[1], rows
+
+
+# --- an epoch cut short (--max-steps): drawn and counted as part of one ------------------
+
+def test_an_epoch_cut_short_is_marked_and_left_out_of_images_per_second(tmp_path, monkeypatch):
+    path = tmp_path / "cut.jsonl"
+    # Epoch 2 stopped by --max-steps after a few steps: its images/s may include the warm-up.
+    path.write_text(json.dumps(record(1, step=8, epoch_complete=True, images_per_second=100.0)) + "\n"
+                    + json.dumps(record(2, step=10, epoch_complete=False, images_per_second=10.0)) + "\n")
+    runs = plot_metrics.label_runs(plot_metrics.read_runs(str(path)))
+    header, row, *notes = plot_metrics.summary(runs).splitlines()
+    assert row.split()[3:6] == ["1+", "50.00%", "100"], row  # not 2 epochs, not the median 55
+    assert any("cut short" in note for note in notes), notes
+
+    import matplotlib.pyplot as plt
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to look at its lines
+    plot_metrics.plot(runs, str(tmp_path / "cut.png"))
+    (figure,) = figures
+    for ax in figure.axes:
+        hollow = [line for line in ax.get_lines() if line.get_markerfacecolor() == "white"]
+        assert [list(line.get_xdata()) for line in hollow] == [[2]], ax.get_title()
+        filled = [line for line in ax.get_lines() if line.get_marker() == "o" and line not in hollow]
+        assert [line.get_markevery() for line in filled] == [[0]], ax.get_title()  # epoch 1's dot only
+    assert any("cut short" in text.get_text() for text in figure.axes[0].get_legend().get_texts())
