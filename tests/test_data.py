@@ -8,6 +8,7 @@ import pickle
 import struct
 import sys
 import warnings
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -303,10 +304,14 @@ def test_train_sampler_refuses_a_set_smaller_than_one_batch():
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_shard_sampler_counts_every_test_sample_once(world_size):
-    shards = [list(data.ShardSampler(101, rank, world_size)) for rank in range(world_size)]
+def test_evaluation_counts_every_test_sample_once(world_size):
+    args = SimpleNamespace(workers=0)
+    loaders = [data.eval_loader(list(range(101)), 8, DistEnv(rank, rank, world_size, world_size,
+                                                            torch.device("cpu"), world_size > 1), args)
+               for rank in range(world_size)]
+    shards = [torch.cat(list(loader)).tolist() for loader in loaders]
     assert sorted(i for shard in shards for i in shard) == list(range(101))
-    assert [len(data.ShardSampler(101, r, world_size)) for r in range(world_size)] == [len(s) for s in shards]
+    assert [len(loader.sampler) for loader in loaders] == [len(s) for s in shards]
     assert max(map(len, shards)) - min(map(len, shards)) <= 1
 
 

@@ -378,20 +378,6 @@ class TrainSampler(Sampler):
         return iter([(index, self.epoch) for index in self.epoch_indices().tolist()])
 
 
-class ShardSampler(Sampler):
-    """Evaluation: rank r takes samples r, r+W, ... once each. DistributedSampler would pad the last
-    shard with repeats, counted twice; evaluate() all-reduces sums and counts over uneven shards."""
-
-    def __init__(self, num_samples: int, rank: int, world_size: int):
-        self.indices = range(rank, num_samples, world_size)
-
-    def __len__(self):
-        return len(self.indices)
-
-    def __iter__(self):
-        return iter(self.indices)
-
-
 # --- loaders -----------------------------------------------------------------------
 
 def _worker_init(_):
@@ -459,4 +445,6 @@ def train_loader(train_set, per_device_batch: int, global_batch: int, env: DistE
 
 
 def eval_loader(test_set, batch_size: int, env: DistEnv, args) -> DataLoader:
-    return _loader(test_set, ShardSampler(len(test_set), env.rank, env.world_size), batch_size, env, args)
+    """Rank r evaluates samples r, r+W, ... once each (a range is a sampler). DistributedSampler would pad the
+    last shard with repeats, counted twice; metrics.evaluate all-reduces sums and counts over uneven shards."""
+    return _loader(test_set, range(env.rank, len(test_set), env.world_size), batch_size, env, args)

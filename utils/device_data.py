@@ -73,7 +73,7 @@ class DeviceTrainLoader:
 
 class DeviceEvalLoader:
     """This rank's shard of the test set (samples rank, rank + W, ..., as
-    data.ShardSampler), resident on the device, in batches of one fixed shape.
+    data.eval_loader), resident on the device, in batches of one fixed shape.
 
     The last batch is filled up with zero images whose target is PAD_TARGET, which
     metrics.evaluate leaves out of every sum: each sample is still counted once, and

@@ -28,7 +28,7 @@ import torch
 from . import checkpoint, observe
 from .cli import UsageError, first_line, given, plain_config
 from .data import steps_per_epoch
-from .distributed import DistEnv, all_ranks_ok, any_rank, device_name, is_main, meeting, print0
+from .distributed import DistEnv, all_ranks_ok, any_rank, device_name, meeting, print0
 from .lifecycle import stop_signals, stop_under_way
 from .metrics import EpochTimer, TrainMeter, peak_memory_mb, reset_peak_memory
 
@@ -350,7 +350,7 @@ class TrainingRun:
 
     def record(self, record: dict):
         """One JSON line in --metrics, appended and flushed (global rank 0)."""
-        if self.args.metrics and is_main():
+        if self.args.metrics and self.env.is_main:
             with open(self.args.metrics, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
