@@ -724,8 +724,11 @@ def test_workers_stop_when_torchrun_is_killed(tmp_path):
     proc = Proc(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                  FAULTS, "--fault", "kill-launcher", "--rank", "0", "--step", "3", "--",
                  "distributed.py", *LONG, "--checkpoint-dir", tmp_path], **FRESH_STORE)
-    proc.popen.wait(120)  # the agent dies of SIGKILL at step 3
-    wait_until_gone(proc)
+    try:
+        proc.popen.wait(120)  # the agent dies of SIGKILL at step 3
+        wait_until_gone(proc)
+    finally:
+        proc.kill()  # whatever is left, if the test failed before its workers were gone
     output = proc.output()
     # Orphaned, the workers stopped as on SIGTERM (each sends it to itself; whichever rank
     # noticed first is "another rank" to the other): at an agreed step, with a checkpoint.

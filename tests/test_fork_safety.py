@@ -119,7 +119,9 @@ def test_forking_the_workers_early_loads_nothing_until_the_first_epoch():
     train, test = CountedSamples(), CountedSamples()
     loaders = [data.train_loader(train, 8, 8, env, args), data.eval_loader(test, 8, env, args)]
     assert all(loader._iterator is not None for loader in loaders)  # the workers are there
-    time.sleep(1.0)  # what they would have prefetched by now
+    # No batch was asked of them (DataLoader's count of requests sent), whenever they start; nor loaded since.
+    assert [loader._iterator._send_idx for loader in loaders] == [0, 0]
+    time.sleep(1.0)
     assert (train.loads.value, test.loads.value) == (0, 0)
     for epoch in range(2):
         loaders[0].sampler.set_epoch(epoch)
