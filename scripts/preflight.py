@@ -33,6 +33,7 @@ scripts), --workers and --model. Exit status: 0 all is well, 1 problems (listed
 at the end), 2 bad arguments. Only global rank 0 prints.
 """
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -56,12 +57,11 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import DEFAULT
 from models import MODEL_NAMES, build_model  # noqa: E402
 from utils import cli, distributed as dist_utils, lifecycle, network, spawn  # noqa: E402
 from utils.cli import UsageError  # noqa: E402
+from utils.data import NUM_CLASSES  # noqa: E402  (the classifier's size enters the gradient's size)
 
-DEFAULT_SHM = "/dev/shm"
 DEFAULT_PORT = 29500      # torchrun's --master-port and the launch scripts' default rendezvous port
 STORE_PORT_FIX = ("let the nodes reach each other on every TCP port: torchrun's c10d rendezvous serves the ranks' "
                   "store at a port it picks on node 0, not the endpoint's, and gloo and NCCL pick ports of their own")
-NUM_CLASSES = 100         # CIFAR-100: the classifier's size enters the gradient's size
 ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_GLOO_")
 GiB = 2**30
 
@@ -111,8 +111,7 @@ def endpoint(text):
 
 def build_parser():
     # utils.cli's parser: a bad flag is one line on stderr and exit status 2, printed by rank 0 only.
-    parser = cli.Parser(description=__doc__.strip().splitlines()[0],
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = cli.Parser(description=__doc__.strip().splitlines()[0], formatter_class=cli.Help)
     g = parser.add_argument_group("the training job to check (pass its own values)")
     g.add_argument("--workers", type=cli.non_negative_int, default=4,
                    help="DataLoader worker processes per training process")
@@ -131,7 +130,7 @@ def build_parser():
     g.add_argument("--nproc", type=cli.positive_int, default=None,
                    help="processes to start under plain python (default: one per local GPU, 2 on a CPU); "
                         "under torchrun the launcher's processes are used")
-    g.add_argument("--shm-dir", default=DEFAULT_SHM,
+    g.add_argument("--shm-dir", default=lifecycle.SHM_DIR,
                    help="where the loader workers' shared memory lives")
     g.add_argument("--port", type=tcp_port, default=None,
                    help=f"rendezvous port the training job will use, checked on this node; without it "
@@ -153,73 +152,52 @@ class Role:
     local_world_size: int
     node: int              # node rank (torchrun's GROUP_RANK)
     launcher: str          # "python" or "torchrun"
+    nodes: int = 1         # nodes in the job (torchrun's GROUP_WORLD_SIZE)
 
 
-def under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+def role_from(job: dist_utils.DistEnv) -> Role:
+    """A process started by torchrun (or by hand with its variables), as utils.distributed read it."""
+    node, nodes = dist_utils._env_int("GROUP_RANK", 0), dist_utils._env_int("GROUP_WORLD_SIZE", 1)
+    return Role(job.rank, job.world_size, job.local_rank, job.local_world_size, node, "torchrun", nodes)
 
 
-def role_from_env() -> Role:
-    world_size = int(os.environ["WORLD_SIZE"])
-    return Role(int(os.environ["RANK"]), world_size, int(os.environ.get("LOCAL_RANK", 0)),
-                int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), int(os.environ.get("GROUP_RANK", 0)),
-                "torchrun")
+def local_devices() -> tuple:
+    """(device type, count) of the devices that take one process each: none on the CPU, nor on MPS,
+    which no collective backend serves (its processes then run on the CPU, with gloo)."""
+    kind = dist_utils.device_type()
+    return ("cpu", 0) if kind in ("cpu", "mps") else (kind, torch.accelerator.device_count())
 
 
-def accelerator():
-    """The device type torch.accelerator finds (cuda also on ROCm), or None for CPU only."""
-    return torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else None
-
-
-def device_count(kind) -> int:
-    return torch.accelerator.device_count() if kind is not None else 0
-
-
-def rank_device(role: Role):
-    kind = accelerator()
-    if kind is None or kind == "mps":  # MPS: a single process, no collective backend
-        return torch.device("cpu")
-    return torch.device(kind, role.local_rank)
-
-
-def validate(args, torchrun: bool):
+def validate(args, job: dist_utils.DistEnv):
     """Bad input that argparse cannot see: one line and exit status 2, before any process starts."""
-    if not hasattr(torch, "accelerator"):
-        raise UsageError(f"PyTorch {torch.__version__} is too old for this check: it needs torch.accelerator (2.6+)")
-    if not os.path.isdir(args.shm_dir) and args.shm_dir != DEFAULT_SHM:
+    if not os.path.isdir(args.shm_dir) and args.shm_dir != lifecycle.SHM_DIR:
         raise UsageError(f"--shm-dir {args.shm_dir} is not a directory")
-    kind = accelerator()
-    count = device_count(kind) if kind not in (None, "mps") else 0
-    if torchrun:
+    kind, count = local_devices()
+    devices = f"{count} {kind} device{'s' if count != 1 else ''} visible"
+    if job.distributed:
         if args.nproc is not None:
             raise UsageError("--nproc is for plain python; under torchrun use --nproc_per_node")
         if args.rdzv_endpoint is not None:
             raise UsageError("--rdzv-endpoint is for plain python (one node, before the job); under torchrun "
                              "the check crosses the network torchrun's own rendezvous uses")
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-        if count and local > count:
-            raise UsageError(f"{local} processes per node but only {count} {kind} device"
-                             f"{'s' if count != 1 else ''} visible: use --nproc_per_node={count} or fewer")
+        if count and job.local_world_size > count:
+            raise UsageError(f"{job.local_world_size} processes per node but only {devices}: "
+                             f"use --nproc_per_node={count} or fewer")
     elif count and args.nproc is not None and args.nproc > count:
-        raise UsageError(f"--nproc {args.nproc} but only {count} {kind} device{'s' if count != 1 else ''} "
-                         f"visible (one process per device): use --nproc {count} or fewer")
+        raise UsageError(f"--nproc {args.nproc} but only {devices} (one process per device): "
+                         f"use --nproc {count} or fewer")
 
 
 # --- facts: what each process finds on its own, no communication --------------------------
 
 def versions() -> dict:
     out = {"python": platform.python_version(), "torch": torch.__version__,
-           "cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None), "cudnn": None, "nccl": None}
-    try:
+           "cuda": torch.version.cuda, "hip": torch.version.hip, "cudnn": None, "nccl": None}
+    with contextlib.suppress(RuntimeError):
         out["cudnn"] = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-    except RuntimeError:
-        pass
     if torch.version.cuda or out["hip"]:
-        try:
-            nccl = torch.cuda.nccl.version()
-            out["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
-        except (RuntimeError, AttributeError):
-            pass
+        with contextlib.suppress(RuntimeError, AttributeError):  # a build without NCCL
+            out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     return out
 
 
@@ -238,13 +216,7 @@ def host_memory() -> tuple:
 
 def device_memory(device) -> tuple:
     """(free, total) bytes of this rank's device, seen by all processes on it; host RAM for the CPU."""
-    if device.type == "cpu":
-        return host_memory()
-    if hasattr(torch.accelerator, "get_memory_info"):  # not in the first releases of torch.accelerator
-        return torch.accelerator.get_memory_info(device.index)
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)
-    return None, None
+    return host_memory() if device.type == "cpu" else torch.accelerator.get_memory_info(device.index)
 
 
 def cpu_model() -> str:
@@ -374,15 +346,17 @@ def endpoint_findings(endpoint: str) -> list:
     agent hosts the store where the endpoint is "localhost", a loopback address, this host's name
     or an address that name resolves to (torch.distributed.elastic.rendezvous.utils.
     _matches_machine_hostname, asked here); an address of this host that its name does not
-    resolve to is not recognised, and nobody hosts the store."""
+    resolve to is not recognised, and nobody hosts the store. The opposite error is harmless: an
+    agent that wrongly takes itself for the host serves a store nobody uses, and connects to the
+    endpoint as the others do (c10d_rendezvous_backend._create_tcp_store)."""
     from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
     name = socket.gethostname()
+    here = network.own_address(endpoint)  # the endpoint's address that is this host's
     try:
-        hosts = _matches_machine_hostname(endpoint)
+        hosts = here and _matches_machine_hostname(endpoint)
     except OSError:  # this host's own name does not resolve
         hosts = False
-    here = network.own_address(endpoint)  # the endpoint's address that is this host's
     if here and not hosts:
         return [network.Finding(
             True, f"this host is the rendezvous endpoint {endpoint}, but torchrun's c10d rendezvous will not host "
@@ -392,11 +366,6 @@ def endpoint_findings(endpoint: str) -> list:
             f"map {name} to {here} in /etc/hosts; or add --rdzv-conf is_host=1 to torchrun on this node only "
             "(scripts/torchrun_bounded.py, which the launchers use, does); or use the static rendezvous: "
             f"--master-addr {endpoint} --master-port PORT --node-rank 0 here (1, 2... elsewhere)")]
-    if hosts and not here:
-        return [network.Finding(
-            True, f"the rendezvous endpoint {endpoint} means this host to torchrun on every node, so each node "
-                  "hosts a store of its own and waits alone",
-            "give every node the same endpoint: node 0's name or address as the other nodes reach it")]
     return []
 
 
@@ -406,8 +375,7 @@ def rank_facts(role: Role, args, device) -> dict:
              dist_utils.device_name(device)}
     facts["mem_free"], facts["mem_total"] = device_memory(device)
     if role.local_rank == 0:  # the node's own facts, once per node
-        kind = None if device.type == "cpu" else device.type
-        count = device_count(kind)
+        kind, count = local_devices()
         facts["node_facts"] = {
             "local_world_size": role.local_world_size,
             "devices": [dist_utils.device_name(torch.device(kind, i)) for i in range(count)],
@@ -421,11 +389,10 @@ def rank_facts(role: Role, args, device) -> dict:
             "network": network_facts(role, args, device),
         }
     if role.rank == 0:
-        endpoint = args.rdzv_endpoint if role.launcher == "python" else None
-        if endpoint is not None and not facts.get("node_facts", {}).get("network", {}).get("endpoint", {}).get("here"):
-            pass  # the endpoint is another node: its port is that node's to check
-        elif role.launcher == "python" or args.port is not None:
-            facts["port"] = port_facts(args.port or (endpoint[1] if endpoint else DEFAULT_PORT))
+        endpoint = facts["node_facts"]["network"].get("endpoint")  # --rdzv-endpoint, under plain python
+        # An endpoint on another node: its port is that node's to check.
+        if (endpoint is None or endpoint["here"]) and (role.launcher == "python" or args.port is not None):
+            facts["port"] = port_facts(args.port or (endpoint["port"] if endpoint else DEFAULT_PORT))
         if role.launcher == "torchrun":
             facts["rendezvous"] = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     return facts
@@ -508,9 +475,7 @@ def communicate(role: Role, args, device, node_facts) -> tuple:
     """Join the process group, copy between peers, time the all-reduce.
     Returns (result, hung): a hung rank must leave with os._exit."""
     result = {}
-    backend = dist.get_default_backend_for_device(device) if hasattr(dist, "get_default_backend_for_device") \
-        else ("nccl" if device.type == "cuda" else "gloo")
-    result["backend"] = backend
+    result["backend"] = backend = dist.get_default_backend_for_device(device)
     steps = []
     if role.world_size > 1:
         store = dist.PrefixStore("pg", STORE)
@@ -563,7 +528,8 @@ def collect(name, world_size, seconds) -> dict:
 
 
 def check_this_rank(role: Role, args) -> int:
-    device = rank_device(role)
+    kind, _ = local_devices()
+    device = torch.device("cpu") if kind == "cpu" else torch.device(kind, role.local_rank)
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
     facts = rank_facts(role, args, device)
@@ -604,14 +570,12 @@ def size(n) -> str:
     return f"{n} B"
 
 
-def ifname_matches(value, names, prefix_match):
-    """Interfaces that NCCL_SOCKET_IFNAME (prefixes; ^ excludes, = exact) or
-    GLOO_SOCKET_IFNAME (exact names; none if one is unknown: gloo fails on it) would use."""
+def nccl_interfaces(value, names) -> list:
+    """The interfaces NCCL_SOCKET_IFNAME selects: names that begin with one of its prefixes (= exact
+    names, ^ all but those). How gloo reads GLOO_SOCKET_IFNAME is utils/network.py's."""
     exclude = value.startswith("^")
-    exact = value.lstrip("^").startswith("=") or not prefix_match
+    exact = value.lstrip("^").startswith("=")
     items = [v for v in value.lstrip("^=").split(",") if v]
-    if not prefix_match and not set(items) <= set(names):
-        return []
     hit = [n for n in names if any(n == v or (not exact and n.startswith(v)) for v in items)]
     return [n for n in names if n not in hit] if exclude else hit
 
@@ -630,6 +594,9 @@ class Report:
         self.present = {r: f for r, f in all_facts.items() if f}
         # One rank per node (its local rank 0) carries the node's facts.
         self.nodes = {f["node"]: f for f in self.present.values() if "node_facts" in f}
+        self.missing = [r for r, f in all_facts.items() if not f]
+        # From the launcher, not from the nodes that reported: one may be silent.
+        self.several_nodes = role.world_size > role.local_world_size
         self.backend = (results.get(0) or {}).get("backend", "?")
         self.problems = []
 
@@ -653,21 +620,23 @@ class Report:
             yield node, f, f["node_facts"]
 
     def header(self):
-        f0, world, nodes = self.all_facts[0], self.world, len(self.nodes)
+        f0, world, nodes = self.all_facts[0], self.world, self.role.nodes
         launched = ("plain python: this script started them" if self.role.launcher == "python"
                     else f"torchrun, rendezvous {f0.get('rendezvous')}")
         print(f"preflight: {world} process{'es' if world != 1 else ''} on {nodes} node{'s' if nodes != 1 else ''} "
               f"({launched}), backend {self.backend}")
-        missing = [r for r, f in self.all_facts.items() if not f]
-        if missing:
-            # Under torchrun every node passed the rendezvous before its ranks started.
-            self.problem(f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not report "
-                         f"within --timeout {self.args.timeout:g} s",
-                         f"{STORE_PORT_FIX} (each node's own output says if its ranks could not reach "
-                         f"{f0.get('rendezvous')}); a slow start (busy file system) needs a larger --timeout"
-                         if self.role.launcher == "torchrun" else
-                         "run the same command on every node, check that each reaches the rendezvous host; "
-                         "a slow start (busy file system) needs a larger --timeout")
+        if self.missing:
+            # Under torchrun every node passed the rendezvous before its ranks started; under plain
+            # python the missing ranks are this script's own processes, which ended or are slow.
+            self.problem(f"{self.ranks(self.missing)} did not report within --timeout {self.args.timeout:g} s",
+                         (f"{STORE_PORT_FIX} (each node's own output says if its ranks could not reach "
+                          f"{f0.get('rendezvous')})" if self.role.launcher == "torchrun" else
+                          "a process that ended printed its error above")
+                         + "; a slow start (busy file system) needs a larger --timeout")
+
+    @staticmethod
+    def ranks(ranks) -> str:
+        return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
     def versions(self):
         print("\nversions")
@@ -703,7 +672,10 @@ class Report:
         for node, f, nf in self.each_node():
             access = nf["peer_access"]
             if not access:
-                print(f"  node {node}: {'one device' if len(nf['devices']) == 1 else 'no GPUs'}: nothing to check")
+                count, kind = len(nf["devices"]), f["device"].split(":")[0]
+                print(f"  node {node}: " + ("no accelerator: nothing to check" if not count else
+                                            "one device: nothing to check" if count == 1 else
+                                            f"{count} {kind} devices: checked on CUDA and ROCm GPUs only"))
                 continue
             n = len(access)
             print(f"  node {node}:   " + " ".join(f"{j:>3}" for j in range(n)))
@@ -729,11 +701,10 @@ class Report:
     def network(self):
         """Each node as the others see it; what cannot work is a problem, what may not is a
         note (and the likeliest cause if the all-reduce fails)."""
-        nodes = [(node, f, nf["network"]) for node, f, nf in self.each_node() if nf.get("network")]
-        if not nodes:
-            return
         print("\nnetwork (utils/network.py: how gloo chooses, and what keeps the nodes apart)")
-        for node, f, net in nodes:
+        findings = self.network_findings()
+        for node, _, nf in self.each_node():
+            net = nf["network"]
             gloo, nccl = net["gloo"], net["nccl"]
             print(f"  node {node} ({net['hostname']}): its name resolves to {', '.join(net['resolves']) or 'nothing'}; "
                   f"gloo listens on {gloo['address']} ({gloo['interface'] or '?'}: {gloo['why']}); NCCL: "
@@ -758,21 +729,25 @@ class Report:
                                  f"{endpoint['answers']}",
                                  f"check the address, the route (ip route get {endpoint['host']}) and the firewall "
                                  f"between the nodes (port {endpoint['port']}/tcp, and the ports gloo and NCCL open)")
-            net["findings"] = self.seen_by_the_others(node, net, nodes) + net["findings"]  # network_fixes reads them
-            for finding in net["findings"]:
+            for finding in findings[node]:
                 if finding["certain"]:
                     self.problem(f"node {node} ({net['hostname']}): {finding['what']}", finding["fix"])
                 else:
                     print(f"  node {node}: note: {finding['what']} (fix: {finding['fix']})")
 
+    def network_findings(self) -> dict:
+        """{node: utils/network.py's findings there, after what the other nodes' facts say of it}."""
+        nets = {node: nf["network"] for node, _, nf in self.each_node()}
+        return {node: self.seen_by_the_others(node, net, nets) + net["findings"] for node, net in nets.items()}
+
     @staticmethod
-    def seen_by_the_others(node, net, nodes) -> list:
+    def seen_by_the_others(node, net, nets) -> list:
         """On the node that MASTER_ADDR names (node 0 under torchrun, by its own name), the
         interface the others reach it by is the one holding the address they resolve that
-        name to; gloo there must listen on it too. Added to the node's findings."""
+        name to; gloo there must listen on it too."""
         if not net.get("peer_is_here") or net["gloo"]["address"] is None:
             return []
-        theirs = {other_net["peer_addresses"][0] for other, _, other_net in nodes
+        theirs = {other_net["peer_addresses"][0] for other, other_net in nets.items()
                   if other != node and other_net.get("peer_addresses")}
         wanted = {name for name, address in net["interfaces"].items() if address in theirs}
         if not wanted or net["gloo"]["interface"] in wanted:
@@ -786,24 +761,26 @@ class Report:
 
     def network_fixes(self) -> str:
         """The nodes' own fixes for their network (utils/network.py's findings), or ''."""
-        fixes = []
-        for node, _, nf in self.each_node():
-            findings = (nf.get("network") or {}).get("findings") or []
-            if findings:
-                fixes.append(f"node {node} ({nf['network']['hostname']}): "
-                             + " and ".join(dict.fromkeys(f["fix"] for f in findings)))
-        return "; ".join(fixes)
+        return "; ".join(f"node {node} ({self.nodes[node]['node_facts']['network']['hostname']}): "
+                         + " and ".join(dict.fromkeys(f["fix"] for f in found))
+                         for node, found in self.network_findings().items() if found)
 
     def bad_interface_variables(self) -> list:
+        """NCCL_SOCKET_IFNAME or GLOO_SOCKET_IFNAME that selects no interface of its node."""
         found = []
-        for node, _, nf in self.each_node():
-            env, names = nf["env"], nf["interfaces"]
-            for var, prefix_match in (("NCCL_SOCKET_IFNAME", True), ("GLOO_SOCKET_IFNAME", False)):
-                if var in env and names and not ifname_matches(env[var], names, prefix_match):
-                    found.append((f"node {node}: {var}={env[var]} does not match its interfaces "
-                                  f"({', '.join(names)})",
-                                  f"export {var}=<the interface that reaches the other nodes>, one of: "
-                                  f"{', '.join(names)}"))
+        for node, f, nf in self.each_node():
+            env, net, bad = nf["env"], nf["network"], []
+            if "NCCL_SOCKET_IFNAME" in env and nf["interfaces"] and \
+                    not nccl_interfaces(env["NCCL_SOCKET_IFNAME"], nf["interfaces"]):
+                bad.append(("NCCL_SOCKET_IFNAME", nf["interfaces"]))
+            # gloo's reading is utils/network.py's (no address to listen on), whose findings already name it
+            # on several CPU nodes: one bad value, one problem.
+            if "GLOO_SOCKET_IFNAME" in env and net["gloo"]["address"] is None and \
+                    not (net["peer"] and f["device"] == "cpu"):
+                bad.append(("GLOO_SOCKET_IFNAME", list(net["interfaces"])))  # gloo needs an IPv4 address
+            found += [(f"node {node}: {var}={env[var]} does not match its interfaces ({', '.join(names)})",
+                       f"export {var}=<the interface that reaches the other nodes>, one of: {', '.join(names)}")
+                      for var, names in bad]
         return found
 
     def all_reduce(self):
@@ -815,6 +792,9 @@ class Report:
         if world == 1:
             print("  one process: nothing to all-reduce (start several: --nproc, or torchrun --nproc_per_node)")
             return
+        if self.missing:  # no rank starts it without every rank's facts; the missing ranks are the problem
+            print(f"  {what} over {world} processes: not attempted ({self.ranks(self.missing)} did not report)")
+            return
 
         def failed_steps(res):
             return [(step, o) for step, o in res.items() if isinstance(o, dict) and o["status"] != "ok"]
@@ -822,7 +802,7 @@ class Report:
         failed = {r: res for r, res in self.results.items()
                   if res is None or failed_steps(res) or "all_reduce" not in res}
         network_fix = None
-        if len(self.nodes) > 1:
+        if self.several_nodes:
             network_fix = ("set NCCL_SOCKET_IFNAME (GLOO_SOCKET_IFNAME with gloo) to the interface that reaches "
                            "the other nodes and open the firewall between them")
         if not failed:
@@ -878,14 +858,19 @@ class Report:
         # The training and the evaluation loader: both keep their workers between epochs, and a training epoch
         # cut short leaves its prefetched batches while evaluation runs.
         per_process = args.workers * args.prefetch_factor * (per_process_batch + eval_batch) * sample_bytes
-        if args.batch_size % world:
+        # --rdzv-endpoint: this node alone, not knowing the job's processes, over which the GLOBAL batch is
+        # divided; the check under torchrun across the nodes knows them.
+        alone = self.role.launcher == "python" and args.rdzv_endpoint is not None
+        if args.batch_size % world and not alone:
             multiple = max(world, args.batch_size // world * world)
             self.problem(f"--batch-size {args.batch_size} is not divisible by {world} processes "
                          "(the training scripts refuse it)", f"--batch-size {multiple} (a multiple of {world})")
         for node, _, nf in self.each_node():
             shm, local = nf["shm"], nf["local_world_size"]
             need = per_process * local
-            formula = (f"{args.workers} workers x {args.prefetch_factor} x ({per_process_batch} training + "
+            formula = ("what the loader workers need, and whether --batch-size divides, is checked under torchrun "
+                       "across the nodes" if alone else
+                       f"{args.workers} workers x {args.prefetch_factor} x ({per_process_batch} training + "
                        f"{eval_batch} evaluation samples) x {sample_bytes:,} B = {size(per_process)} per process, "
                        f"{size(need)} for {local} on the node")
             if not shm["exists"]:
@@ -893,7 +878,7 @@ class Report:
                 continue
             print(f"  node {node}: {shm['path']} ({shm['fstype'] or '?'}) {size(shm['free'])} free of "
                   f"{size(shm['total'])}; {formula}")
-            if args.workers and need > shm["free"]:
+            if args.workers and not alone and need > shm["free"]:
                 ram = nf["ram"][1]
                 lower = "lower --workers, --prefetch-factor or --batch-size"
                 if ram and need * 1.5 > ram:
@@ -928,8 +913,7 @@ class Report:
         if self.role.launcher == "torchrun":
             print(f"  {f0.get('rendezvous')} (the ranks' store, MASTER_ADDR:MASTER_PORT): reached by "
                   f"{len(self.present)} of {self.world} processes")
-        port = f0.get("port")
-        endpoint = (self.nodes.get(f0["node"], {}).get("node_facts", {}).get("network") or {}).get("endpoint")
+        port, endpoint = f0.get("port"), f0["node_facts"]["network"].get("endpoint")
         if not port and endpoint and not endpoint["here"]:
             print(f"  {endpoint['port']}: on {endpoint['host']}, another node: checked by its own preflight")
         if not port:
@@ -975,8 +959,7 @@ def spawned(role: Role, args, store_port):
 
 def start_local(args) -> int:
     """Plain python: start one process per local device (2 on a CPU) and wait for rank 0's verdict."""
-    kind = accelerator()
-    count = device_count(kind) if kind not in (None, "mps") else 0
+    _, count = local_devices()
     nproc = args.nproc or count or 2
     # This process hosts the rendezvous store on a port the system picks: the check needs no
     # port of its own, and --port is only examined, never taken.
@@ -1021,11 +1004,13 @@ def start_local(args) -> int:
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    torchrun = under_torchrun()
-    validate(args, torchrun)
-    if not torchrun:
+    job = dist_utils.job_from_env()  # a RANK or WORLD_SIZE that cannot be right: one line, exit status 2
+    validate(args, job)
+    if not job.distributed:
         sys.exit(start_local(args))
-    role = role_from_env()
+    if not {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():
+        raise UsageError("WORLD_SIZE is set but MASTER_ADDR or MASTER_PORT is not: the launcher (torchrun) sets them")
+    role = role_from(job)
     # Under torchrun the agent hosts the rendezvous store (TORCHELASTIC_USE_AGENT_STORE);
     # with a launcher that does not, rank 0 hosts it, as env:// initialisation would.
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"

@@ -85,6 +85,16 @@ def test_gloo_takes_the_first_address_of_this_hosts_name_ipv6_included(on_host, 
         finding.line
 
 
+@pytest.mark.parametrize("value, address", [("eth1", "10.0.0.1"), ("eth1,eth0", "10.0.0.1"), ("eth", None),
+                                            ("eth1,eth9", None)])
+def test_gloo_socket_ifname_is_read_as_gloo_reads_it(on_host, monkeypatch, value, address):
+    """Whole interface names, not prefixes; one that is no interface here and gloo cannot start (None). The
+    report of scripts/preflight.py reads this too, so that one bad value is one problem."""
+    on_host("nodea", NODE_A, {"nodea": "10.0.1.1"})
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", value)
+    assert network.gloo_listens_on() == (address, f"GLOO_SOCKET_IFNAME={value}")
+
+
 @pytest.mark.parametrize("endpoint, gloo", [("nodea", None), ("10.0.0.1", "eth1")])
 def test_the_endpoints_node_is_named_to_the_others_as_the_endpoint(on_host, monkeypatch, endpoint, gloo):
     """torchrun_bounded.py on node A, the rendezvous endpoint's node: --local_addr (every rank's MASTER_ADDR

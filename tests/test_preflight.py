@@ -121,13 +121,21 @@ def test_bad_arguments_exit_2_before_starting_anything(argv, fragment, capsys):
 
 
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
-def test_nproc_under_torchrun_is_refused(monkeypatch, capsys):
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2")
+@pytest.mark.parametrize("env, argv, fragment", [
+    ({"WORLD_SIZE": "2"}, ["--nproc", "2"], "under torchrun use --nproc_per_node"),
+    ({"WORLD_SIZE": "two"}, [], "WORLD_SIZE='two' is not a rank or size"),
+    ({"WORLD_SIZE": "2"}, [], "WORLD_SIZE is set but MASTER_ADDR or MASTER_PORT is not"),
+])
+def test_launcher_variables_that_cannot_be_right_are_refused(monkeypatch, capsys, env, argv, fragment):
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {"RANK": "0", **env}.items():
+        monkeypatch.setenv(name, value)
     with pytest.raises(SystemExit) as exit_:
-        preflight.lifecycle.run_main(preflight.main, ["--nproc", "2"])
+        preflight.lifecycle.run_main(preflight.main, argv)
     assert exit_.value.code == 2
-    assert "under torchrun use --nproc_per_node" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and fragment in err, err
 
 
 def test_bounded_returns_raises_or_gives_up():
@@ -152,18 +160,14 @@ def test_port_in_use_is_seen():
     assert preflight.port_facts(free_port())["free"] is True
 
 
-@pytest.mark.parametrize("value, prefix_match, expected", [
-    ("eth", True, ["eth0", "eth1"]),         # NCCL: a prefix
-    ("=eth", True, []),                      # NCCL: = asks for the exact name
-    ("^lo,docker", True, ["eth0", "eth1"]),  # NCCL: ^ excludes
-    ("ib0", True, []),
-    ("eth0", False, ["eth0"]),               # gloo: exact names
-    ("eth", False, []),
-    ("lo,eth9", False, []),                  # gloo: one unknown name and it cannot start
+@pytest.mark.parametrize("value, expected", [
+    ("eth", ["eth0", "eth1"]),         # a prefix
+    ("=eth", []),                      # = asks for the exact name
+    ("^lo,docker", ["eth0", "eth1"]),  # ^ excludes
+    ("ib0", []),
 ])
-def test_interface_variables_match_as_nccl_and_gloo_read_them(value, prefix_match, expected):
-    names = ["docker0", "eth0", "eth1", "lo"]
-    assert preflight.ifname_matches(value, names, prefix_match) == expected
+def test_nccl_socket_ifname_matches_as_nccl_reads_it(value, expected):
+    assert preflight.nccl_interfaces(value, ["docker0", "eth0", "eth1", "lo"]) == expected
 
 
 @pytest.mark.parametrize("text", ["nodea", "nodea:29500", "10.0.0.1", "[fd00:57::1]", "[fd00:57::1]:29500"])
@@ -177,12 +181,16 @@ def test_an_endpoint_is_read_as_torchruns_c10d_rendezvous_reads_it(text):
 @pytest.mark.parametrize("endpoint, torchrun_hosts, fix", [
     ("node0.cluster", False, "map nodea to 10.0.0.1 in /etc/hosts; "),  # an alias: /etc/hosts maps names to addresses
     ("fd00:57::1", True, None),  # an IPv6 address of this host, which torchrun recognises: nothing to fix
+    # Another host that torchrun takes for this one: its agent serves a store nobody uses, and joins the
+    # endpoint's as the others do (c10d_rendezvous_backend._create_tcp_store): nothing to fix either.
+    ("node1.cluster", True, None),
 ])
 def test_this_host_as_the_endpoint_is_recognised_by_any_of_its_addresses(monkeypatch, endpoint, torchrun_hosts, fix):
     """This host is nodea, whose name is on a loopback line; 10.0.0.1 and fd00:57::1 are its addresses."""
     from torch.distributed.elastic.rendezvous import utils as rendezvous_utils
     from utils import network
-    names = {"nodea": ["127.0.1.1"], "node0.cluster": ["10.0.0.1"], "fd00:57::1": ["fd00:57::1"]}
+    names = {"nodea": ["127.0.1.1"], "node0.cluster": ["10.0.0.1"], "fd00:57::1": ["fd00:57::1"],
+             "node1.cluster": ["10.0.0.2"]}
     monkeypatch.setattr(socket, "gethostname", lambda: "nodea")
     monkeypatch.setattr(network, "resolve", lambda host, family=socket.AF_INET: [
         a for a in names.get(host, []) if family == socket.AF_UNSPEC or (":" in a) == (family == socket.AF_INET6)])
@@ -203,11 +211,19 @@ def test_a_loopback_endpoint_is_named_as_the_user_gave_it():
 
 # --- the report from recorded facts: what a GPU node or two nodes would send ------------
 
-def node_facts(devices, peer_access, shm_free, env=None, cores=16, ram=64 * 2**30):
+def node_facts(devices, peer_access, shm_free, env=None, cores=16, ram=64 * 2**30, network=None):
     return {"local_world_size": max(len(devices), 1), "devices": devices, "peer_access": peer_access,
             "shm": {"path": "/dev/shm", "exists": True, "free": shm_free, "total": shm_free, "fstype": "tmpfs"},
             "cpus": {"affinity": cores, "quota": None, "cores": cores}, "ram": [ram, ram],
-            "env": env or {}, "interfaces": ["eth0", "lo"]}
+            "env": env or {}, "interfaces": ["eth0", "lo"], "network": network or network_facts()}
+
+
+def network_facts(gloo="10.0.0.1", findings=(), **more):
+    """A node's network as network_facts records it: gloo's address (None: GLOO_SOCKET_IFNAME names no
+    interface with one), utils/network.py's findings; `more`: the peer, the endpoint."""
+    return {"hostname": "host", "resolves": ["10.0.0.1"], "interfaces": {"lo": "127.0.0.1", "eth0": "10.0.0.1"},
+            "gloo": {"address": gloo, "interface": "eth0" if gloo else None, "why": "the address of this host's name"},
+            "nccl": None, "peer": None, "findings": list(findings), **more}
 
 
 def rank_facts(rank, node, torch_version="2.11.0", local=None, gpu=True):
@@ -222,9 +238,18 @@ def rank_facts(rank, node, torch_version="2.11.0", local=None, gpu=True):
 
 def args_for(**overrides):
     values = dict(workers=4, batch_size=256, prefetch_factor=2, sample_shape=(3, 224, 224), sample_dtype="float32",
-                  model="resnet18", timeout=30.0, iters=10, port=None, nproc=None, shm_dir="/dev/shm")
+                  model="resnet18", timeout=30.0, iters=10, port=None, nproc=None, shm_dir="/dev/shm",
+                  rdzv_endpoint=None)
     values.update(overrides)
     return argparse.Namespace(**values)
+
+
+def passed(ranks, backend="nccl"):
+    """Every rank's all-reduce of 44.9 MB took 2 ms and summed right."""
+    ok = {"status": "ok", "value": None}
+    return {r: {"backend": backend, "join": ok, "all_reduce": {"status": "ok", "value": {"seconds": 0.002,
+                                                                                         "correct": True}}}
+            for r in ranks}
 
 
 def test_report_two_gpus_that_hang_get_nccl_p2p_disable_and_docker_shm(capsys):
@@ -249,25 +274,99 @@ def test_report_two_gpus_that_hang_get_nccl_p2p_disable_and_docker_shm(capsys):
 
 
 def test_report_two_nodes_with_different_versions_and_variables(capsys):
-    role = preflight.Role(0, 2, 0, 1, 0, "torchrun")
+    role = preflight.Role(0, 2, 0, 1, 0, "torchrun", nodes=2)
     facts = {0: rank_facts(0, 0, local=node_facts(["H100"], None, 2**34, env={"NCCL_SOCKET_IFNAME": "ib"})),
              1: rank_facts(1, 1, torch_version="2.10.0", local=node_facts(["H100"], None, 2**34))}
     facts[0]["rendezvous"] = "host0:29500"
     for f in facts.values():
         f["device"] = "cuda:0"
-    ok = {"status": "ok", "value": None}
-    results = {r: {"backend": "nccl", "join": ok,
-                   "all_reduce": {"status": "ok", "value": {"seconds": 0.002, "correct": True}}} for r in (0, 1)}
-    problems = preflight.report(facts, results, args_for(sample_shape=(3, 32, 32)), role)
+    problems = preflight.report(facts, passed([0, 1]), args_for(sample_shape=(3, 32, 32)), role)
     out = capsys.readouterr().out
     # 44.9 MB in 2 ms: 22.4 GB/s algorithm bandwidth, x 2(2-1)/2 = the same bus bandwidth.
     assert "algbw 22.44 GB/s, bus bandwidth 22.44 GB/s" in out
-    assert "reached by 2 of 2 processes" in out
+    assert out.startswith("preflight: 2 processes on 2 nodes (torchrun") and "reached by 2 of 2 processes" in out
     whats = " | ".join(what for what, _ in problems)
     assert "different PyTorch versions: 2.10.0, 2.11.0" in whats
     assert "NCCL_SOCKET_IFNAME=ib does not match its interfaces" in whats
     assert "different NCCL_*/GLOO_* variables" in whats
     assert len(problems) == 3, problems
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "python"])
+def test_ranks_that_never_reported_are_the_one_problem(capsys, launcher):
+    """No rank starts the all-reduce without every rank's facts, so it did not fail. Under torchrun node 1 of 2
+    is silent: it is not one node, and node 0's GPUs are not to blame. Under plain python the silent rank is
+    this script's own process, which ended: there is no other node to start."""
+    several = launcher == "torchrun"
+    role = preflight.Role(0, 4, 0, 2, 0, launcher, nodes=2) if several else preflight.Role(0, 2, 0, 2, 0, launcher)
+    facts = {0: rank_facts(0, 0, local=node_facts(["H100", "H100"], [[True, True], [True, True]], 2**40)),
+             1: rank_facts(1, 0) if several else None, **({2: None, 3: None} if several else {})}
+    facts[0]["rendezvous"] = "host0:29500"
+    results = {rank: {"backend": "nccl"} if f else None for rank, f in facts.items()}
+    problems = preflight.report(facts, results, args_for(), role)
+    out = capsys.readouterr().out
+    missing = "ranks 2, 3" if several else "rank 1"
+    assert f"over {role.world_size} processes: not attempted ({missing} did not report)" in out, out
+    [(what, fix)] = problems
+    assert what == f"{missing} did not report within --timeout 30 s", what
+    if several:
+        assert out.startswith("preflight: 4 processes on 2 nodes (torchrun"), out
+        assert fix.startswith(preflight.STORE_PORT_FIX), fix
+    else:
+        assert fix.startswith("a process that ended printed its error above;"), fix
+
+
+def test_a_node_checked_alone_leaves_the_global_batch_to_the_check_across_the_nodes(capsys):
+    """--rdzv-endpoint: --batch-size is the job's GLOBAL batch, divided over every node's processes, which this
+    node does not know: its own 2 would make each process's batch, and the shared memory, too large."""
+    role = preflight.Role(0, 2, 0, 2, 0, "python")
+    net = network_facts(peer="node0", peer_addresses=["10.0.0.9"], peer_is_here=False, toward=["eth0", "10.0.0.1"],
+                        endpoint={"host": "node0", "port": 29400, "here": False, "answers": "refused"})
+    facts = {0: rank_facts(0, 0, local=node_facts(["H100", "H100"], None, 64 * 2**20, network=net)),
+             1: rank_facts(1, 0)}
+    problems = preflight.report(facts, passed([0, 1]), args_for(batch_size=1001, rdzv_endpoint=("node0", 29400)),
+                                role)
+    out = capsys.readouterr().out
+    assert "whether --batch-size divides, is checked under torchrun across the nodes" in out, out
+    assert problems == [], problems
+
+
+@pytest.mark.parametrize("several", [True, False])
+def test_a_gloo_interface_without_an_address_is_one_problem_with_one_fix(capsys, several):
+    """GLOO_SOCKET_IFNAME=eth9, no interface here, on CPU nodes. On several, utils/network.py's finding names
+    it, and the failed all-reduce points to that finding's fix; on one, the report names it itself."""
+    finding = {"certain": True, "what": "gloo has no address to listen on (GLOO_SOCKET_IFNAME=eth9: a name there "
+                                        "is no interface with an IPv4 address here)",
+               "fix": "export GLOO_SOCKET_IFNAME=eth0"}
+    net = network_facts(gloo=None, findings=[finding], peer="host0", peer_addresses=["10.0.0.1"]) if several \
+        else network_facts(gloo=None)
+    nodes = (0, 1) if several else (0,)
+    facts = {r: rank_facts(r, node, gpu=False, local=node_facts([], None, 2**40, env={"GLOO_SOCKET_IFNAME": "eth9"},
+                                                                network=net) if r == node else None)
+             for r, node in ((0, 0), (1, 1 if several else 0))}
+    facts[0]["node_facts"]["local_world_size"] = 1 if several else 2
+    failed = {"status": "error", "error": "RuntimeError: no device"}
+    results = {r: {"backend": "gloo", "join": failed} for r in (0, 1)}
+    role = preflight.Role(0, 2, 0, 1, 0, "torchrun", nodes=2) if several else preflight.Role(0, 2, 0, 2, 0, "python")
+    problems = preflight.report(facts, results, args_for(), role)
+    capsys.readouterr()
+    gloo = [fix for what, fix in problems if "GLOO_SOCKET_IFNAME=eth9" in what]
+    assert len(gloo) == len(nodes) and len(set(gloo)) == 1, problems  # a problem per node, one fix
+    [(what, fix)] = [(what, fix) for what, fix in problems if what.startswith("the all-reduce")]
+    assert ("export GLOO_SOCKET_IFNAME=eth0" in fix) if several else fix.startswith("correct the *_SOCKET_IFNAME"), fix
+    assert len(problems) == len(nodes) + 1, problems
+
+
+def test_a_node_of_another_accelerator_is_named_by_its_kind(capsys):
+    """Two Intel GPUs: peer access is queried on CUDA and ROCm GPUs only, which is not 'no GPUs'."""
+    role = preflight.Role(0, 2, 0, 2, 0, "python")
+    facts = {0: rank_facts(0, 0, local=node_facts(["Intel(R) Data Center GPU Max 1550"] * 2, None, 2**40)),
+             1: rank_facts(1, 0)}
+    for rank, f in facts.items():
+        f["device"], f["device_name"] = f"xpu:{rank}", "Intel(R) Data Center GPU Max 1550"
+    assert preflight.report(facts, passed([0, 1], backend="xccl"), args_for(sample_shape=(3, 32, 32)), role) == []
+    out = capsys.readouterr().out
+    assert "node 0: 2 xpu devices: checked on CUDA and ROCm GPUs only" in out and "GPUs:" not in out, out
 
 
 # The loaders are built, never iterated: their 4 workers per loader never start on this small CPU.
@@ -279,10 +378,7 @@ def test_shared_memory_figure_is_what_the_training_scripts_loaders_hold(capsys):
     from utils.distributed import DistEnv
     role = preflight.Role(0, 2, 0, 2, 0, "python")
     facts = {0: rank_facts(0, 0, local=node_facts(["H100", "H100"], None, 2**40)), 1: rank_facts(1, 0)}
-    ok = {"status": "ok", "value": None}
-    results = {r: {"backend": "nccl", "join": ok,
-                   "all_reduce": {"status": "ok", "value": {"seconds": 0.002, "correct": True}}} for r in (0, 1)}
-    preflight.report(facts, results, args_for(sample_shape=(3, 32, 32), sample_dtype="uint8", batch_size=128), role)
+    preflight.report(facts, passed([0, 1]), args_for(sample_shape=(3, 32, 32), sample_dtype="uint8", batch_size=128), role)
     out = capsys.readouterr().out
     args = argparse.Namespace(dataset="synthetic", train_samples=256, test_samples=100, seed=0, workers=4)
     env = DistEnv(0, 0, 2, 2, torch.device("cpu"), True)
