@@ -30,6 +30,7 @@ makes the exit status 1: a job that would hold its nodes is a bug to see, not a 
     python scripts/benchmark.py --memory --device cpu
 """
 import argparse
+import contextlib
 import ctypes
 import datetime
 import glob
@@ -62,6 +63,7 @@ from utils.data import NUM_CLASSES  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))  # also when this file is imported from elsewhere (tests)
 import memory_table  # noqa: E402
+from preflight import cpu_model  # noqa: E402
 from torchrun_bounded import live_children  # noqa: E402
 
 EPOCH_IMAGES = 50_000  # one CIFAR-100 training epoch: a row's epoch is the whole global batches it holds
@@ -101,7 +103,7 @@ PEAK_TFLOPS = [
     (r"H100 PCIe", 756.0, "H100 PCIe, bf16 dense"),
     (r"H100 NVL|H200 NVL", 835.0, "H100/H200 NVL, bf16 dense"),
     (r"H100|H200|GH200", 989.0, "H100/H200 SXM, bf16 dense"),
-    (r"A100", 312.0, "A100, bf16 dense"),
+    (r"\bA100\b", 312.0, "A100, bf16 dense"),  # not the RTX A1000
     (r"L40S", 362.0, "L40S, bf16 dense"),
     (r"\bL4\b", 121.0, "L4, bf16 dense"),
     (r"\bA10\b", 125.0, "A10, bf16 dense"),
@@ -395,17 +397,6 @@ def default_peak(gpu_name: str):
 
 # --- the machine ----------------------------------------------------------------------
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def describe_hardware(use_cuda: bool, gpus_used: int) -> str:
     if not use_cuda:
         return f"CPU: {cpu_model()}, {os.cpu_count()} logical cores (no GPU used)"
@@ -444,13 +435,18 @@ class Plan:
     synthetic_files: str = ""   # --dataset synthetic: the folder the rows read it from (write_synthetic_files)
 
 
-def resolve_plan(args) -> Plan:
-    """Fill in DEFAULTS and the machine's; bad combinations raise UsageError."""
-    d = DEFAULTS["quick" if args.quick else "full"]
+def visible_gpus(args) -> tuple:
+    """(use_cuda, GPUs to use): --device, or (auto) every visible GPU."""
     if args.device == "cuda" and not torch.cuda.is_available():
         raise cli.UsageError("--device cuda but no CUDA GPU is visible; use --device cpu")
     use_cuda = args.device != "cpu" and torch.cuda.is_available()
-    gpus = torch.cuda.device_count() if use_cuda else 0
+    return use_cuda, torch.cuda.device_count() if use_cuda else 0
+
+
+def resolve_plan(args) -> Plan:
+    """Fill in DEFAULTS and the machine's; bad combinations raise UsageError."""
+    d = DEFAULTS["quick" if args.quick else "full"]
+    use_cuda, gpus = visible_gpus(args)
     procs = args.nproc or gpus or 2
     if use_cuda and procs > gpus:
         raise cli.UsageError(f"--nproc {procs} but only {gpus} GPU{'s' if gpus != 1 else ''} visible "
@@ -472,14 +468,15 @@ def resolve_plan(args) -> Plan:
                 per_device_batch=per_device_batch, steps=steps, epochs=epochs, workers=0,
                 model=args.model or d.model, dataset=args.dataset,
                 data_dir=os.path.abspath(args.data_dir),  # the rows run in the repository root
-                timeout=args.row_timeout or d.row_timeout, bf16=bf16_available(use_cuda), names=names,
+                timeout=args.row_timeout or d.row_timeout, names=names,
+                # bfloat16 in hardware: Ampere or newer (older GPUs emulate it, slower than float16)
+                bf16=precision.cuda_bf16_native() if use_cuda else True,
                 tf32=tf32_convolutions(use_cuda),
                 time_budget=args.time_budget, min_row_seconds=d.min_row_seconds,
                 ceiling_warmup=args.ceiling_warmup or d.ceiling_warmup,
                 ceiling_steps=args.ceiling_steps or d.ceiling_steps,
                 ceiling_windows=args.ceiling_windows or d.ceiling_windows,
-                compile_ceiling=args.compile_ceiling if args.compile_ceiling is not None else use_cuda,
-                log_dir=os.path.abspath(args.log_dir or os.path.join(args.out, "logs")))
+                compile_ceiling=args.compile_ceiling if args.compile_ceiling is not None else use_cuda)
     for row in ROWS:
         if row.name not in names:
             continue
@@ -498,6 +495,7 @@ def resolve_plan(args) -> Plan:
 # The shared memory one loader sample takes: a uint8 3x32x32 image (normalised later, on the
 # device) and an int64 label.
 LOADER_SAMPLE_BYTES = 3 * 32 * 32 + 8
+PREFETCH_BATCHES = 2  # per loader worker: DataLoader's default prefetch_factor, which utils/data.py keeps
 
 
 def row_workers(row, plan: Plan) -> tuple:
@@ -509,7 +507,9 @@ def row_workers(row, plan: Plan) -> tuple:
     if plan.workers is not None:
         return plan.workers, ""
     procs, batch = row_shape(row, plan)[:2]
-    wanted = max(1, min(16, (os.cpu_count() or 2) // procs - 1))
+    # The cores this process may use (taskset, a container's cpuset), as utils/data.py counts them.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    wanted = max(1, min(16, cores // procs - 1))
     free = lifecycle.shm_free_bytes(lifecycle.SHM_DIR)
     workers = workers_that_fit(wanted, procs, batch // procs, free)
     return workers, "" if workers == wanted else (
@@ -519,34 +519,24 @@ def row_workers(row, plan: Plan) -> tuple:
 
 def workers_that_fit(wanted: int, procs: int, per_device_batch: int, free) -> int:
     """`wanted` loader workers per process, or fewer if the batches that they may hold in
-    shared memory at once would not fit in its `free` bytes: DataLoader's 2 prefetched
-    batches per worker, of the training loader and of the evaluation loader (twice the
-    batch), in each of `procs` processes (as scripts/preflight.py counts them). A worker that
-    finds /dev/shm full dies of a bus error, and Docker gives a container 64 MB of it.
+    shared memory at once would not fit in its `free` bytes: PREFETCH_BATCHES per worker of
+    the training loader, and of the evaluation loader, whose batch is one image (a row
+    evaluates one image per process, row_command), in each of `procs` processes. A worker
+    that finds /dev/shm full dies of a bus error, and Docker gives a container 64 MB of it.
     free None (no such folder): `wanted`. Can be 0: the process loads its own batches."""
     if free is None:
         return wanted
-    per_worker = procs * 2 * (per_device_batch + 2 * per_device_batch) * LOADER_SAMPLE_BYTES
+    per_worker = procs * PREFETCH_BATCHES * (per_device_batch + 1) * LOADER_SAMPLE_BYTES
     return max(0, min(wanted, free // per_worker))
 
 
-def bf16_available(use_cuda: bool) -> bool:
-    """bfloat16 in hardware: Ampere or newer (older GPUs emulate it, slower than float16)."""
-    return precision.cuda_bf16_native() if use_cuda else True
-
-
 def skip_reason(row, plan: Plan) -> str:
-    if isinstance(row, Ceiling):
-        if row.gpu_only and not plan.use_cuda:
-            return row.gpu_only
-        if row.compile_mode and not plan.compile_ceiling:
-            return "torch.compile is off for the ceiling (on by default on CUDA; --compile-ceiling turns it on)"
-        if row.dtype == "bf16" and not plan.bf16:
-            return "this GPU has no bfloat16 hardware (Ampere or newer needed)"
-        return ""
+    ceiling = isinstance(row, Ceiling)
     if row.gpu_only and not plan.use_cuda:
         return row.gpu_only
-    if row.needs_bf16 and not plan.bf16:
+    if ceiling and row.compile_mode and not plan.compile_ceiling:
+        return "torch.compile is off for the ceiling (on by default on CUDA; --compile-ceiling turns it on)"
+    if (row.dtype == "bf16" if ceiling else row.needs_bf16) and not plan.bf16:
         return "this GPU has no bfloat16 hardware (Ampere or newer needed)"
     return ""
 
@@ -704,42 +694,39 @@ def _die_with_parent():
     os.setsid()  # a session of its own: the whole row can be signalled as one group
     # No core file for dump_stacks' SIGABRT (the soft limit only: a row may raise it again).
     resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
-def end_group(proc, grace: float = 15.0):
-    """SIGTERM to the row's whole process group, SIGKILL to what is left after `grace` s;
-    then SIGKILL to every process that was under the launcher and is still alive: torchrun
-    starts its workers in sessions of their own (start_new_session), outside the group."""
-    under = _descendants(proc.pid)
+def end_group(proc, tag: str, grace: float = 15.0):
+    """SIGTERM to every process of the row, as a cluster signals a job step, then SIGKILL to
+    those still running `grace` s later: its process group, and the processes of the row
+    outside it (row_processes; torchrun starts its workers in sessions of their own)."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            break
+        for pid in row_processes(tag):
+            _signal(pid, sig)
         deadline = time.monotonic() + grace
-        while time.monotonic() < deadline:
-            if proc.poll() is not None and not _group_alive(proc.pid):
-                break
+        while (proc.poll() is None or row_processes(tag)) and time.monotonic() < deadline:
             time.sleep(0.1)
-        else:
-            continue
-        break
-    proc.poll()
-    for pid in under:
-        _signal(pid, signal.SIGKILL)
 
 
-def _descendants(pid: int) -> list:
-    """Every live process under `pid` (torchrun's workers too, which sit in sessions of their own)."""
-    found, todo = [], [pid]
-    while todo:
-        children = live_children(todo.pop())
-        found += children
-        todo += children
+ROW_TAG = "BENCHMARK_ROW"  # in the environment of a row's launcher, and so of every process it starts
+
+
+def row_processes(tag: str) -> list:
+    """The running processes whose environment holds ROW_TAG=tag: the row's, in its process
+    group or not (torchrun starts its workers with start_new_session), whoever their parent is
+    by now (an orphan's is init). A zombie is none: its environment is gone with its memory,
+    and a container's init may never reap it."""
+    needle = f"\0{ROW_TAG}={tag}\0".encode()
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):  # gone, a zombie, or another user's
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle in b"\0" + f.read():
+                    found.append(int(pid))
     return found
 
 
@@ -793,51 +780,29 @@ def _signal(pid: int, sig) -> bool:
         return False
 
 
-def _group_running(pgid: int) -> list:
-    """The running processes of process group `pgid`: a zombie is none (a container's init may
-    never reap an orphan's)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                state, _, group = f.read().rsplit(")", 1)[1].split()[:3]
-        except (OSError, ValueError):
-            continue
-        if state != "Z" and int(group) == pgid:
-            found.append(int(pid))
-    return found
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
-
-
 # How long a row's processes may take to end after its end record. They end within seconds
 # (a whole --quick row, its start and exit included, took 5 to 11 s on the 2-core build
 # machine under the test suite); far longer is a hang.
 EXIT_SECONDS = 30.0
-DID_NOT_EXIT = "did not exit"  # run_process's status for a row that finished its work but not its processes
 
 
 def run_process(cmd: list, env: dict, timeout: float, log_path: str, finished=None) -> tuple:
-    """(exit status, or None after a timeout; the output). The row runs in a session of its
-    own, so that a timeout or a stop signal ends the launcher and every worker it started;
-    stdout and stderr go to log_path, which is kept.
+    """(status, the output): the exit status, None after a timeout, or a str: why processes
+    of a row that did its work had to be ended. The row runs in a session of its own, its
+    processes tagged (row_processes), so that a timeout or a stop signal ends the launcher
+    and every process it started; stdout and stderr go to log_path, which is kept.
 
     finished(): whether the row's work is done (its end record written). From then on its
     processes have EXIT_SECONDS to exit; if they have not, or if the timeout comes first,
-    their stacks go to the log (dump_stacks), they are ended, and the status is
-    DID_NOT_EXIT: a job that would have held its nodes until the scheduler's time limit,
-    whose figures are whole all the same. So is a launcher that exits 0 with processes of
-    its group still running EXIT_SECONDS later (ended, without their stacks)."""
+    their stacks go to the log (dump_stacks) and they are ended: a job that would have held
+    its nodes until the scheduler's time limit, whose figures are whole all the same. So is
+    a launcher that exits 0 with processes of the row still running EXIT_SECONDS later
+    (ended, without their stacks)."""
+    tag = f"{os.getpid()}:{log_path}"
     with open(log_path, "w") as log:
         log.write(f"$ {shlex.join(cmd)}\n")
         log.flush()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, cwd=ROOT, env={**env, ROW_TAG: tag}, stdout=log, stderr=subprocess.STDOUT,
                                 preexec_fn=_die_with_parent)
         deadline, done_at = time.monotonic() + timeout, None
         try:
@@ -847,31 +812,31 @@ def run_process(cmd: list, env: dict, timeout: float, log_path: str, finished=No
                     # Its processes have EXIT_SECONDS to follow the launcher (an orphaned loader
                     # worker notices within 5 s); one still running then would outlive a job.
                     waited = time.monotonic()
-                    while _group_running(proc.pid) and time.monotonic() - waited < EXIT_SECONDS:
+                    while row_processes(tag) and time.monotonic() - waited < EXIT_SECONDS:
                         time.sleep(0.1)
-                    left = _group_running(proc.pid)
+                    left = row_processes(tag)
                     if left:
-                        log.write(f"\n--- benchmark: {len(left)} of its processes still ran {EXIT_SECONDS:.0f} s "
-                                  "after its launcher exited; ended ---\n")
-                        end_group(proc, grace=5)
-                        status = DID_NOT_EXIT if status == 0 else status
+                        why = f"{len(left)} of its processes still ran {EXIT_SECONDS:.0f} s after its launcher exited"
+                        log.write(f"\n--- benchmark: {why}; ended ---\n")
+                        end_group(proc, tag, grace=5)
+                        status = f"{why}: they were ended" if status == 0 else status
                     break
                 except subprocess.TimeoutExpired:
                     now = time.monotonic()
                     if done_at is None and finished is not None and finished():
                         done_at = now
                     if done_at is not None and (now - done_at >= EXIT_SECONDS or now >= deadline):
-                        dump_stacks(proc, log, f"its processes had not exited {now - done_at:.0f} s "
-                                               "after its end record")
-                        end_group(proc)
-                        status = DID_NOT_EXIT
+                        why = f"its processes had not exited {now - done_at:.0f} s after its end record"
+                        dump_stacks(proc, log, why)
+                        end_group(proc, tag)
+                        status = f"{why}: they were ended; their stacks are in its log"
                         break
                     if now >= deadline:
                         status = None
-                        end_group(proc)
+                        end_group(proc, tag)
                         break
         except BaseException:  # Interrupted (a stop signal), or anything else: end the row first
-            end_group(proc)
+            end_group(proc, tag)
             raise
     with open(log_path, errors="replace") as f:
         return status, f.read()
@@ -922,26 +887,35 @@ def base_result(row, plan: Plan) -> dict:
     return result
 
 
-def launch(result: dict, cmd: list, plan: Plan, timeout: float, finished, graphs: bool) -> str:
-    """Run a row's command (run_process) into its log, result["log"]; finished(): whether its
-    figures are written. `result` is marked failed (status, reason, the output's tail) unless
-    the command exited 0 with its figures and, for `graphs` (reduce-overhead), ran every graph
-    in CUDA graphs. Returns the output."""
+def launch(row, plan: Plan, work_dir: str, timeout, suffix: str, command, finished, graphs: bool) -> tuple:
+    """What every row does first: its result, skipped with the reason where it cannot run here;
+    else its command, command(out), run (run_process) into work_dir/NAME.log, where `out`,
+    work_dir/NAME + suffix, takes its figures (a file an earlier run left there is removed: it
+    would be appended to, or read as this run's) and finished(out) says whether they are
+    written. The result is marked failed (status, reason, the output's tail) unless the
+    command exited 0 with its figures and, for `graphs` (reduce-overhead), ran every graph in
+    CUDA graphs. Returns (result, out, whether it has figures to read)."""
+    result = base_result(row, plan)
+    result["reason"] = skip_reason(row, plan)
+    if result["reason"]:
+        return result, None, False
+    out, timeout = os.path.join(work_dir, f"{row.name}{suffix}"), timeout or plan.timeout
+    if os.path.exists(out):
+        os.remove(out)
+    cmd = command(out)
+    result.update(command=shlex.join(cmd), log=os.path.join(work_dir, f"{row.name}.log"))
     started = time.perf_counter()
     try:
-        status, output = run_process(cmd, subprocess_env(plan, graphs), timeout, result["log"], finished)
+        status, output = run_process(cmd, subprocess_env(plan, graphs), timeout, result["log"], lambda: finished(out))
     finally:
         result["wall_seconds"] = time.perf_counter() - started
-    if status == DID_NOT_EXIT:  # the figures are whole; the processes are the problem
-        status = 0
-        why, stacks = (re.findall(r"--- benchmark: (.*?); (the Python stacks)?", output) or [("", "")])[-1]
-        result["did_not_exit"] = (f"wrote its figures, but {why or 'its processes did not exit'}: they were ended"
-                                  + ("; their stacks are in its log" if stacks else ""))
-    if status != 0 or not finished():
+    if isinstance(status, str):  # the figures are whole; the processes are the problem
+        result["did_not_exit"], status = f"wrote its figures, but {status}", 0
+    if status != 0 or not finished(out):
         result.update(status="failed", timed_out=status is None, output_tail=output.splitlines()[-30:],
                       reason=f"timed out after {timeout:.0f} s (row timeout)" if status is None
                       else f"exit status {status}: {last_message(output)}")
-        return output
+        return result, out, False
     result["status"] = "ok"
     skips = re.findall(r".*skipping cudagraphs? due to.*", output) if graphs else []
     if skips:
@@ -949,25 +923,16 @@ def launch(result: dict, cmd: list, plan: Plan, timeout: float, finished, graphs
         result.update(status="failed", cudagraph_skips=len(skips),
                       reason=f"torch.compile ran without CUDA graphs ({len(skips)} skip(s) logged): "
                              f"{skips[-1].strip()[:200]}")
-    return output
+    return result, out, True
 
 
 def run_row(row: Row, plan: Plan, work_dir: str, timeout: float = None) -> dict:
-    result = base_result(row, plan)
-    result["reason"] = skip_reason(row, plan)
-    if result["reason"]:
-        return result
-    metrics_path = os.path.join(work_dir, f"{row.name}.jsonl")
-    if os.path.exists(metrics_path):
-        os.remove(metrics_path)  # a file left by an earlier run would be appended to
-    cmd = row_command(row, plan, metrics_path)
-    result["command"] = shlex.join(cmd)
-    # As a reader would type it: no interpreter path, no log directory.
-    result["display_command"] = shlex.join(["python", *row_command(row, plan, f"{row.name}.jsonl", True)[1:]])
-    result["log"] = os.path.join(work_dir, f"{row.name}.log")
-    launch(result, cmd, plan, timeout or plan.timeout, graphs="reduce-overhead" in row.flags,
-           finished=lambda: any(r.get("event") == "end" for r in read_records(metrics_path)))
-    if result["status"] != "ok" and "cudagraph_skips" not in result:
+    result, metrics_path, measured = launch(
+        row, plan, work_dir, timeout, ".jsonl", lambda out: row_command(row, plan, out),
+        lambda out: any(r.get("event") == "end" for r in read_records(out)), graphs="reduce-overhead" in row.flags)
+    if "command" in result:  # as a reader would type it: no interpreter path, no log directory
+        result["display_command"] = shlex.join(["python", *row_command(row, plan, f"{row.name}.jsonl", True)[1:]])
+    if not measured:
         return result
     records = read_records(metrics_path)
     result.update(summarize_epochs(records))
@@ -1053,22 +1018,15 @@ def run_ceiling(ceiling: Ceiling, plan: Plan, work_dir: str, timeout: float = No
     devices (GPUs, or CPU processes with the rows' threads each): what the rows would
     reach with nothing but the step. Its spread is over the timed windows; it has no
     epochs, so no whole-epoch figure."""
-    result = base_result(ceiling, plan)
-    result["reason"] = skip_reason(ceiling, plan)
-    if result["reason"]:
-        return result
-    batch = result["per_device_batch"]
+    batch = ceiling.per_device_batch or plan.per_device_batch
     spec = {"device": "cuda:0" if plan.use_cuda else "cpu", "dtype": ceiling.dtype, "batch": batch,
             "model": plan.model, "channels_last": ceiling.channels_last, "compile_mode": ceiling.compile_mode,
             "warmup": plan.ceiling_warmup, "steps": plan.ceiling_steps, "windows": plan.ceiling_windows}
-    out_path = os.path.join(work_dir, f"{ceiling.name}.json")
-    if os.path.exists(out_path):
-        os.remove(out_path)
-    cmd = [sys.executable, os.path.abspath(__file__), "--measure-ceiling", json.dumps(spec), "--out", out_path]
-    result["log"] = os.path.join(work_dir, f"{ceiling.name}.log")
-    launch(result, cmd, plan, timeout or plan.timeout, finished=lambda: os.path.exists(out_path),
-           graphs=ceiling.compile_mode == "reduce-overhead")
-    if result["status"] != "ok" and "cudagraph_skips" not in result:
+    result, out_path, measured = launch(
+        ceiling, plan, work_dir, timeout, ".json",
+        lambda out: [sys.executable, os.path.abspath(__file__), "--measure-ceiling", json.dumps(spec), "--out", out],
+        os.path.exists, graphs=ceiling.compile_mode == "reduce-overhead")
+    if not measured:
         return result
     with open(out_path) as f:
         measured = json.load(f)
@@ -1084,10 +1042,6 @@ def run_ceiling(ceiling: Ceiling, plan: Plan, work_dir: str, timeout: float = No
 
 
 # --- the report -----------------------------------------------------------------------
-
-def fmt_rate(x):
-    return f"{x:,.0f}" if x is not None else "n/a"
-
 
 def fmt(x, spec, unit=""):
     return f"{x:{spec}}{unit}" if x is not None else "n/a"
@@ -1150,8 +1104,8 @@ def summary_lines(report: dict) -> list:
         if r["status"] == "ok":
             share = r["share_of_peak"]
             lines.append(
-                start + f"| {fmt_rate(r['median_images_per_second'])} | {spread_text(r)} | {timed_text(r)} "
-                f"| {fmt_rate(r['median_whole_epoch_images_per_second'])} | {spread_text(r, 'whole_epoch_')} "
+                start + f"| {fmt(r['median_images_per_second'], ',.0f')} | {spread_text(r)} | {timed_text(r)} "
+                f"| {fmt(r['median_whole_epoch_images_per_second'], ',.0f')} | {spread_text(r, 'whole_epoch_')} "
                 f"| {epoch_text(r)} | {fmt(r.get('median_epoch_seconds'), '.2f')} "
                 f"| {fmt(r['peak_memory_mb'], ',.0f')} | {fmt(share * 100 if share is not None else None, '.1f', '%')} "
                 f"| {fmt(r['vs_baseline'], '.2f', 'x')} |")
@@ -1239,13 +1193,13 @@ def write_markdown(path: str, report: dict):
     ]
     for r in report["rows"]:
         if r["status"] == "ok" and r["kind"] == "script":
-            samples = ", ".join(f"{e['epoch']}: {fmt_rate(e['images_per_second'])} / "
-                                f"{fmt_rate(e['whole_epoch_images_per_second'])} ({e['epoch_seconds']:.2f} s"
+            samples = ", ".join(f"{e['epoch']}: {fmt(e['images_per_second'], ',.0f')} / "
+                                f"{fmt(e['whole_epoch_images_per_second'], ',.0f')} ({e['epoch_seconds']:.2f} s"
                                 + (f", {e['peak_memory_mb']:,.0f} MiB)" if e.get("peak_memory_mb") is not None
                                    else ")") for e in r["epochs"])
             lines.append(f"- {r['name']}: {samples}")
         elif r["status"] == "ok":
-            samples = ", ".join(fmt_rate(x) for x in r["window_images_per_second_per_device"])
+            samples = ", ".join(fmt(x, ',.0f') for x in r["window_images_per_second_per_device"])
             lines.append(f"- {r['name']} (windows, per device): {samples}")
     lines += ["", "## Commands", ""]
     lines += [f"- {r['name']}: `{r['display_command']}`" for r in report["rows"] if r.get("display_command")]
@@ -1298,11 +1252,6 @@ def write_chart(path: str, report: dict) -> bool:
     plt.close(fig)
     os.replace(tmp, path)
     return True
-
-
-def print_summary(report: dict):
-    print()
-    print("\n".join(summary_lines(report)))
 
 
 # --- main -----------------------------------------------------------------------------
@@ -1383,17 +1332,41 @@ def build_parser():
     return parser
 
 
-def describe_run(plan: Plan, argv) -> dict:
+def describe_run(use_cuda: bool, gpus_used: int, gpus: int, argv) -> dict:
     """The report's header: when, on what, with which software, started how."""
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "hardware": describe_hardware(plan.use_cuda, plan.procs),
-        "gpu_name": torch.cuda.get_device_name(0) if plan.use_cuda else None, "gpus": plan.gpus,
-        "torch": torch.__version__, "cuda": torch.version.cuda, "cuda_used": plan.use_cuda,
-        "cudnn": torch.backends.cudnn.version() if plan.use_cuda else None,
+        "hardware": describe_hardware(use_cuda, gpus_used),
+        "gpu_name": torch.cuda.get_device_name(0) if use_cuda else None, "gpus": gpus,
+        "torch": torch.__version__, "cuda": torch.version.cuda, "cuda_used": use_cuda,
+        "cudnn": torch.backends.cudnn.version() if use_cuda else None,
         "python": platform.python_version(),
         "command": shlex.join(["python", *(sys.argv if argv is None else [sys.argv[0], *argv])]),
     }
+
+
+def output_folders(args) -> str:
+    """Make --out and the folder of the launches' logs (--log-dir, default OUT/logs); returns the latter."""
+    log_dir = os.path.abspath(args.log_dir or os.path.join(args.out, "logs"))
+    try:
+        os.makedirs(args.out, exist_ok=True)
+        os.makedirs(log_dir, exist_ok=True)
+    except OSError as exc:
+        raise cli.UsageError(f"--out/--log-dir: cannot create {exc.filename} ({exc.strerror})") from None
+    return log_dir
+
+
+def finish(cut_short: bool, stopped: str, whole: str, failure: str):
+    """The end of a run, on stderr: after a stop signal, its name and `stopped` (it cut the run
+    short) or `whole` (it came after the last launch), and exit status 128 + its number; else
+    `failure`, if any, and exit status 1."""
+    if _stopping:
+        name = signal.Signals(_stopping[0]).name
+        print(f"\n{name}: {stopped}" if cut_short else f"{name} {whole}", file=sys.stderr, flush=True)
+        sys.exit(128 + _stopping[0])
+    if failure:
+        print(failure, file=sys.stderr)
+        sys.exit(1)
 
 
 class Report:
@@ -1441,10 +1414,7 @@ class Report:
 
 def memory_report(args, argv):
     """--memory: DDP and FSDP2 per rank at each world size, into memory.md and memory.json."""
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise cli.UsageError("--device cuda but no CUDA GPU is visible; use --device cpu")
-    use_cuda = args.device != "cpu" and torch.cuda.is_available()
-    gpus = torch.cuda.device_count() if use_cuda else 0
+    use_cuda, gpus = visible_gpus(args)
     if args.world_sizes:
         try:
             sizes = [int(n) for n in args.world_sizes.split(",") if n.strip()]
@@ -1459,21 +1429,11 @@ def memory_report(args, argv):
         sizes = [2 ** k for k in range(8) if 2 ** k <= gpus] if use_cuda else [1, 2, 4]
     model = args.model or DEFAULTS["full"].model
     batch = args.memory_batch or (DEFAULTS["full"].per_device_batch if use_cuda else 32)
-    try:
-        os.makedirs(args.out, exist_ok=True)
-    except OSError as exc:
-        raise cli.UsageError(f"--out: cannot create {exc.filename} ({exc.strerror})") from None
-    header = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "hardware": describe_hardware(use_cuda, max(sizes) if use_cuda else 0),
-        "torch": torch.__version__, "python": platform.python_version(),
-        "command": shlex.join(["python", *(sys.argv if argv is None else [sys.argv[0], *argv])]),
-    }
+    log_dir = output_folders(args)
+    header = describe_run(use_cuda, max(sizes) if use_cuda else 0, gpus, argv)
     print(f"{header['hardware']}; PyTorch {header['torch']}")
     print(f"memory per rank, {model}, {batch} images per process, world sizes {sizes}", flush=True)
     timeout = args.row_timeout or DEFAULTS["full"].row_timeout
-    log_dir = os.path.abspath(args.log_dir or os.path.join(args.out, "logs"))
-    os.makedirs(log_dir, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     results, cut_short = [], False
     install_stop_handlers()  # a stop signal ends the running launch and its workers, as for a row
@@ -1489,8 +1449,9 @@ def memory_report(args, argv):
                                        os.path.join(log_dir, f"memory-w{size}.log"))
             if status is None:
                 results.append({"world_size": size, "error": f"timed out after {timeout:.0f} s"})
-            elif status != 0 or not os.path.exists(out):
-                results.append({"world_size": size, "error": f"exit status {status}: {last_message(text)}"})
+            elif status != 0 or not os.path.exists(out):  # a str: why its processes were ended
+                why = status if isinstance(status, str) else f"exit status {status}"
+                results.append({"world_size": size, "error": f"{why}: {last_message(text)}"})
             else:
                 with open(out) as f:
                     results.append(json.load(f))
@@ -1511,15 +1472,10 @@ def memory_report(args, argv):
     with open(paths["md"]) as f:
         print(f.read())
     print(f"wrote {paths['md']}, {paths['json']}")
-    if _stopping:
-        name = signal.Signals(_stopping[0]).name
-        print(f"{name}: the memory table stopped; what it measured is in {paths['md']}" if cut_short else
-              f"{name} came after the last launch; the memory table is whole", file=sys.stderr)
-        sys.exit(128 + _stopping[0])
     failed = [r for r in report["rows"] if "error" in r or not r["matches_formula"]]
-    if failed:
-        print(f"{len(failed)} row(s) failed or differ from the formula", file=sys.stderr)
-        sys.exit(1)
+    finish(cut_short, f"the memory table stopped; what it measured is in {paths['md']}",
+           "came after the last launch; the memory table is whole",
+           f"{len(failed)} row(s) failed or differ from the formula" if failed else "")
 
 
 # What the rows alone read: the memory table would take them without a word.
@@ -1544,13 +1500,8 @@ def main(argv=None):
     if args.world_sizes or args.memory_batch:
         raise cli.UsageError("--world-sizes and --memory-batch size the memory table: add --memory")
     plan = resolve_plan(args)
-    try:
-        os.makedirs(args.out, exist_ok=True)
-        os.makedirs(plan.log_dir, exist_ok=True)
-    except OSError as exc:
-        raise cli.UsageError(f"--out/--log-dir: cannot create {exc.filename} ({exc.strerror})") from None
-
-    header = describe_run(plan, argv)
+    plan.log_dir = output_folders(args)
+    header = describe_run(plan.use_cuda, plan.procs, plan.gpus, argv)
     if args.peak_tflops:
         peak = args.peak_tflops, "--peak-tflops"
     elif plan.use_cuda:
@@ -1566,7 +1517,7 @@ def main(argv=None):
           flush=True)
 
     by_name = {r.name: r for r in [*ROWS, *CEILINGS]}
-    current = None
+    current = stopped = None
     install_stop_handlers()  # from here on a stop signal ends the running row and keeps the rest
     try:
         started = time.monotonic()
@@ -1595,9 +1546,9 @@ def main(argv=None):
             current = None
             detail = r["reason"]
             if r["status"] == "ok":
-                detail = f"{fmt_rate(r['median_images_per_second'])} img/s ({spread_text(r)})"
+                detail = f"{fmt(r['median_images_per_second'], ',.0f')} img/s ({spread_text(r)})"
                 if r["median_whole_epoch_images_per_second"] is not None:
-                    detail += f", whole epoch {fmt_rate(r['median_whole_epoch_images_per_second'])}"
+                    detail += f", whole epoch {fmt(r['median_whole_epoch_images_per_second'], ',.0f')}"
             if r.get("did_not_exit"):
                 detail += f"; {r['did_not_exit']}"
             print(f"    {r['status']}: {detail}" + (f" ({r['wall_seconds']:.0f} s)" if "wall_seconds" in r else ""),
@@ -1605,37 +1556,28 @@ def main(argv=None):
             report.write("partial: rows still to run")
         install_stop_handlers(_record_stop_signal)  # every row has run
     except Interrupted as stop:
-        name = signal.Signals(stop.signum).name
+        stopped = signal.Signals(stop.signum).name
         if current is not None:
             report.results[current] = dict(base_result(by_name[current], plan), status="interrupted",
-                                           reason=f"{name} during the row; its processes were ended")
+                                           reason=f"{stopped} during the row; its processes were ended")
         for rest in plan.names:
             report.results.setdefault(rest, dict(base_result(by_name[rest], plan), status="not run",
-                                                 reason=f"{name} ended the benchmark first"))
-        report.write(f"interrupted by {name}")
-        print(f"\n{name}: the benchmark stopped; finished rows are in {report.paths['md']}", file=sys.stderr,
-              flush=True)
-        sys.exit(128 + stop.signum)
+                                                 reason=f"{stopped} ended the benchmark first"))
     finally:
         if plan.synthetic_files:
             shutil.rmtree(plan.synthetic_files, ignore_errors=True)
 
-    final = report.write("complete")
-    print_summary(final)
-    print(f"\nwrote {report.paths['md']}, {report.paths['json']}"
-          + (f", {report.paths['png']}" if final["chart"] else "") + f"; row logs in {plan.log_dir}")
-    failed = [r["name"] for r in final["rows"] if r["status"] == "failed"]
-    stuck = [r["name"] for r in final["rows"] if r.get("did_not_exit")]
-    if failed:
-        print(f"failed rows: {', '.join(failed)}", file=sys.stderr)
-    if stuck:
-        print(f"rows whose processes did not exit after their work (stacks in their logs): {', '.join(stuck)}",
-              file=sys.stderr)
-    if _stopping:
-        print(f"{signal.Signals(_stopping[0]).name} came after the last row; the report is whole", file=sys.stderr)
-        sys.exit(128 + _stopping[0])
-    if failed or stuck:
-        sys.exit(1)
+    final = report.write(f"interrupted by {stopped}" if stopped else "complete")
+    if not stopped:
+        print("\n" + "\n".join(summary_lines(final)))
+        print(f"\nwrote {report.paths['md']}, {report.paths['json']}"
+              + (f", {report.paths['png']}" if final["chart"] else "") + f"; row logs in {plan.log_dir}")
+    failures = [f"{what}: {', '.join(names)}" for what, names in (
+        ("failed rows", [r["name"] for r in final["rows"] if r["status"] == "failed"]),
+        ("rows whose processes did not exit after their work (see their logs)",
+         [r["name"] for r in final["rows"] if r.get("did_not_exit")])) if names]
+    finish(stopped, f"the benchmark stopped; finished rows are in {report.paths['md']}",
+           "came after the last row; the report is whole", "\n".join(failures))
 
 
 if __name__ == "__main__":

@@ -227,7 +227,7 @@ def cpu_model() -> str:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or "CPU"
+    return platform.processor() or platform.machine() or "CPU"
 
 
 def peer_access(kind, count):

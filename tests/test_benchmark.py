@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
 import numpy as np
 import pytest
@@ -508,10 +509,12 @@ def test_timed_steps_are_those_the_scripts_time(tool):
     assert (tool.timed_steps(12), tool.timed_steps(97)) == (9, 87)
 
 
-def test_a_process_that_outlives_its_launcher_is_reported(tool, tmp_path, monkeypatch):
-    """A row whose launcher exits 0 with a process of its group still running EXIT_SECONDS later
+@pytest.mark.parametrize("new_session", [False, True], ids=["its-group", "a-session-of-its-own"])
+def test_a_process_that_outlives_its_launcher_is_reported(tool, tmp_path, monkeypatch, new_session):
+    """A row whose launcher exits 0 with a process it started still running EXIT_SECONDS later
     (a job that would hold its node) keeps its figures and says so, as when its processes do
-    not exit after its end record; the process is ended. One that ends within the time is no fault."""
+    not exit after its end record; the process is ended. So is one in a session of its own, as
+    torchrun starts its workers (start_new_session). One that ends within the time is no fault."""
     monkeypatch.setattr(tool, "EXIT_SECONDS", 3.0)
     pid_file = tmp_path / "child.pid"
     script = tmp_path / "leaves_a_child.py"
@@ -524,7 +527,7 @@ def test_a_process_that_outlives_its_launcher_is_reported(tool, tmp_path, monkey
         "                            'images_per_second': 100.0, 'epoch_seconds': 0.64}) + '\\n')\n"
         "    f.write(json.dumps({'event': 'end', 'epoch': 2}) + '\\n')\n"
         f"child = subprocess.Popen([sys.executable, '-c', 'import sys, time; time.sleep(float(sys.argv[1]))', "
-        f"sys.argv[sys.argv.index('--child-seconds') + 1]])\n"
+        f"sys.argv[sys.argv.index('--child-seconds') + 1]], start_new_session={new_session})\n"
         f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n")
     plan = tool.Plan(use_cuda=False, gpus=0, procs=2, global_batch=32, per_device_batch=16, steps=4, epochs=2,
                      workers=0, model="resnet_tiny", dataset="synthetic", data_dir="./data", timeout=60, bf16=True)
@@ -537,6 +540,24 @@ def test_a_process_that_outlives_its_launcher_is_reported(tool, tmp_path, monkey
     result = tool.run_row(tool.Row("leaves-a-child", str(script), "python", False, ("--child-seconds", "1")),
                           plan, str(tmp_path))
     assert result["status"] == "ok" and "did_not_exit" not in result, result
+
+
+def test_a_group_of_zombies_is_ended_at_once(tool):
+    """A process group whose members have all exited but are not reaped (zombies: a container's
+    init may never reap an orphan) has nothing left to end: ending the row does not wait for it."""
+    pid = os.fork()
+    if pid == 0:  # a group of its own, then exit without being reaped
+        os.setpgid(0, 0)
+        os._exit(0)
+    try:
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # it has exited; it stays a zombie
+        os.killpg(pid, 0)  # the group is still there
+        launcher = types.SimpleNamespace(pid=pid, poll=lambda: 0)  # the launcher, reaped
+        started = time.monotonic()
+        tool.end_group(launcher, "no-such-row", grace=10)
+        assert time.monotonic() - started < 5
+    finally:
+        os.waitpid(pid, 0)
 
 
 def test_an_epoch_is_the_whole_batches_of_cifar(tool):
@@ -563,17 +584,21 @@ def test_row_shapes_on_a_gpu(tool):
 
 
 def test_loader_workers_on_a_gpu_fit_in_shared_memory(tool, monkeypatch):
-    """16 cores and one GPU: 15 workers by the cores. With Docker's 64 MB of /dev/shm they
-    would hold more than fits (a bus error): 9.5 MB each, in uint8; the benchmark starts as
-    many as fit by preflight's formula, and says why in the report."""
+    """16 cores and one GPU: 15 workers by the cores. Each holds up to 2 prefetched training
+    batches of 512 uint8 images in /dev/shm, 3.2 MB, and as many evaluation batches of one
+    image (a row evaluates one image per process): Docker's 64 MB hold all 15. With less
+    the benchmark starts as many as fit (more would die of a bus error), and says why."""
     fake_gpus(tool, monkeypatch, 1, cores=16)
     args = tool.build_parser().parse_args(["--rows", "ddp"])
     ddp = rows_by_name_of(tool)["ddp"]
+    command = tool.row_command(ddp, tool.resolve_plan(args), "m.jsonl")
+    assert command[command.index("--test-samples") + 1] == "1"  # the evaluation batch counted here
 
-    def estimate(workers):  # 2 prefetched batches per worker, of training (512) and evaluation (1,024)
-        return workers * 2 * (512 + 1024) * tool.LOADER_SAMPLE_BYTES
+    def estimate(workers):  # DataLoader's prefetch_factor, 2: batches of training (512) and evaluation (1)
+        return workers * 2 * (512 + 1) * tool.LOADER_SAMPLE_BYTES
 
-    for free, expected in ((None, 15), (2**40, 15), (64 * 2**20, 7), (20 * 2**20, 2), (8 * 2**20, 0)):
+    for free, expected in ((None, 15), (2**40, 15), (64 * 2**20, 15), (40 * 2**20, 13), (20 * 2**20, 6),
+                           (2 * 2**20, 0)):
         monkeypatch.setattr(tool.lifecycle, "shm_free_bytes", lambda path=None: free)
         plan = tool.resolve_plan(args)
         workers, note = tool.row_workers(ddp, plan)
@@ -608,17 +633,20 @@ def test_each_row_gets_the_loader_workers_of_its_own_processes(tool, monkeypatch
 
     assert workers("dp") >= 16 and workers("ddp-1proc") == 16
     assert workers("ddp") == workers("ddp-spawn") == 3 and workers("fast-bf16") == 0
-    per_worker = 2 * 3 * 8 * 512 * tool.LOADER_SAMPLE_BYTES  # dp: one process, 4,096 images a step
+    per_worker = 2 * (8 * 512 + 1) * tool.LOADER_SAMPLE_BYTES  # dp: one process, 4,096 images a step
     monkeypatch.setattr(tool.lifecycle, "shm_free_bytes", lambda path=None: 5 * per_worker)
     assert (workers("dp"), workers("ddp"), workers("ddp-1proc")) == (5, 3, 16)
 
 
 def fake_gpus(tool, monkeypatch, count, cores):
+    """`count` GPUs, and `cores` that this process may use (its affinity: taskset, a container's
+    cpuset) on a machine that has more: the loader workers are sized from the former."""
     monkeypatch.setattr(tool.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(tool.torch.cuda, "device_count", lambda: count)
     monkeypatch.setattr(tool.precision, "cuda_bf16_native", lambda *a: True)
     monkeypatch.setattr(tool.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(tool.os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(tool.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr(tool.os, "cpu_count", lambda: 8 * cores)
 
 
 def rows_by_name_of(tool):
@@ -663,7 +691,8 @@ def test_ratios_against_the_baseline_on_hand_made_rows(tool):
     ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0),
     ("NVIDIA H200", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA A10", 125.0), ("NVIDIA L4", 121.0),
     ("NVIDIA L40S", 362.0), ("NVIDIA GeForce RTX 4090", 165.0), ("Tesla V100-SXM2-16GB", 125.0),
-    ("Tesla V100-PCIE-16GB", 112.0),
+    ("Tesla V100-PCIE-16GB", 112.0), ("NVIDIA A100 80GB PCIe", 312.0),
+    ("NVIDIA RTX A1000", None), ("NVIDIA RTX A1000 6GB Laptop GPU", None),  # not an A100
     ("Some Future GPU", None),
 ])
 def test_default_peak_by_gpu_name(tool, name, tflops):
