@@ -212,14 +212,19 @@ def test_sigterm_at_the_last_step_of_max_steps_ends_the_run_with_its_records(tmp
 
 # --- crashes ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("rendezvous", ["--standalone", "--rdzv-backend=c10d"])
+@pytest.mark.parametrize("rendezvous", ["--standalone", "--rdzv-backend=c10d", "static", "--standalone, shared store"])
 def test_killed_worker_is_restarted_and_ends_with_the_same_weights(ddp_reference, tmp_path, rendezvous):
-    # --standalone draws a run id; c10d without --rdzv-id has torchrun's default, "none".
+    # --standalone draws a run id; c10d without --rdzv-id has torchrun's default, "none". The launchers' fresh store
+    # per attempt; without TORCH_DISABLE_SHARE_RDZV_TCP_STORE, and in torchrun's default, the static rendezvous,
+    # one store for every attempt, which still holds the first attempt's keys.
     ckpt = tmp_path / "checkpoint.pt"
-    launch = [rendezvous] if rendezvous == "--standalone" else [rendezvous, f"--rdzv-endpoint=127.0.0.1:{free_port()}"]
+    launch = {"--standalone": ["--standalone"], "static": [f"--master-port={free_port()}"],
+              "--standalone, shared store": ["--standalone"],
+              "--rdzv-backend=c10d": ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"]}[rendezvous]
     proc = run(["-m", "torch.distributed.run", *launch, "--nproc_per_node=2", "--max-restarts=1",
                 FAULTS, "--fault", "kill", "--rank", "1", "--step", "5", "--",
-                "distributed.py", *TINY, "--checkpoint-dir", tmp_path], timeout=300, **FRESH_STORE)
+                "distributed.py", *TINY, "--checkpoint-dir", tmp_path], timeout=300,
+               **({} if rendezvous in ("static", "--standalone, shared store") else FRESH_STORE))
     output = expect(proc)
     assert "fault_injection: kill on rank 1 at step 5" in output
     # Both workers start again (restart 1) and continue from the checkpoint of step 4.
@@ -293,10 +298,10 @@ def no_loader_failure(output):
 
 
 def assert_same_checkpoint(path, other):
-    """Every entry of two checkpoints bitwise equal (the folder each names for itself apart)."""
+    """Every entry of two checkpoints bitwise equal (the folder each names for itself, and the launch, apart)."""
     got, want = checkpoint.load(path), checkpoint.load(other)
     for state in (got, want):
-        state["config"].pop("checkpoint_dir")
+        state["config"].pop("checkpoint_dir"), state.pop("launch")
     assert_same_state(got, want, "checkpoint")
 
 

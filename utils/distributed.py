@@ -198,11 +198,13 @@ def setup(job: DistEnv, device: torch.device, timeout_s: float = 1800.0) -> Dist
         # init_process_group(init_method=...)'s own rendezvous (distributed_c10d.py), its store kept for agreements.
         store, _, _ = next(dist.rendezvous(job.init_method, job.rank, job.world_size, timeout=timeout))
         store.set_timeout(timeout)
+        # This attempt's keys: a torchrun restart may meet in a store that still holds the last attempt's addresses.
+        attempt = lifecycle.attempt_prefix()
         # device_id: NCCL connects now, not in the first collective: a broken setup fails with the launch.
-        dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=job.rank,
+        dist.init_process_group(backend, store=dist.PrefixStore(f"{attempt}/pg", store), rank=job.rank,
                                 world_size=job.world_size, timeout=timeout,
                                 device_id=device if device.type != "cpu" else None)
-    _store, _agreements = dist.PrefixStore(f"{lifecycle.attempt_prefix()}/agreements", store), 0
+    _store, _agreements = dist.PrefixStore(f"{attempt}/agreements", store), 0
     lifecycle.joined_a_group(store)  # the process now ends through lifecycle.leave (see there)
     return dataclasses.replace(job, device=device)
 
