@@ -83,8 +83,9 @@ def read_cifar_file(path: str) -> dict:
 
 def _cifar100(data_dir: str, train: bool):
     """torchvision's CIFAR-100 (its layout, its download with the archive's md5 check), read by
-    read_cifar_file. Files on disk are trusted: torchvision's md5 check at every load rejects any copy
-    that is not the release (a subset, the tests' data). Imported here: seconds that synthetic runs skip."""
+    read_cifar_file. Files on disk are trusted: torchvision's md5 check at every load is off, as it would
+    reject any copy that is not the release (a subset, the tests' data). Imported here: seconds that synthetic
+    runs skip."""
     import torchvision
     base = torchvision.datasets.CIFAR100
 
