@@ -234,13 +234,19 @@ def test_killed_worker_is_restarted_and_ends_with_the_same_weights(ddp_reference
 
 
 def test_a_restarted_launch_refuses_a_checkpoint_it_did_not_write(tmp_path):
-    # The command run again on a folder that holds another run's checkpoint: the first attempt refuses with
-    # exit status 2, which torchrun restarts as any failure; the restart must not take that checkpoint for its own.
-    expect(run(["distributed.py", *TINY, "--max-steps", "2", "--checkpoint-dir", tmp_path]))
+    # The command run again on a folder that holds its last run's checkpoint, with the same --rdzv-id (a job's
+    # name): the first attempt refuses with exit status 2, which torchrun restarts as any failure; the restart
+    # must not take that checkpoint for its own.
+    def launch(*args):
+        return run(["-m", "torch.distributed.run", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+                    "--rdzv-id=my-job", "--nproc_per_node=2", "--max-restarts=1", "distributed.py", *TINY,
+                    "--checkpoint-dir", tmp_path, *args], timeout=300, **FRESH_STORE)
+    expect(launch("--max-steps", "2"))
     before = (tmp_path / "checkpoint.pt").read_bytes()
-    output = torchrun(["distributed.py", *TINY, "--checkpoint-dir", tmp_path], extra=["--max-restarts=1"]).output()
+    output = launch().output()
     assert "torchrun restart" not in output and "resumed from" not in output, output
-    assert "(this restarted launch did not write it)" in output, output  # the second attempt's refusal
+    refusals = [line for line in output.splitlines() if line.startswith("distributed.py: error: --checkpoint-dir")]
+    assert len(refusals) == 2 and "add --resume" in refusals[1], output  # the first attempt's, then its restart's
     assert "done:" not in output and (tmp_path / "checkpoint.pt").read_bytes() == before
 
 
@@ -301,7 +307,7 @@ def assert_same_checkpoint(path, other):
     """Every entry of two checkpoints bitwise equal (the folder each names for itself, and the launch, apart)."""
     got, want = checkpoint.load(path), checkpoint.load(other)
     for state in (got, want):
-        state["config"].pop("checkpoint_dir"), state.pop("launch")
+        state["config"].pop("checkpoint_dir"), state.pop("launches")
     assert_same_state(got, want, "checkpoint")
 
 

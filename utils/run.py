@@ -7,9 +7,9 @@ order, or the others wait in it until --dist-timeout and fail with an error that
 (`meeting(...)`, utils/distributed.py): no rank may skip a `step_done()` or leave the loop on its own.
 
 - `TrainingRun(...)`: agreements (`all_ranks_ok`, through the job's store) on the output files, on
-  whether every rank sees --checkpoint-dir (after a broadcast of rank 0's lock line), whether a
-  checkpoint exists, whether this is a launcher's restart and, with --resume, whether every rank
-  loaded it (a sharded model loads in a collective).
+  whether every rank sees --checkpoint-dir (after an all-gather of rank 0's lock line and each node's
+  torchrun), whether a checkpoint exists and whether every rank loaded it (a sharded model loads in
+  a collective).
 - `step_done()`: every `check_every` steps (10 under a launcher, 1 alone) a stop-signal agreement; when a
   checkpoint is due, an all-reduce of the epoch's training sums (`save`) and a sharded model's save.
 - `end_epoch()`: an all-reduce of the training sums (for the summary and the checkpoint), then a stop
@@ -34,11 +34,14 @@ from .metrics import EpochTimer, TrainMeter, peak_memory_mb, reset_peak_memory
 
 
 def _launch():
-    """The torchrun launch whose worker this is, the same through its restarts: the rendezvous id (--standalone
-    draws one, the launchers here pass the job's), or where it is torchrun's default "none", the torchrun process
-    on this node. None outside torchrun."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    return f"{os.uname().nodename}:{os.getppid()}" if run_id == "none" else run_id
+    """This node's torchrun, the same through all its restarts and no other's: the log folder it made for them
+    (mkdtemp; TORCHELASTIC_ERROR_FILE is FOLDER/attempt_N/RANK/error.json), or with --log-dir /dev/null, its
+    process. A run id would not do: the same --rdzv-id serves every launch of one command. None outside torchrun."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    folder = os.path.dirname(os.path.dirname(os.path.dirname(error_file))) if error_file else os.getppid()
+    return f"{os.uname().nodename}:{folder}"
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -68,6 +71,7 @@ class TrainingRun:
         self.epoch = self.step_in_epoch = self.global_step = 0
         self.meter = self.last_record = self._partial_sums = self._bar = self._timing = None
         self._stop = self._restarted_into = False
+        self._launches = {_launch()} - {None}  # every node's torchrun: _check_shared gathers them
         self._claim_outputs()
         self.started = time.perf_counter()
         self.checkpoint_path = os.path.join(args.checkpoint_dir, checkpoint.FILENAME) if args.checkpoint_dir else None
@@ -114,10 +118,11 @@ class TrainingRun:
     def _check_shared(self, directory: str, line):
         """Every rank reads in --checkpoint-dir's .lock the `line` that rank 0 wrote (rank 0 must not: that drops its
         lock). A resume reads the checkpoint on every rank: a folder on each node's own disk would fail only then."""
-        held = [line]
-        with meeting("TrainingRun(...), rank 0's line in --checkpoint-dir's .lock"):
-            torch.distributed.broadcast_object_list(held, src=0)
-        found = line = held[0]
+        held = [None] * self.env.world_size
+        with meeting("TrainingRun(...), rank 0's line in --checkpoint-dir's .lock, each node's torchrun"):
+            torch.distributed.all_gather_object(held, (line, _launch()))
+        found = line = held[0][0]
+        self._launches = {launch for _, launch in held if launch}
         # NFS may answer from its cached view of a folder for up to 60 s (acdirmax): look again before refusing,
         # within --dist-timeout, the time the other ranks wait for this one.
         until = time.monotonic() + min(60.0, self.args.dist_timeout / 2)
@@ -133,11 +138,12 @@ class TrainingRun:
     # --- resume -------------------------------------------------------------------
 
     def _resume_path(self):
-        """Which checkpoint to continue from, if any. A worker restarted by torchrun --max-restarts resumes from
-        --checkpoint-dir's checkpoint by itself if its launch wrote it (even after a first attempt with --resume
-        PATH: the newer one wins); --resume PATH: that file. --resume: --checkpoint-dir's checkpoint if there is
-        one (a requeued SLURM job passes it every time), else a fresh start. No run overwrites a checkpoint it did
-        not resume, in any attempt: torchrun restarts a worker that refused, whatever its exit status."""
+        """Which checkpoint to continue from, if any. torchrun's restarts (--max-restarts, a node that came or went)
+        resume --checkpoint-dir's checkpoint by themselves if one of this launch's torchruns wrote it (even after a
+        first attempt with --resume PATH: the newer one wins); --resume PATH: that file. --resume: --checkpoint-dir's
+        checkpoint if there is one (a requeued SLURM job passes it every time), else a fresh start. No run
+        overwrites a checkpoint it did not resume, in any attempt: torchrun restarts one that refused, as any
+        failure."""
         args = self.args
         here = bool(self.checkpoint_path) and os.path.isfile(self.checkpoint_path)
         agreeing = "TrainingRun(...), agreeing on the checkpoint to resume from"
@@ -145,18 +151,14 @@ class TrainingRun:
         if not exists and not all_ranks_ok(not here, agreeing):
             raise UsageError(f"{self.checkpoint_path} exists for some ranks but not others: "
                              "--checkpoint-dir must be on a file system that every node sees")
-        # Each torchrun agent counts only its own restarts: when a worker dies on one node, the healthy
-        # nodes' workers may restart with a count of 0. Any rank restarted means the whole group was.
-        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-        restarted = not all_ranks_ok(restarts == 0, agreeing)
         if args.resume == "auto":
             if not exists:
                 print0(f"--resume: no checkpoint in {args.checkpoint_dir} yet, starting from scratch")
             return self.checkpoint_path if exists else None
         if exists and not (args.resume and _same_file(args.resume, self.checkpoint_path)):
-            if not restarted:
+            if not self._launches:  # not under torchrun: no restart of this run can have written it
                 raise UsageError(self._holds_one)
-            self._restarted_into = True  # if this launch wrote it: _resume reads which did
+            self._restarted_into = True  # if this launch wrote it, which _resume reads
             return self.checkpoint_path
         return args.resume
 
@@ -177,9 +179,9 @@ class TrainingRun:
         error = state = None
         try:
             state = checkpoint.load(path)  # every rank reads the file: no broadcast needed
-            if self._restarted_into:
-                if self.env.is_main and state.get("launch") != _launch():  # rank 0's: the node that saved
-                    raise UsageError(f"{self._holds_one} (this restarted launch did not write it)")
+            if self._restarted_into:  # every node's torchrun is a new process in another launch
+                if not self._launches & set(state.get("launches", ())):
+                    raise UsageError(self._holds_one)
                 print0(f"torchrun restart: resuming from {path}")
             self.state.check(state, path)
             saved = state.get("config", {})
@@ -233,7 +235,7 @@ class TrainingRun:
                  "epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": self.global_step,
                  "train_sums": sums, "train_size": self.train_size, "rng": checkpoint.rng_state(self.env.device),
                  "config": plain_config(self.args), "world_size": self.env.world_size, "strategy": self.strategy,
-                 "launch": _launch()}
+                 "launches": sorted(self._launches)}
         checkpoint.atomic_save(state, self.checkpoint_path)  # the commit
         self.state.saved(self.checkpoint_path)
 
