@@ -185,7 +185,7 @@ FAST_PATH = {
     ("--channels-last",): [Works([FLAG], lambda r: r.layouts == {torch.channels_last})],
     # NCHW, the CPU's default too; the default on GPUs is test_data's test_the_default_layout_follows_the_gpu.
     ("--no-channels-last",): [Works([FLAG], lambda r: r.layouts == {torch.contiguous_format})],
-    ("--compile",): [Works([FLAG], lambda r: r.compiled == ["default"])],
+    ("--compile",): [Works([FLAG], lambda r: r.compiled == ["default"] and r.compiled_calls >= r.steps > 0)],
     ("--compile-mode",): [Refused([FLAG, "max-autotune"], "add --compile"),
                           Works(["--compile", FLAG, "max-autotune-no-cudagraphs"],
                                 lambda r: r.compiled == ["max-autotune-no-cudagraphs"])],
@@ -453,7 +453,7 @@ def run_script_here(monkeypatch, capsys, tmp_path, cifar):
     spies = {}
 
     def reset_spies():
-        spies.update(steps=0, saves=0, loader_iterations=0, worker_loaders=0, compiled=[], layouts=set(), dtypes=set(),
+        spies.update(steps=0, saves=0, loader_iterations=0, compiled_calls=0, worker_loaders=0, compiled=[], layouts=set(), dtypes=set(),
                      after_forward=set(), group_timeouts=[])
 
     def counting(name, original):
@@ -470,7 +470,10 @@ def run_script_here(monkeypatch, capsys, tmp_path, cifar):
 
     def eager_compile(model, mode=None, **kwargs):
         spies["compiled"].append(mode)
-        return compile_(model, backend="eager")
+        compiled = compile_(model, backend="eager")
+        # Calls of the module torch.compile returned: the loop must use it, not the module it was given.
+        compiled.register_forward_pre_hook(lambda *_: spies.update(compiled_calls=spies["compiled_calls"] + 1))
+        return compiled
     monkeypatch.setattr(torch, "compile", eager_compile)
     init_process_group = dist.init_process_group
 
