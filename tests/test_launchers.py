@@ -286,9 +286,12 @@ def test_slurm_batch_script_command(stubs, script_help, tmp_path):
     assert_flags_accepted(script, args, script_help)
 
 
-def test_slurm_checkpoint_folder_is_the_job_id_by_default():
-    text = (ROOT / "scripts/slurm.sbatch").read_text()
-    assert 'CHECKPOINT_DIR=${CHECKPOINT_DIR:-checkpoints/$SLURM_JOB_ID}' in text
+def test_slurm_checkpoint_folder_is_the_job_id_by_default(stubs, tmp_path):
+    env, calls = stubs  # no CHECKPOINT_DIR, no --checkpoint-dir: a requeued job finds its own folder again
+    proc = launch("scripts/slurm.sbatch", env, **dict(SLURM_ENV, SLURM_SUBMIT_DIR=str(tmp_path)))
+    assert proc.returncode == 0, proc.stderr
+    _, _, args = script_and_args([c for c in calls() if c["cmd"] == "srun"][0]["argv"][2:])
+    assert args[args.index("--checkpoint-dir") + 1] == "checkpoints/4242" and "--resume" in args
 
 
 def test_slurm_refuses_bad_arguments_once_before_srun(stubs, tmp_path):
