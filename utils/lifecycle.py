@@ -74,8 +74,7 @@ def run_main(main, argv=None):
     except SystemExit as stop:
         if not _joined_a_group:
             raise
-        text = stop.code is not None and not isinstance(stop.code, int)  # sys.exit("message")
-        leave(1 if text else stop.code or 0, message=str(stop.code) if text else None)
+        leave(*exit_status(stop))
     except Exception as err:
         if (message := bus_error_message(err)) is not None:  # this rank's own line (torchrun: in its error file too)
             # The other loader workers end first: one whose batch was being handed over when the loader
@@ -93,6 +92,12 @@ def run_main(main, argv=None):
         leave(1)
     if _joined_a_group:
         leave(0)
+
+
+def exit_status(stop: SystemExit) -> tuple:
+    """(status, line to print) by sys.exit's own rule: None is 0, an int is itself, anything else is printed, 1."""
+    text = stop.code is not None and not isinstance(stop.code, int)
+    return (1, str(stop.code)) if text else (stop.code or 0, None)
 
 
 def leave(code: int = 0, message: str = None):

@@ -71,7 +71,7 @@ class TrainingRun:
         self.epoch = self.step_in_epoch = self.global_step = 0
         self.meter = self.last_record = self._partial_sums = self._bar = self._timing = None
         self._stop = self._restarted_into = False
-        self._launches = {_launch()} - {None}  # every node's torchrun: _check_shared gathers them
+        self._launches = set()  # every node's torchrun: _check_shared gathers them (under torchrun: distributed)
         self._claim_outputs()
         self.started = time.perf_counter()
         self.checkpoint_path = os.path.join(args.checkpoint_dir, checkpoint.FILENAME) if args.checkpoint_dir else None

@@ -227,9 +227,8 @@ def worker_exit(errors, local_rank):
             f.write(str(err))
         lifecycle.tell_the_job(str(err))
         code = 2
-    except SystemExit as stop:  # a stop on a signal (run.step_done), a join that failed; else sys.exit's own rule
-        text = stop.code is not None and not isinstance(stop.code, int)  # sys.exit("message"): printed, 1
-        code, message = (1, str(stop.code)) if text else (stop.code or 0, None)
+    except SystemExit as stop:  # a stop on a signal (run.step_done), a join that failed, a script's own sys.exit
+        code, message = lifecycle.exit_status(stop)
     except KeyboardInterrupt:  # Ctrl-C before the run's own handler: 130 as in a shell, not mp.spawn's 0
         code = 130
     except Exception as err:
