@@ -28,7 +28,7 @@ def checkpoints(tmp_path_factory):
     out = {}
     for name, (script, extra) in SCRIPTS.items():
         directory = tmp_path_factory.mktemp(name)
-        flags = [*extra, *SMALL, *STEPS, "--checkpoint-dir", directory]
+        flags = [*extra, *SMALL, *STEPS, "--workers", "2", "--checkpoint-dir", directory]  # loader workers, as users run
         run_script([script, *flags]) if name == "mp_spawn" else torchrun(2, script, flags)
         out[name] = torch.load(directory / "checkpoint.pt", map_location="cpu", weights_only=True)
     return out
