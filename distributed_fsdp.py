@@ -212,6 +212,7 @@ def train(args, env, per_device_batch):
     scheduler = schedule.warmup_multistep(optimizer, args, steps_per_epoch)
     run = TrainingRun(args, env, model, optimizer, scheduler, train_size=len(train_set),
                       strategy="fsdp2",  # all ranks meet here; resumes with --resume
+                      extra_record={"mp_policy": args.mp_policy, "reshard_after_forward": args.reshard_after_forward},
                       state=ShardedState(model, optimizer))  # each rank's shards in a folder beside checkpoint.pt
 
     # --- training loop ----------------------------------------------------------------

@@ -19,6 +19,7 @@ import enum
 import os
 import pathlib
 import pickle
+import re
 import shutil
 import signal
 
@@ -56,6 +57,11 @@ def max_difference(a: dict, b: dict) -> float:
         else:
             assert a[key] == b[key], f"{key}: {a[key]!r} != {b[key]!r}"
     return worst
+
+
+def shards(directory) -> pathlib.Path:
+    """The shards' folder that DIRECTORY/checkpoint.pt names (sharded-step<N>-<the run's token>)."""
+    return pathlib.Path(directory) / checkpoint.load(str(pathlib.Path(directory) / "checkpoint.pt"))["sharded"]["folder"]
 
 
 def training_state(path) -> dict:
@@ -127,8 +133,13 @@ def test_bf16_and_zero2_train(run_in_process, tmp_path):
     # --no-reshard-after-forward keeps the gathered parameters from forward to backward.
     for directory, flags in (("bf16", ["--mp-policy", "bf16", "--no-reshard-after-forward"]), ("fp32", [])):
         code, out, err = run_in_process("distributed_fsdp.py", [*SMALL, "--max-steps", "2", *flags,
-                                                                "--checkpoint-dir", tmp_path / directory])
+                                                                "--checkpoint-dir", tmp_path / directory,
+                                                                "--metrics", tmp_path / f"{directory}.jsonl"])
         assert code in (0, None), err
+    # The records say which run is which.
+    assert [(r["mp_policy"], r["reshard_after_forward"]) for r in read_metrics(tmp_path / "bf16.jsonl")] == [
+        ("bf16", False)] * 2
+    assert read_metrics(tmp_path / "fp32.jsonl")[-1]["mp_policy"] == "none"
     bf16 = sharded.load_full(str(tmp_path / "bf16" / "checkpoint.pt"))["model"]
     fp32 = sharded.load_full(str(tmp_path / "fp32" / "checkpoint.pt"))["model"]
     assert bf16["fc.weight"].dtype == torch.float32
@@ -202,11 +213,10 @@ def test_sigterm_to_every_process_stops_and_resumes_bitwise(two_processes, tmp_p
     assert "stopping at step 10 on SIGTERM" in output, output
     assert "DataLoader worker" not in output, output
     saved = checkpoint.load(str(tmp_path / "checkpoint.pt"))
-    assert saved["global_step"] == 10 and saved["sharded"]["folder"] == "sharded-step10"
+    assert saved["global_step"] == 10 and shards(tmp_path).name.startswith("sharded-step10-")
     # Every rank wrote its part; the previous folder is gone: one checkpoint in the directory.
-    assert sorted(p.name for p in (tmp_path / "sharded-step10").iterdir()) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp"]
-    assert [p.name for p in tmp_path.glob("sharded-step*")] == ["sharded-step10"]
+    assert sorted(p.name for p in shards(tmp_path).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert list(tmp_path.glob("sharded-step*")) == [shards(tmp_path)]
 
     resumed = torchrun(2, "distributed_fsdp.py", [*TWO, "--checkpoint-dir", tmp_path, "--resume"])
     assert "resumed from" in resumed.stdout and "epoch 1, step 10 of 16 in it, 10 steps in all" in resumed.stdout
@@ -263,12 +273,13 @@ def test_crash_during_a_sharded_save_keeps_the_previous_checkpoint(one_process, 
     crashed = run_script([FAULTS, "--fault", "kill-during-save", "--save", "2", "--",
                           "distributed_fsdp.py", *ONE, "--checkpoint-dir", tmp_path], check=False)
     assert crashed.returncode == -signal.SIGKILL, crashed.stdout + crashed.stderr
-    assert checkpoint.load(str(tmp_path / "checkpoint.pt"))["sharded"]["folder"] == "sharded-step2"
-    assert (tmp_path / "sharded-step2" / ".metadata").exists() and (tmp_path / "sharded-step4").exists()
+    assert shards(tmp_path).name.startswith("sharded-step2-") and (shards(tmp_path) / ".metadata").exists()
+    assert len(list(tmp_path.glob("sharded-step4-*"))) == 1
     resumed = expect_ok(run_in_process("distributed_fsdp.py", [*ONE, "--checkpoint-dir", tmp_path, "--resume"]))
     assert "step 2 of 8 in it, 2 steps in all" in resumed, resumed
     # The orphaned shards are removed, and the run ends where the uninterrupted one did.
-    assert [p.name for p in tmp_path.glob("sharded-step*")] == ["sharded-step8"]
+    assert list(tmp_path.glob("sharded-step*")) == [shards(tmp_path)]
+    assert shards(tmp_path).name.startswith("sharded-step8-")
     reference = training_state(one_process / "distributed_fsdp.py" / "checkpoint.pt")
     assert max_difference(training_state(tmp_path / "checkpoint.pt"), reference) == 0.0
 
@@ -285,7 +296,7 @@ def test_checkpoints_refuse_what_does_not_fit(run_in_process, one_process, tmp_p
     # A shard folder whose save never finished (no metadata) is not read.
     copy = tmp_path / "copy"
     shutil.copytree(fsdp_checkpoint.parent, copy)
-    os.unlink(copy / "sharded-step8" / ".metadata")
+    os.unlink(shards(copy) / ".metadata")
     with pytest.raises(Exception, match="is missing"):
         sharded.load_full(str(copy / "checkpoint.pt"))
 
@@ -297,9 +308,9 @@ def test_a_resume_that_fails_in_dcp_names_the_cause(run_in_process, one_process,
     saved = one_process / "distributed_fsdp.py"
     copy = tmp_path / "copy"
     shutil.copytree(saved, copy)
-    os.truncate(copy / "sharded-step8" / "__0_0.distcp", 1000)
+    os.truncate(shards(copy) / "__0_0.distcp", 1000)
     line = assert_refused(run_in_process("distributed_fsdp.py", [*SMALL, "--resume", copy / "checkpoint.pt"]),
-                          f"cannot read sharded checkpoint {copy / 'sharded-step8'}: rank 0: RuntimeError: ")
+                          f"cannot read sharded checkpoint {shards(copy)}: rank 0: RuntimeError: ")
     assert "CheckpointException" not in line  # the reader's own error (a zip archive cut short here)
     import distributed_fsdp
     import models
@@ -310,22 +321,41 @@ def test_a_resume_that_fails_in_dcp_names_the_cause(run_in_process, one_process,
 
 
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
-def test_a_checkpoint_kept_under_another_name_keeps_its_shards(run_in_process, tmp_path):
-    # Renamed, and resumed from in the run's own folder (nothing left to train): its folder stays,
-    # whatever the file's name (not *.pt here).
+def test_checkpoints_kept_under_other_names_keep_their_shards(run_in_process, tmp_path):
+    # Copies kept beside checkpoint.pt, whatever their names, keep the folders they name: through the
+    # saves of a resumed run (each replaces checkpoint.pt's folder) and the start of a new run in the
+    # folder (which clears the folders that no checkpoint names); and a new run never writes into one.
     run = tmp_path / "run"
-    expect_ok(run_in_process("distributed_fsdp.py", [*ONE, "--max-steps", "2", "--checkpoint-dir", run]))
-    os.rename(run / "checkpoint.pt", run / "checkpoint.pt.bak")
-    expect_ok(run_in_process("distributed_fsdp.py", [*ONE, "--max-steps", "2", "--checkpoint-dir", run,
-                                                     "--resume", run / "checkpoint.pt.bak"]))
-    assert (run / "sharded-step2" / ".metadata").exists()
-    # A copy kept beside checkpoint.pt (*.pt): the saves that follow (steps 4, 6) replace checkpoint.pt's
-    # folder, not the one the copy names.
-    shutil.copy(run / "checkpoint.pt.bak", run / "checkpoint.pt")
-    os.rename(run / "checkpoint.pt.bak", run / "best.pt")
-    expect_ok(run_in_process("distributed_fsdp.py", [*ONE, "--max-steps", "6", "--checkpoint-dir", run, "--resume"]))
-    assert sorted(p.name for p in run.glob("sharded-step*")) == ["sharded-step2", "sharded-step6"]
-    assert sharded.load_full(str(run / "best.pt"))["global_step"] == 2
+
+    def train(steps, *flags):
+        expect_ok(run_in_process("distributed_fsdp.py", [*ONE, "--max-steps", str(steps), "--checkpoint-dir", run,
+                                                         *flags]))
+    train(2)
+    shutil.copy(run / "checkpoint.pt", run / "checkpoint.pt.bak")
+    train(4, "--resume")
+    os.rename(run / "checkpoint.pt", run / "run1.ckpt")
+    kept = {name: sharded.load_full(str(run / name)) for name in ("checkpoint.pt.bak", "run1.ckpt")}
+    train(4, "--seed", "7")  # another run, through the same steps
+    for name, step in (("checkpoint.pt.bak", 2), ("run1.ckpt", 4)):
+        state = sharded.load_full(str(run / name))
+        assert state["global_step"] == step and max_difference(state, kept[name]) == 0.0, name
+    new = sharded.load_full(str(run / "checkpoint.pt"))
+    assert max_difference(new["model"], kept["run1.ckpt"]["model"]) > 1e-3  # another run indeed
+    assert len(list(run.glob("sharded-step*"))) == 3
+    # Resumed from in the run's own folder under another name (nothing left to train): its folder stays.
+    os.unlink(run / "checkpoint.pt")
+    train(4, "--resume", run / "run1.ckpt")
+    assert max_difference(sharded.load_full(str(run / "run1.ckpt")), kept["run1.ckpt"]) == 0.0
+
+
+def test_a_checkpoint_names_a_folder_beside_it_only(one_process, tmp_path):
+    # A crafted name would be read elsewhere, and deleted there once a save replaced it.
+    state = checkpoint.load(str(one_process / "distributed_fsdp.py" / "checkpoint.pt"))
+    for name in ("../elsewhere/sharded-step8", "/tmp/sharded-step8", "data"):
+        state["sharded"]["folder"] = name
+        torch.save(state, tmp_path / "crafted.pt")
+        with pytest.raises(UsageError, match="not a folder beside it"):
+            sharded.load_full(str(tmp_path / "crafted.pt"))
 
 
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
@@ -367,9 +397,9 @@ def test_a_failed_sharded_save_names_each_ranks_error(tmp_path):
     proc = torchrun(2, runner, [*TWO, "--workers", "0", "--max-steps", "2", "--checkpoint-dir", tmp_path / "ck"],
                     check=False)
     output = proc.stdout + proc.stderr
-    line = (f"SaveFailed: the sharded checkpoint could not be written to {tmp_path / 'ck' / 'sharded-step2'}: "
-            "rank 1: OSError: [Errno 27] File too large")
-    assert proc.returncode == 1 and line in output, output
+    folder = re.escape(str(tmp_path / "ck" / "sharded-step2-")) + "[0-9a-f]{8}"
+    line = rf"SaveFailed: the sharded checkpoint could not be written to {folder}: rank 1: OSError: \[Errno 27\] File too"
+    assert proc.returncode == 1 and re.search(line, output), output
     # An ordinary exception: in torchrun's error file (its summary's root cause), not DCP's BaseException.
     root_cause = output.split("Root Cause (first observed failure):", 1)[1]
     assert "error_file: <N/A>" not in root_cause and "CheckpointException" not in output, output
@@ -413,7 +443,7 @@ class _Write:
 
 
 def test_metadata_with_enums_by_name_is_read_and_no_other_getattr_is(one_process, tmp_path):
-    folder = one_process / "distributed_fsdp.py" / "sharded-step8"
+    folder = shards(one_process / "distributed_fsdp.py")
     with open(folder / ".metadata", "rb") as f:
         metadata = pickle.load(f)
     by_name = tmp_path / "by-name"
@@ -446,7 +476,7 @@ def test_a_metadata_that_reads_one_way_when_checked_and_another_when_used_writes
     names to different things: PosixPath's write_text for the latter. It ends with the real
     metadata, so that the check would pass it. The load must use what was checked. In a
     process of its own: the pickle changes the enum class of the process that reads it."""
-    folder = one_process / "distributed_fsdp.py" / "sharded-step8"
+    folder = shards(one_process / "distributed_fsdp.py")
     crafted = tmp_path / "crafted"
     shutil.copytree(folder, crafted)
     marker = tmp_path / "marker"
@@ -477,11 +507,11 @@ def test_compare_models_reads_a_sharded_checkpoint(two_processes, tmp_path):
                       check=False)
     assert proc.returncode == 0 and "match: 160 entries (all)" in proc.stdout, proc.stdout + proc.stderr
     # The folder alone: its model.
-    proc = run_script(["scripts/compare_models.py", ddp, fsdp.parent / "sharded-step16"], check=False)
+    proc = run_script(["scripts/compare_models.py", ddp, shards(fsdp.parent)], check=False)
     assert proc.returncode == 0 and "match: 74 entries (model)" in proc.stdout, proc.stdout + proc.stderr
     # A shard file cut short: one line, exit 2.
     broken = tmp_path / "broken"
-    shutil.copytree(fsdp.parent / "sharded-step16", broken)
+    shutil.copytree(shards(fsdp.parent), broken)
     shard = broken / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[:1000])
     proc = run_script(["scripts/compare_models.py", ddp, broken], check=False)

@@ -1,7 +1,8 @@
 """Sharded checkpoints, for distributed_fsdp.py: the model and the optimizer split across ranks.
 
 Every rank writes its own shards of the model and optimizer with torch.distributed.checkpoint
-(DCP) into SHARDED_PREFIX + step, a folder beside checkpoint.pt; rank 0 then writes
+(DCP) into a new folder beside checkpoint.pt, SHARDED_PREFIX + step + this run's token (never
+into a folder that a copy kept from another run names); rank 0 then writes
 checkpoint.pt as always (scheduler, RNG, epoch, step, ...), naming that folder. The atomic
 os.replace of checkpoint.pt is the commit: a crash in the middle of the shards leaves
 checkpoint.pt naming the previous, complete folder. Only tensors go through DCP, so that
@@ -17,7 +18,7 @@ import warnings
 
 import torch
 
-from .checkpoint import load
+from .checkpoint import LOCKNAME, load
 from .cli import UsageError, first_line
 
 SHARDED_PREFIX = "sharded-step"
@@ -32,9 +33,8 @@ class ShardedState:
 
     def __init__(self, model, optimizer):
         self.model, self.optimizer = model, optimizer
-        self.folder = self.param_groups = None  # the folder this run's checkpoint.pt names
+        self.folder = self.param_groups = self.token = None  # the folder this run's checkpoint.pt names
         self.previous = None  # the folder it named before the last save
-        self.resumed = None  # the folder that a checkpoint not this run's own, resumed from, names
 
     def check(self, state: dict, path: str):
         if "sharded" not in state:
@@ -50,12 +50,14 @@ class ShardedState:
         load_sharded(self.model, self.optimizer, folder, shards["param_groups"])
         if own:
             self.folder, self.param_groups = shards["folder"], shards["param_groups"]
-        else:
-            self.resumed = folder
 
     def save(self, step: int, path: str) -> dict:
         """A collective: every rank writes its shards; DCP returns once all have."""
-        name = f"{SHARDED_PREFIX}{step}"
+        if self.token is None:  # rank 0's, once a run: every rank writes into the same folder
+            token = [os.urandom(4).hex()]
+            torch.distributed.broadcast_object_list(token, src=0)
+            self.token = token[0]
+        name = f"{SHARDED_PREFIX}{step}-{self.token}"
         if name != self.folder:  # not saved at this step yet (a folder left by a crash is gone: tidy)
             self.previous, self.folder = self.folder, name
             # Beside the checkpoint.pt to come: atomic_save replaces a symbolic link there by the file.
@@ -75,19 +77,21 @@ class ShardedState:
         remove_unreferenced_shards(_directory(path), keep=self.kept(path))
 
     def kept(self, path: str) -> set:
-        """The folders beside checkpoint.pt (`path`) that stay: the one it names, those that another
-        checkpoint there names (*.pt: a copy, or one renamed), the one that this run resumed from."""
-        directory = os.path.realpath(_directory(path))
-        return named_folders(directory) | {self.folder, self.resumed and os.path.relpath(self.resumed, directory)}
+        """The folders beside checkpoint.pt (`path`) that stay: the one it names, and those that another
+        checkpoint there names (a copy, or one renamed: best.pt, checkpoint.pt.bak; the one resumed from)."""
+        return named_folders(_directory(path)) | {self.folder}
 
 
 def _directory(path: str) -> str:
     return os.path.dirname(os.path.abspath(path))
 
 
-def sharded_folder(checkpoint_path: str, name: str) -> str:
+def sharded_folder(checkpoint_path: str, name) -> str:
     """The shards' folder that a checkpoint.pt names: beside that file, wherever it is (beside
     its target, for a symbolic link: latest.pt -> run1/checkpoint.pt names run1's folder)."""
+    if not (isinstance(name, str) and name.startswith(SHARDED_PREFIX) and os.path.basename(name) == name):
+        # A folder elsewhere would be read, and deleted once replaced: a checkpoint is data, never a path to follow.
+        raise UsageError(f"checkpoint {checkpoint_path} names {name!r} as its shards, not a folder beside it")
     return os.path.join(os.path.dirname(os.path.realpath(checkpoint_path)), name)
 
 
@@ -112,7 +116,9 @@ def save_sharded(model, optimizer, folder: str) -> list:
     # writes one copy of such a tensor, by default from whichever rank has the least to write.
     # dedup_save_to_lowest_rank: rank 0's, the buffers a DDP checkpoint holds.
     try:
-        dcp.save({"model": model_state, "optimizer": optim_state["state"]}, storage_writer=Writer(folder),
+        # overwrite=False: DCP refuses a folder that holds a checkpoint (its .metadata) rather than mix two.
+        dcp.save({"model": model_state, "optimizer": optim_state["state"]},
+                 storage_writer=Writer(folder, overwrite=False),
                  planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
     except dcp.CheckpointException as exc:  # a BaseException, which no handler of failures would see
         raise SaveFailed(f"the sharded checkpoint could not be written to {folder}: {causes(exc)}") from None
@@ -296,11 +302,11 @@ def load_full(path: str) -> dict:
 
 
 def named_folders(directory: str) -> set:
-    """The shard folders that the checkpoints in `directory` (its *.pt files) name."""
+    """The shard folders that the checkpoints in `directory` (its files, whatever their names) name."""
     names = set()
     for entry in os.scandir(directory):
-        # Not any file: closing one that this process holds a lock on (.lock) would release the lock.
-        if entry.name.endswith(".pt") and entry.is_file():
+        # Not .lock: closing a file that this process holds a lock on would release the lock.
+        if entry.name != LOCKNAME and entry.is_file():
             with contextlib.suppress(Exception):  # not a checkpoint of ours
                 # mmap: what a large file holds is not read (this runs at every save).
                 names.add(torch.load(entry.path, map_location="cpu", weights_only=True, mmap=True)["sharded"]["folder"])
