@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One machine, all its GPUs: torchrun starts one DDP process per GPU. Without a GPU it
-# starts 2 processes on the CPU (gloo), enough to see the whole thing work on a laptop.
+# starts 2 processes on the CPU (gloo), enough to see the whole thing work on a laptop
+# (a Mac's GPU too: no backend moves MPS tensors between processes).
 #
 #   bash scripts/launch_single_node.sh                        # the settings below
 #   bash scripts/launch_single_node.sh --epochs 1 --lr 0.2    # extra flags go to the script
@@ -38,12 +39,14 @@ if [ "$NPROC" = auto ]; then
   if [ "$device" = cpu ]; then
     NPROC=0
   else
-    NPROC=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null ||
-            { nvidia-smi --list-gpus 2>/dev/null || true; } | wc -l)
+    # The GPUs that --device auto trains on (torch.accelerator: NVIDIA, AMD, Intel).
+    NPROC=$("$PYTHON" -c "import torch; a = torch.accelerator.current_accelerator(check_available=True)
+print(torch.accelerator.device_count() if a is not None and a.type != 'mps' else 0)")
   fi
   if [ "$NPROC" -eq 0 ]; then
     NPROC=2
     echo "$([ "$device" = cpu ] && echo "--device cpu" || echo "no GPU found"): $NPROC processes on the CPU (gloo)"
+    SCRIPT_ARGS+=(--device cpu)  # not auto, which would take a Mac's GPU
   fi
 fi
 

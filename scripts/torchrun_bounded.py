@@ -46,6 +46,7 @@ settings above (slurm.sbatch does, before srun).
 
 scripts/launch_multi_node.sh and scripts/slurm.sbatch start torchrun through this file.
 """
+import errno
 import os
 import sys
 import threading
@@ -276,6 +277,32 @@ def check_args(args, rendezvous):
         status = subprocess.run([sys.executable, args.training_script, *args.training_script_args], env=env).returncode
         if status:
             sys.exit(status)
+    refuse_a_folder_in_use(args.training_script_args)
+
+
+def refuse_a_folder_in_use(script_args):
+    """A second launch on a --checkpoint-dir that a run holds: the run would refuse it on every attempt, and
+    torchrun restart it --max-restarts times. The lock (utils/checkpoint.py lock_directory), tested, not taken."""
+    import argparse
+    import fcntl
+    from utils import checkpoint
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--checkpoint-dir")  # as the script reads it: the last one wins
+    directory = parser.parse_known_args(script_args)[0].checkpoint_dir
+    try:
+        fd = os.open(os.path.join(directory, checkpoint.LOCKNAME), os.O_RDONLY)
+    except (OSError, TypeError):  # no such folder or lock yet, or no --checkpoint-dir
+        return
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EAGAIN):
+            print_line(f"torchrun_bounded.py: error: --checkpoint-dir {directory} is in use by another run "
+                       f"({checkpoint.holder(directory) or 'unknown holder'}): wait until it ends, or choose another "
+                       "directory")
+            sys.exit(2)
+    finally:
+        os.close(fd)
 
 
 def main():

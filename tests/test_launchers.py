@@ -73,8 +73,9 @@ STUB = textwrap.dedent("""\
     import json, os, signal, sys, time
     name, argv = {name!r}, sys.argv[1:]
     with open(os.environ["STUB_LOG"], "a") as log:
-        log.write(json.dumps({{"cmd": name, "argv": argv,
-                              "fresh_store": os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")}}) + "\\n")
+        log.write(json.dumps({{"cmd": name, "argv": argv, "cwd": os.getcwd(),
+                              "fresh_store": os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE"),
+                              "cpus": os.environ.get("SRUN_CPUS_PER_TASK")}}) + "\\n")
     if name == "scontrol" and argv[:2] == ["show", "hostnames"]:
         print("gpu01\\ngpu02")
     if name == "python" and argv[:1] == ["-c"] and "device_count" in argv[1]:
@@ -133,8 +134,8 @@ def stubs(tmp_path):
     return env, calls
 
 
-def launch(launcher, env, *args, timeout=30, **extra):
-    proc = subprocess.run(["bash", launcher, *args], cwd=ROOT, env=dict(env, **extra),
+def launch(launcher, env, *args, timeout=30, cwd=ROOT, **extra):
+    proc = subprocess.run(["bash", launcher, *args], cwd=cwd, env=dict(env, **extra),
                           capture_output=True, text=True, timeout=timeout)
     return proc
 
@@ -219,6 +220,26 @@ def test_a_check_of_the_arguments_says_each_warning_once():
     assert len(warnings) == 1 and "fd00:57::1 is IPv6 here" in warnings[0], proc.stderr
 
 
+def test_a_check_of_the_arguments_refuses_a_checkpoint_folder_in_use(tmp_path):
+    """A second launch on a folder that a run holds: refused by the launchers' check, once, in one line, not by
+    the run on every attempt that torchrun would restart. A folder that no one holds passes."""
+    folder = tmp_path / "ck"
+    command = ["scripts/torchrun_bounded.py", "--nnodes=1", "--nproc_per_node=2", "distributed.py", *TINY,
+               "--device", "cpu", "--checkpoint-dir", tmp_path / "other", f"--checkpoint-dir={folder}", "--check-args"]
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from utils import checkpoint; "
+                               "checkpoint.lock_directory(sys.argv[1]); print('held', flush=True); time.sleep(120)",
+                               str(folder)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        proc = run_script(command, check=False, timeout=120)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert_one_line_error(proc, f"--checkpoint-dir {folder} is in use by another run (host ")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert run_script(command, check=False, timeout=120).returncode == 0  # the lock died with its process
+
+
 @pytest.mark.parametrize("nproc, processes", [("8", "16 processes"), ("cpu", "")])  # cpu: as torchrun counts
 def test_multi_node_launcher_refuses_bad_arguments_in_one_line(stubs, nproc, processes):
     env, calls = stubs
@@ -268,10 +289,12 @@ def test_slurm_batch_script_directives():
 
 def test_slurm_batch_script_command(stubs, script_help, tmp_path):
     env, calls = stubs
+    # Submitted from elsewhere with sbatch -D ROOT: the batch shell starts in ROOT, and stays there.
     proc = launch("scripts/slurm.sbatch", dict(env, CHECKPOINT_DIR=str(tmp_path / "ck")), "--epochs", "3",
-                  **SLURM_ENV)
+                  **dict(SLURM_ENV, SLURM_SUBMIT_DIR=str(tmp_path), SLURM_CPUS_PER_TASK="32"))
     assert proc.returncode == 0, proc.stderr
     srun = [c for c in calls() if c["cmd"] == "srun"]
+    assert srun[0]["cwd"] == str(ROOT) and srun[0]["cpus"] == "32"  # srun does not inherit sbatch's -c
     # The arguments are checked once before srun; no scancel, no requeue.
     assert [c["cmd"] for c in calls()] == ["scontrol", "python", "srun"]
     assert calls()[1]["argv"] == [*srun[0]["argv"][1:], "--check-args"]  # the same command, checked
@@ -288,7 +311,7 @@ def test_slurm_batch_script_command(stubs, script_help, tmp_path):
 
 def test_slurm_checkpoint_folder_is_the_job_id_by_default(stubs, tmp_path):
     env, calls = stubs  # no CHECKPOINT_DIR, no --checkpoint-dir: a requeued job finds its own folder again
-    proc = launch("scripts/slurm.sbatch", env, **dict(SLURM_ENV, SLURM_SUBMIT_DIR=str(tmp_path)))
+    proc = launch(str(ROOT / "scripts/slurm.sbatch"), env, cwd=tmp_path, **SLURM_ENV)
     assert proc.returncode == 0, proc.stderr
     _, _, args = script_and_args([c for c in calls() if c["cmd"] == "srun"][0]["argv"][2:])
     assert args[args.index("--checkpoint-dir") + 1] == "checkpoints/4242" and "--resume" in args
@@ -307,7 +330,7 @@ def test_slurm_refuses_bad_arguments_once_before_srun(stubs, tmp_path):
 def test_slurm_without_a_venv_says_how_to_make_one(stubs, tmp_path):
     env, calls = stubs
     env = {k: v for k, v in env.items() if k != "PYTHON"}
-    proc = launch(str(ROOT / "scripts/slurm.sbatch"), env, **dict(SLURM_ENV, SLURM_SUBMIT_DIR=str(tmp_path)))
+    proc = launch(str(ROOT / "scripts/slurm.sbatch"), env, cwd=tmp_path, **SLURM_ENV)
     assert proc.returncode == 2 and "no .venv" in proc.stderr and "make venv" in proc.stderr
     assert calls() == []
 
@@ -360,11 +383,14 @@ def test_slurm_refuses_a_resume_path(stubs, tmp_path, resume):
 
 def test_single_node_launcher_counts_cpu_processes_for_device_cpu(stubs):
     env, calls = stubs
-    for args, nproc in ((["--epochs", "3"], "4"), (["--device", "cpu"], "2"), (["--device=cpu"], "2")):
-        proc = launch("scripts/launch_single_node.sh", dict(env, STUB_GPUS="4"), *args)
+    for args, gpus, nproc in ((["--epochs", "3"], "4", "4"), (["--device", "cpu"], "4", "2"),
+                              (["--device=cpu"], "4", "2"), ([], "0", "2")):
+        proc = launch("scripts/launch_single_node.sh", dict(env, STUB_GPUS=gpus), *args)
         assert proc.returncode == 0, proc.stderr
-        launcher, script, _ = script_and_args(calls()[-1]["argv"])
+        launcher, script, script_args = script_and_args(calls()[-1]["argv"])
         assert f"--nproc_per_node={nproc}" in launcher, (args, launcher)
+        # No GPU: the CPU, not whatever --device auto would take (a Mac's GPU, which DDP cannot use).
+        assert ("--device" in script_args) == (nproc == "2"), script_args
 
 
 # --- mp.spawn --------------------------------------------------------------------------------
