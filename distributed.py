@@ -47,8 +47,8 @@ def check(args) -> cli.Plan:
     """Bad input that needs no process group to be seen, refused in one line (UsageError)
     before anything starts. --check-args runs exactly this (scripts/slurm.sbatch, before srun)."""
     job = dist_utils.job_from_env(check_only=args.check_args)  # who this process is, as torchrun said
-    per_device_batch = cli.split_batch(args.batch_size, job.world_size)
     device = dist_utils.check_job(job, args.device, args.check_args)  # its device; several nodes: the network
+    per_device_batch = cli.split_batch(args.batch_size, job.world_size)
     cli.check_flags(args)
     replicas.check_flags(args, device.type)  # --sync-bn
     return cli.Plan(job.world_size, read=job.read, job=job, device=device, per_device_batch=per_device_batch)

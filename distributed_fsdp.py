@@ -94,8 +94,8 @@ def check(args) -> cli.Plan:
     if dist_utils.device_type(args.device) == "mps":
         raise cli.UsageError("distributed_fsdp.py does not run on Apple's MPS devices (its process group, "
                              "even of one process, cannot move MPS tensors): use --device cpu")
-    per_device_batch = cli.split_batch(args.batch_size, job.world_size)
     device = dist_utils.check_job(job, args.device, args.check_args)  # its device; several nodes: the network
+    per_device_batch = cli.split_batch(args.batch_size, job.world_size)
     cli.check_flags(args)
     return cli.Plan(job.world_size, read=job.read, job=job, device=device, per_device_batch=per_device_batch)
 

@@ -103,14 +103,13 @@ def processes_in(namespace: str):
 
 def remove_slot(slot: int):
     """Remove every namespace of a slot, the processes in them, their /etc/netns entries."""
-    namespaces = namespaces_of_slot(slot)
-    for namespace in namespaces:
-        for pid in processes_in(namespace):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    for namespace in namespaces:  # a namespace ends when its last process has
-        while processes_in(namespace) and time.monotonic() < deadline:
+    for namespace in namespaces_of_slot(slot):  # a namespace ends when its last process has
+        # Listed again until none is left: a process may fork between a listing and its kill.
+        while (pids := processes_in(namespace)) and time.monotonic() < deadline:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             time.sleep(0.05)
         _ip("netns", "del", namespace, check=False)
     if os.path.isdir(NETNS_ETC):

@@ -761,6 +761,26 @@ def test_workers_stop_when_the_mp_spawn_parent_is_killed(tmp_path):
     assert left_in(tmp) == [] and "resource_tracker" not in proc.output(), proc.output()
 
 
+def test_workers_stop_when_the_mp_spawn_parent_is_killed_while_they_start(tmp_path):
+    # Killed before its workers have imported what they run (slowed down here by 5 s): mp.spawn sets their
+    # parent-death signal only after that, so their watch of the launcher must watch the parent that
+    # started them, not whichever process adopted them.
+    slow = tmp_path / "slow_start"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text("import sys, time\nif '--multiprocessing-fork' in sys.argv:\n"
+                                           "    time.sleep(5)\n")
+    proc = Proc(["distributed_mp.py", *LONG, "--nproc-per-node", "2", "--checkpoint-dir", tmp_path / "ck"],
+                PYTHONPATH=str(slow))
+    deadline = time.time() + 60
+    while "starting 2 processes" not in proc.output() and time.time() < deadline:
+        time.sleep(0.1)
+    os.kill(proc.popen.pid, signal.SIGKILL)
+    proc.popen.wait(10)
+    wait_until_gone(proc)
+    assert "starting 2 processes" in proc.output() and "done:" not in proc.output(), proc.output()
+    assert not (tmp_path / "ck" / "checkpoint.pt").exists()
+
+
 # --- one run per checkpoint directory ------------------------------------------------------
 
 @pytest.mark.parametrize("launcher", [[], ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]],

@@ -19,7 +19,8 @@ import time
 
 import pytest
 
-from conftest import ROOT, assert_one_line_error, read_metrics, run_script
+from conftest import ROOT, assert_one_line_error, read_metrics, run_script, subprocess_env
+from test_distributed_mp import two_nodes_here
 from test_fault_tolerance import Proc, expect
 
 LAUNCHERS = ["scripts/launch_single_node.sh", "scripts/launch_multi_node.sh",
@@ -77,7 +78,7 @@ STUB = textwrap.dedent("""\
                               "fresh_store": os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE"),
                               "cpus": os.environ.get("SRUN_CPUS_PER_TASK")}}) + "\\n")
     if name == "scontrol" and argv[:2] == ["show", "hostnames"]:
-        print("gpu01\\ngpu02")
+        print(os.environ.get("STUB_NODES", "gpu01 gpu02").replace(" ", "\\n"))
     if name == "python" and argv[:1] == ["-c"] and "device_count" in argv[1]:
         print(os.environ.get("STUB_GPUS", "0"))  # the launcher counting this machine's GPUs
     if name == "srun" and os.environ.get("STUB_SRUN", "").startswith("until-signalled"):
@@ -213,9 +214,10 @@ def test_torchrun_bounded_reads_the_endpoint_as_torchrun_does(endpoint, host, ca
 def test_a_check_of_the_arguments_says_each_warning_once():
     """torchrun_bounded.py --check-args runs the script's own check, which prints what it is not sure of (an
     IPv6 endpoint, here another host's); the launcher's check of the same endpoint adds no second line."""
+    iface, _ = two_nodes_here()  # gloo on an interface the other nodes may reach: no refusal of its address
     proc = run_script(["scripts/torchrun_bounded.py", "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
                        "--rdzv-endpoint=[fd00:57::1]:29400", "distributed.py", *TINY, "--device", "cpu",
-                       "--check-args"], timeout=120)
+                       "--check-args"], timeout=120, env=subprocess_env(GLOO_SOCKET_IFNAME=iface))
     warnings = [line for line in proc.stderr.splitlines() if "warning:" in line]
     assert len(warnings) == 1 and "fd00:57::1 is IPv6 here" in warnings[0], proc.stderr
 
@@ -243,8 +245,10 @@ def test_a_check_of_the_arguments_refuses_a_checkpoint_folder_in_use(tmp_path):
 @pytest.mark.parametrize("nproc, processes", [("8", "16 processes"), ("cpu", "")])  # cpu: as torchrun counts
 def test_multi_node_launcher_refuses_bad_arguments_in_one_line(stubs, nproc, processes):
     env, calls = stubs
+    iface, address = two_nodes_here()  # a head node that the network checks pass, to come to the batch's
     proc = launch("scripts/launch_multi_node.sh", dict(env, PYTHON=sys.executable, CUDA_VISIBLE_DEVICES=""),
-                  "--batch-size", "1001", NPROC_PER_NODE=nproc, timeout=120)  # two imports of torch, under load
+                  "--batch-size", "1001", NPROC_PER_NODE=nproc, RDZV_HOST=address, GLOO_SOCKET_IFNAME=iface,
+                  timeout=120)  # two imports of torch, under load
     assert proc.returncode == 2
     assert_one_line_error(proc, f"batch size 1001 is not divisible by {processes}")
 
@@ -319,9 +323,11 @@ def test_slurm_checkpoint_folder_is_the_job_id_by_default(stubs, tmp_path):
 
 def test_slurm_refuses_bad_arguments_once_before_srun(stubs, tmp_path):
     env, calls = stubs
+    iface, address = two_nodes_here()  # a head node that the network checks pass, to come to the batch's
     proc = launch("scripts/slurm.sbatch", dict(env, PYTHON=sys.executable, CHECKPOINT_DIR=str(tmp_path),
                                                CUDA_VISIBLE_DEVICES=""),  # the same answer on a GPU machine
-                  "--batch-size", "1000", timeout=120, **SLURM_ENV)
+                  "--batch-size", "1000", timeout=120, STUB_NODES=f"{address} gpu02", GLOO_SOCKET_IFNAME=iface,
+                  **SLURM_ENV)
     assert proc.returncode == 2
     assert_one_line_error(proc, "batch size 1000 is not divisible by 16 processes")
     assert [c["cmd"] for c in calls()] == ["scontrol"]  # the head node's name, and nothing started

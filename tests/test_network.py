@@ -49,6 +49,34 @@ def test_another_hosts_name_on_a_loopback_line_here_is_this_hosts_fault(on_host)
     assert finding.fix == "give MASTER_ADDR node 0's network address (torchrun's --master-addr, 127.0.0.1 if not given)"
 
 
+@pytest.mark.parametrize("meet_at", ["0.0.0.0", "::"])
+def test_an_address_to_listen_on_is_no_place_to_meet(on_host, meet_at):
+    """--ip 0.0.0.0, a server's listening address copied: every other node would connect to itself."""
+    on_host("nodeb", {"lo": "127.0.0.1", "eth0": "10.0.0.2"}, {"nodeb": "10.0.0.2"})
+    [finding] = network.findings(meet_at, uses_gloo=False, flag="--ip")
+    assert finding.certain and finding.what.startswith(f"--ip {meet_at} is an address to listen on, not to connect "
+                                                       "to: each node would look for the others at its own"), finding.line
+    assert finding.fix == "give --ip node 0's network address"
+
+
+def test_an_ipv6_meeting_point_still_has_gloo_s_address_checked(on_host):
+    """gloo's address does not depend on where the ranks meet: a Debian host (its name on 127.0.1.1) is refused
+    whatever the family of the meeting point's address, not only warned that IPv6 was not read."""
+    on_host("nodeb", {"lo": "127.0.0.1", "eth0": "10.0.0.2"}, {"nodeb": "127.0.1.1"}, own_ipv6=["fd00::2", "127.0.1.1"])
+    warning, refusal = network.findings("fd00::1", uses_gloo=True)
+    assert not warning.certain and "fd00::1 is IPv6 here" in warning.what, warning.line
+    assert refusal.certain and "gloo will listen on 127.0.1.1" in refusal.what, refusal.line
+
+
+def test_gloo_socket_ifname_on_loopback_is_fixed_by_the_variable_not_the_hosts_file(on_host, monkeypatch):
+    """GLOO_SOCKET_IFNAME=lo, copied from a one-machine recipe: gloo reads the variable, not /etc/hosts."""
+    on_host("nodeb", {"lo": "127.0.0.1", "eth0": "10.0.0.2"}, {"nodeb": "10.0.0.2", "nodea": "10.0.0.1"})
+    monkeypatch.setattr(network, "route_toward", lambda host, known: ("eth0", "10.0.0.2"))
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    [finding] = network.findings("nodea", uses_gloo=True)
+    assert finding.certain and finding.fix == "export GLOO_SOCKET_IFNAME=eth0", finding.line
+
+
 def test_a_name_of_this_host_says_nothing_of_the_interface_the_others_reach(on_host, monkeypatch):
     """On node A, the job meets at its name, which resolves here to eth0's address; gloo is told eth1. The
     others resolve the name themselves: no advice to move gloo to eth0. Met at an address (the one every node
@@ -165,7 +193,7 @@ def test_an_ipv6_endpoint_on_its_own_node_is_served_there_at_once(on_host, monke
     store, so the launcher starts it at once, rather than wait for that store to take a connection (a wait
     that could only end in its one line, exit status 1, where bare torchrun works)."""
     from torch.distributed.elastic.rendezvous import utils as rendezvous_utils
-    on_host("nodea", NODE_A, {}, own_ipv6=["fd00:57::1"])
+    on_host("nodea", NODE_A, {"nodea": "10.0.0.1"}, own_ipv6=["fd00:57::1"])
     monkeypatch.setattr(rendezvous_utils, "_matches_machine_hostname", lambda host: True)
     assert launched(monkeypatch, [*JOB, "--rdzv-conf=read_timeout=1", *SCRIPT]) == \
         ("torchrun", [*JOB, "--rdzv-conf=read_timeout=1", *SCRIPT])
@@ -174,7 +202,7 @@ def test_an_ipv6_endpoint_on_its_own_node_is_served_there_at_once(on_host, monke
 def test_an_ipv6_endpoint_that_takes_no_connection_is_named_as_torchrun_and_preflight_read_it(on_host, monkeypatch,
                                                                                             capsys):
     from scripts import preflight
-    on_host("nodeb", {"lo": "127.0.0.1", "eth0": "10.0.0.2"}, {})
+    on_host("nodeb", {"lo": "127.0.0.1", "eth0": "10.0.0.2"}, {"nodeb": "10.0.0.2"})
     assert launched(monkeypatch, [*JOB, "--rdzv-conf=read_timeout=1", *SCRIPT]) == ("exit", 1)
     [line] = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert "the rendezvous endpoint [fd00:57::1]:29400 took no connection in 2 s" in line, line

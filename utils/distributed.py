@@ -230,7 +230,7 @@ def joining(job: DistEnv, timeout_s: float, backend: str):
                 lifecycle.record_for_torchrun(line)
                 lifecycle.refusal_said(store)  # the refusing rank may end now: nothing after this uses the store
                 os._exit(2)
-            joined.wait(1.0)
+            joined.wait(1.0 if answered.is_set() else 0.1)  # until the store is up, soon: a rank waits for it
 
     def late():
         late = f"rank {job.rank} did not join the {backend} process group within --dist-timeout {timeout_s:g} s: "
@@ -247,6 +247,12 @@ def joining(job: DistEnv, timeout_s: float, backend: str):
     watcher.start()
     try:
         with lifecycle.deadline(timeout_s + JOIN_GRACE_S, late):
+            # Until a store answers (the watcher's probe): TCPStore's client that finds no one prints a C++ trace
+            # at each try. Not under torchrun, whose agent serves the store before it starts the ranks.
+            if job.rank and job.rendezvous.startswith("tcp://") and "TORCHELASTIC_RUN_ID" not in os.environ \
+                    and not answered.wait(timeout_s):
+                print_line(late())
+                raise SystemExit(1)
             yield
     except RuntimeError as err:  # torch's DistError and its kinds are RuntimeErrors
         if not job.several_nodes:

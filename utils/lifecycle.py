@@ -5,6 +5,7 @@ import atexit
 import contextlib
 import datetime
 import json
+import multiprocessing
 import os
 import signal
 import socket
@@ -136,8 +137,9 @@ def stop_under_way():
 def watch_launcher(grace_s: float = 30.0, poll_s: float = 1.0):
     """End this process when its launcher (torchrun's agent, the mp.spawn parent) dies: a SIGTERM to itself,
     which checkpoints at the next agreed step, then SIGKILL `grace_s` later (a peer that died with the
-    launcher never agrees). Polling the parent's pid, unlike PR_SET_PDEATHSIG, ignores the forking thread."""
-    if (parent := os.getppid()) <= 1:
+    launcher never agrees). Polling the parent's pid, unlike PR_SET_PDEATHSIG, ignores the forking thread.
+    An mp.spawn worker's parent is the one multiprocessing names: it may have died while the worker started."""
+    if (parent := getattr(multiprocessing.parent_process(), "pid", None) or os.getppid()) <= 1:
         return
 
     def watch():

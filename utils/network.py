@@ -69,8 +69,9 @@ def is_address(host: str) -> bool:
 
 
 def is_loopback(address: str) -> bool:
+    """Loopback, or unspecified (0.0.0.0 or ::, an address to listen on: a connection to it stays on this host)."""
     with contextlib.suppress(ValueError):
-        return ipaddress.ip_address(address).is_loopback
+        return ipaddress.ip_address(address).is_loopback or ipaddress.ip_address(address).is_unspecified
     return False
 
 
@@ -171,12 +172,14 @@ def findings(meet_at, uses_gloo: bool, flag: str = "MASTER_ADDR") -> list:
                        "or start torchrun with --local-addr=<the node's address> on every node "
                        "(scripts/launch_multi_node.sh does)")
             who = f"this host ({name}) would look for it" if mine else "each node would look for the others"
-            what = f"{flag} {meet_at} is " + ("" if is_address(meet_at) else f"{addresses[0]} here, ")
-            return [Finding(True, f"{what}a loopback address: {who} at its own, and the job would wait until its "
-                                  "timeout", fix)]
-        if ipv6:
+            what = f"{flag} {meet_at} is " + ("" if is_address(meet_at) else f"{addresses[0]} here, ") + (
+                "an address to listen on, not to connect to" if ipaddress.ip_address(addresses[0]).is_unspecified
+                else "a loopback address")
+            return [Finding(True, f"{what}: {who} at its own, and the job would wait until its timeout", fix)]
+        if ipv6:  # gloo's address does not depend on it: checked as for file://
             return [Finding(False, f"{flag} {meet_at} is IPv6 here, which this check does not read: it checked "
-                                   "nothing more", "none if the nodes reach one another over IPv6")]
+                                   "only gloo's address", "none if the nodes reach one another over IPv6"),
+                    *findings(None, uses_gloo, flag)]
     if not uses_gloo:
         return []
     gloo, how = gloo_listens_on(known)
@@ -186,6 +189,8 @@ def findings(meet_at, uses_gloo: bool, flag: str = "MASTER_ADDR") -> list:
     if is_loopback(gloo):
         return [Finding(True, f"gloo will listen on {gloo} ({how}), a loopback address, and give it to the other "
                               "nodes, which cannot reach this host there: the job would wait until its timeout",
+                        # The variable, when set, is what gloo reads: not the hosts file.
+                        f"export {iface_fix}" if how.startswith("GLOO_SOCKET_IFNAME") else
                         f"{hosts_fix}, or export {iface_fix}")]
     gloo_iface = next((i for i, a in known.items() if a == gloo), None)
     # A name of this host resolves here as it may nowhere else: the route to it says nothing of the others'.

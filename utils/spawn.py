@@ -233,9 +233,11 @@ def worker_exit(errors, local_rank):
         code = 130
     except Exception as err:
         bus_error = lifecycle.bus_error_message(err)  # a loader worker that ran out of shared memory
+        # Now, not at exit: mp.spawn's sys.exit(1) runs multiprocessing's exit, which joins the loader workers
+        # (which ignore its SIGTERM) before any atexit handler: the rank would hang there. See lifecycle.run_main.
+        lifecycle.kill_loader_workers(wait_s=5.0)
         if bus_error is None:
             raise
-        lifecycle.kill_loader_workers(wait_s=5.0)  # first: see lifecycle.run_main
         code, message = 1, cli.error_line(bus_error)
     lifecycle.leave(code, message)  # the work is done: skip the interpreter's teardown (see lifecycle.leave)
 
