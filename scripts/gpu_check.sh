@@ -50,7 +50,9 @@ cd "$ROOT" || exit 2
 # --- is there a GPU? ---------------------------------------------------------------------
 GPUS=1
 if [ "${GPU_CHECK_REQUIRE_CUDA:-1}" != 0 ]; then
-    probe="$(timeout -k 5 120 "$PYTHON" -c \
+    # --foreground: the probe stays in this script's process group, which a Ctrl-C or a scheduler's
+    # signal reaches (the traps come later); timeout's own group would outlive the script.
+    probe="$(timeout --foreground -k 5 120 "$PYTHON" -c \
         'import torch; print(torch.__version__, torch.cuda.is_available(), torch.cuda.device_count())' 2>/dev/null)"
     case "$probe" in
         *" True "[0-9]*) GPUS="${probe##* }" ;;
