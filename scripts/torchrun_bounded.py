@@ -277,12 +277,13 @@ def check_args(args, rendezvous):
         status = subprocess.run([sys.executable, args.training_script, *args.training_script_args], env=env).returncode
         if status:
             sys.exit(status)
-    refuse_a_folder_in_use(args.training_script_args)
+    refuse_a_folder_in_use(args.training_script_args, args.rdzv_id)
 
 
-def refuse_a_folder_in_use(script_args):
+def refuse_a_folder_in_use(script_args, run_id):
     """A second launch on a --checkpoint-dir that a run holds: the run would refuse it on every attempt, and
-    torchrun restart it --max-restarts times. The lock (utils/checkpoint.py lock_directory), tested, not taken."""
+    torchrun restart it --max-restarts times. The lock (utils/checkpoint.py lock_directory), tested, not taken.
+    Not when the holder is this job (its --rdzv-id): a node that joins it, or comes back, meets it there."""
     import argparse
     import fcntl
     from utils import checkpoint
@@ -296,10 +297,10 @@ def refuse_a_folder_in_use(script_args):
     try:
         fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError as exc:
-        if exc.errno in (errno.EACCES, errno.EAGAIN):
+        holder = checkpoint.holder(directory) or "unknown holder"
+        if exc.errno in (errno.EACCES, errno.EAGAIN) and not holder.endswith(f", torchrun run {run_id}"):
             print_line(f"torchrun_bounded.py: error: --checkpoint-dir {directory} is in use by another run "
-                       f"({checkpoint.holder(directory) or 'unknown holder'}): wait until it ends, or choose another "
-                       "directory")
+                       f"({holder}): wait until it ends, or choose another directory")
             sys.exit(2)
     finally:
         os.close(fd)

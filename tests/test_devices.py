@@ -70,7 +70,7 @@ def test_mps_trains_one_process_and_refuses_a_process_group(monkeypatch):
 
 
 @pytest.mark.parametrize("kind, backend", [(None, "gloo"), ("cuda", "nccl"), ("xpu", "xccl")])
-def test_setup_binds_the_group_to_the_ranks_device(monkeypatch, kind, backend):
+def test_setup_binds_the_group_to_the_ranks_device(monkeypatch, tmp_path, kind, backend):
     """The backend PyTorch names for the device, and device_id on accelerators, so that
     NCCL (and XCCL) connect at init_process_group, where a broken setup should fail."""
     fake_accelerator(monkeypatch, kind, 2)
@@ -81,7 +81,8 @@ def test_setup_binds_the_group_to_the_ranks_device(monkeypatch, kind, backend):
     monkeypatch.setattr(lifecycle, "_joined_a_group", False)  # put back afterwards: nothing joined here
     monkeypatch.setattr(lifecycle, "_job", None)
     monkeypatch.setattr(dist_utils, "_store", None)  # setup keeps the stand-in store for agreements
-    job = dist_utils.DistEnv(1, 1, 2, 2, distributed=True, init_method="tcp://127.0.0.1:1")
+    # file://: no store to wait for (tcp://, rank 1 would wait until one answers at the address)
+    job = dist_utils.DistEnv(1, 1, 2, 2, distributed=True, init_method=f"file://{tmp_path}/rendezvous")
     env = dist_utils.setup(job, dist_utils.pick_device(1, 2, distributed=True))
     (used, kwargs), = calls
     assert used == backend == dist.get_default_backend_for_device(env.device)

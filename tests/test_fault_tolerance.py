@@ -13,6 +13,7 @@ import contextlib
 import faulthandler
 import hashlib
 import json
+import multiprocessing
 import os
 import re
 import signal
@@ -772,13 +773,28 @@ def test_workers_stop_when_the_mp_spawn_parent_is_killed_while_they_start(tmp_pa
     proc = Proc(["distributed_mp.py", *LONG, "--nproc-per-node", "2", "--checkpoint-dir", tmp_path / "ck"],
                 PYTHONPATH=str(slow))
     deadline = time.time() + 60
-    while "starting 2 processes" not in proc.output() and time.time() < deadline:
+    while len(tagged_pids(proc.tag)) < 3 and time.time() < deadline:  # the parent and its 2 workers, started
         time.sleep(0.1)
     os.kill(proc.popen.pid, signal.SIGKILL)
     proc.popen.wait(10)
     wait_until_gone(proc)
     assert "starting 2 processes" in proc.output() and "done:" not in proc.output(), proc.output()
     assert not (tmp_path / "ck" / "checkpoint.pt").exists()
+
+
+def _watch_then_exit():
+    from utils import lifecycle
+    lifecycle.watch_launcher(poll_s=0.05)
+    time.sleep(1.5)
+
+
+def test_a_worker_of_a_fork_server_whose_creator_lives_is_not_stopped():
+    # Started through multiprocessing's fork server, a worker's OS parent is the server, not the process that
+    # asked for it (multiprocessing.parent_process()): watching the one while polling the other stopped it.
+    worker = multiprocessing.get_context("forkserver").Process(target=_watch_then_exit)
+    worker.start()
+    worker.join(60)
+    assert worker.exitcode == 0
 
 
 # --- one run per checkpoint directory ------------------------------------------------------

@@ -230,12 +230,16 @@ def test_a_check_of_the_arguments_refuses_a_checkpoint_folder_in_use(tmp_path):
                "--device", "cpu", "--checkpoint-dir", tmp_path / "other", f"--checkpoint-dir={folder}", "--check-args"]
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from utils import checkpoint; "
                                "checkpoint.lock_directory(sys.argv[1]); print('held', flush=True); time.sleep(120)",
-                               str(folder)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+                               str(folder)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, TORCHELASTIC_RUN_ID="my-job"))  # as torchrun's rank 0
     try:
         assert holder.stdout.readline() == "held\n"
         proc = run_script(command, check=False, timeout=120)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-        assert_one_line_error(proc, f"--checkpoint-dir {folder} is in use by another run (host ")
+        assert_one_line_error(proc, f"--checkpoint-dir {folder} is in use by another run (host ",
+                              ", torchrun run my-job)")
+        # The job that holds it (its --rdzv-id): a node that joins it, or comes back, is not refused.
+        assert run_script([command[0], "--rdzv-id=my-job", *command[1:]], check=False, timeout=120).returncode == 0
     finally:
         holder.kill()
         holder.wait()

@@ -150,7 +150,8 @@ def lock_directory(directory: str):
                               "no locks, so a second run started on it at the same time would not be refused; start "
                               "one run per folder", kind="warning"))
     # Written through: this process keeps the file open, and NFS would write it to the server only on close.
-    line = f"host {socket.gethostname()}, pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+    line = f"host {socket.gethostname()}, pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}" + (
+        f", torchrun run {os.environ['TORCHELASTIC_RUN_ID']}" if "TORCHELASTIC_RUN_ID" in os.environ else "")
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{line}\n".encode(), 0)
     with contextlib.suppress(OSError):  # a file system without fsync (some FUSE mounts)

@@ -230,7 +230,8 @@ def joining(job: DistEnv, timeout_s: float, backend: str):
                 lifecycle.record_for_torchrun(line)
                 lifecycle.refusal_said(store)  # the refusing rank may end now: nothing after this uses the store
                 os._exit(2)
-            joined.wait(1.0 if answered.is_set() else 0.1)  # until the store is up, soon: a rank waits for it
+            soon = job.rendezvous.startswith("tcp://") and not answered.is_set()  # a rank may wait for it
+            joined.wait(0.1 if soon else 1.0)
 
     def late():
         late = f"rank {job.rank} did not join the {backend} process group within --dist-timeout {timeout_s:g} s: "
@@ -248,7 +249,8 @@ def joining(job: DistEnv, timeout_s: float, backend: str):
     try:
         with lifecycle.deadline(timeout_s + JOIN_GRACE_S, late):
             # Until a store answers (the watcher's probe): TCPStore's client that finds no one prints a C++ trace
-            # at each try. Not under torchrun, whose agent serves the store before it starts the ranks.
+            # at each try. Not under torchrun: its store's port is one it picked, and of a failure to reach it
+            # the line below (every port) says more.
             if job.rank and job.rendezvous.startswith("tcp://") and "TORCHELASTIC_RUN_ID" not in os.environ \
                     and not answered.wait(timeout_s):
                 print_line(late())

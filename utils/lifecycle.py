@@ -139,7 +139,10 @@ def watch_launcher(grace_s: float = 30.0, poll_s: float = 1.0):
     which checkpoints at the next agreed step, then SIGKILL `grace_s` later (a peer that died with the
     launcher never agrees). Polling the parent's pid, unlike PR_SET_PDEATHSIG, ignores the forking thread.
     An mp.spawn worker's parent is the one multiprocessing names: it may have died while the worker started."""
-    if (parent := getattr(multiprocessing.parent_process(), "pid", None) or os.getppid()) <= 1:
+    parent, started_by = os.getppid(), multiprocessing.parent_process()
+    if started_by is not None and not started_by.is_alive():  # adopted already (forkserver's: its fork server)
+        parent = started_by.pid
+    if parent <= 1:
         return
 
     def watch():

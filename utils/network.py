@@ -12,8 +12,8 @@ What the libraries do, as their sources say:
   address: with the name on a loopback line (Debian's `127.0.1.1 nodea`), none of them can reach it.
 - NCCL chooses its interfaces by rules of its own (NCCL_SOCKET_IFNAME overrides them, NCCL_DEBUG=INFO
   prints them): nothing here imitates it.
-IPv4 only where the job meets (one that meets at an IPv6 address is not checked); Linux (interface
-addresses are read with ioctl)."""
+IPv4 only where the job meets (of one that meets at an IPv6 address, only gloo's address is checked);
+Linux (interface addresses are read with ioctl)."""
 import contextlib
 import ipaddress
 import os
@@ -176,10 +176,10 @@ def findings(meet_at, uses_gloo: bool, flag: str = "MASTER_ADDR") -> list:
                 "an address to listen on, not to connect to" if ipaddress.ip_address(addresses[0]).is_unspecified
                 else "a loopback address")
             return [Finding(True, f"{what}: {who} at its own, and the job would wait until its timeout", fix)]
-        if ipv6:  # gloo's address does not depend on it: checked as for file://
+        if ipv6:  # gloo's address does not depend on it: checked as for file://, where it has an IPv4 one
             return [Finding(False, f"{flag} {meet_at} is IPv6 here, which this check does not read: it checked "
                                    "only gloo's address", "none if the nodes reach one another over IPv6"),
-                    *findings(None, uses_gloo, flag)]
+                    *(findings(None, uses_gloo, flag) if gloo_listens_on(known)[0] else [])]
     if not uses_gloo:
         return []
     gloo, how = gloo_listens_on(known)
