@@ -124,6 +124,29 @@ def test_a_plain_job_completes(cluster, tmp_path):
         assert "torchrun_bounded.py on nodeb: --local_addr=10.231." in log, log  # its address toward the head
 
 
+def test_a_cancelled_job_saves_its_stop_checkpoint(cluster, tmp_path):
+    """scancel JOB, as a preemption ends a job: SIGTERM to every process of its steps, the batch shell and
+    srun included, then SIGKILL KillWait (30 s) later. The ranks still agree on a step and save it. No
+    periodic checkpoint here: the one there is is the stop's (the job's log ends before its line)."""
+    args = [*TINY, "--train-samples", "8192", "--checkpoint-every", "1000"]  # 256 steps, no periodic save
+    job = submit(cluster, tmp_path, [*args, "--checkpoint-dir", str(tmp_path / "ck")], folder_by_flag=True)
+    ckpt, lock = tmp_path / "ck" / "checkpoint.pt", tmp_path / "ck" / ".lock"
+    deadline = time.time() + 240
+    while not lock.exists():  # the run has started
+        assert time.time() < deadline and job_state(cluster, job) in {"PENDING", "RUNNING"}, \
+            (tmp_path / f"job-{job}.out").read_text()
+        time.sleep(0.5)
+    time.sleep(3)  # past the start, into the steps
+    cluster.slurm(["scancel", job], check=True)
+    deadline = time.time() + 45
+    while not ckpt.exists() and time.time() < deadline:
+        time.sleep(0.5)
+    log = (tmp_path / f"job-{job}.out").read_text()
+    assert ckpt.exists(), log
+    step = checkpoint.load(ckpt)["global_step"]
+    assert step % 10 == 0 and 0 < step < 256, (step, log)  # an agreed stop step, before the end
+
+
 def test_time_limit_stop_requeues_resumes_and_ends_with_the_same_weights(cluster, tmp_path):
     args = [*TINY, "--train-samples", "4096"]  # 128 steps: the stop lands well before the end
     # The folder given as users give it, among the training's flags: the batch script must look
