@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import SMALL, expect_ok, on_rank_1, read_metrics, torchrun
-from utils import cli, lifecycle
+from utils import checkpoint, cli, lifecycle
 from utils import distributed as dist_utils
 
 # Every field README promises in each --metrics epoch record.
@@ -141,13 +141,26 @@ def test_resume_continues_exactly(straight_four_steps, tmp_path, first_leg, run_
 
 
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
-@pytest.mark.parametrize("flag, value", [("--seed", "1"), ("--train-samples", "64"), ("--epochs", "3")])
-def test_resume_refuses_flags_that_would_change_the_run(straight_four_steps, in_process, flag, value):
+@pytest.mark.parametrize("flag, value, said", [
+    ("--seed", "1", "this run has --seed 1: resume with the same value"),
+    ("--train-samples", "64", "was trained on 96 training samples, this run has 64: resume with the same data"),
+    ("--epochs", "3", "this run has --epochs 3: resume with the same value")])
+def test_resume_refuses_flags_that_would_change_the_run(straight_four_steps, in_process, flag, value, said):
     # Another seed, data set size or length would give other batches or another schedule
     # after the resume point: not a continuation of the saved run.
     line = in_process([*RESUME_ARGS, flag, value, "--resume", straight_four_steps / "ck" / "checkpoint.pt",
                        "--checkpoint-dir", straight_four_steps / "other"])
-    assert flag in line and value in line and "resume with the same value" in line
+    assert said in line, line
+
+
+def test_resume_takes_the_whole_training_set_named_or_not(tmp_path, run_in_process):
+    # The same 50,000 samples, once by default and once as --train-samples 50000: the same run.
+    at = SMALL.index("--train-samples")
+    flags = [*SMALL[:at], *SMALL[at + 2:], "--test-samples", "20", "--checkpoint-dir", tmp_path]
+    expect_ok(run_in_process("distributed.py", [*flags, "--max-steps", "1"]))
+    out = expect_ok(run_in_process("distributed.py", [*flags, "--train-samples", "50000", "--max-steps", "2",
+                                                      "--resume"]))
+    assert "resumed from" in out and checkpoint.load(str(tmp_path / "checkpoint.pt"))["global_step"] == 2, out
 
 
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")

@@ -171,7 +171,8 @@ class TrainingRun:
 
     # Flags that decide which sample comes at which step and the learning rate there, and the optimizer's
     # settings (its saved state carries them, a new value would be ignored): other values are a new run.
-    _MUST_MATCH = ("model", "batch_size", "dataset", "train_samples", "seed", "epochs", "warmup_epochs",
+    # (--train-samples: the size of the training set, checked below, whether given or not.)
+    _MUST_MATCH = ("model", "batch_size", "dataset", "seed", "epochs", "warmup_epochs",
                    "lr", "momentum", "nesterov", "weight_decay")
     _NEEDED = ("scheduler", "epoch", "step_in_epoch", "global_step", "train_sums", "rng")
 
