@@ -7,9 +7,9 @@ order, or the others wait in it until --dist-timeout and fail with an error that
 (`meeting(...)`, utils/distributed.py): no rank may skip a `step_done()` or leave the loop on its own.
 
 - `TrainingRun(...)`: agreements (`all_ranks_ok`, through the job's store) on the output files, on
-  whether every rank sees --checkpoint-dir (after an all-gather of rank 0's lock line and each node's
-  torchrun), whether a checkpoint exists and whether every rank loaded it (a sharded model loads in
-  a collective).
+  whether every rank sees --checkpoint-dir as rank 0 does (after an all-gather of rank 0's lock line,
+  whether it sees a checkpoint there, and each node's torchrun), and whether every rank loaded the
+  checkpoint (a sharded model loads in a collective).
 - `step_done()`: every `check_every` steps (10 under a launcher, 1 alone) a stop-signal agreement; when a
   checkpoint is due, an all-reduce of the epoch's training sums (`save`) and a sharded model's save.
 - `end_epoch()`: an all-reduce of the training sums (for the summary and the checkpoint), then a stop
@@ -71,6 +71,7 @@ class TrainingRun:
         self.epoch = self.step_in_epoch = self.global_step = 0
         self.meter = self.last_record = self._partial_sums = self._bar = self._timing = None
         self._stop = self._restarted_into = False
+        self._saved = None  # whether rank 0 sees a checkpoint in --checkpoint-dir (_check_shared), when distributed
         self._launches = set()  # every node's torchrun: _check_shared gathers them (under torchrun: distributed)
         self._claim_outputs()
         self.started = time.perf_counter()
@@ -117,23 +118,30 @@ class TrainingRun:
 
     def _check_shared(self, directory: str, line):
         """Every rank reads in --checkpoint-dir's .lock the `line` that rank 0 wrote (rank 0 must not: that drops its
-        lock). A resume reads the checkpoint on every rank: a folder on each node's own disk would fail only then."""
+        lock), and sees a checkpoint there if rank 0 does, whose view decides the resume. A resume reads the
+        checkpoint on every rank: a folder on each node's own disk would fail only then."""
+        saved = os.path.join(directory, checkpoint.FILENAME)
         held = [None] * self.env.world_size
-        with meeting("TrainingRun(...), rank 0's line in --checkpoint-dir's .lock, each node's torchrun"):
-            torch.distributed.all_gather_object(held, (line, _launch()))
-        found = line = held[0][0]
-        self._launches = {launch for _, launch in held if launch}
+        with meeting("TrainingRun(...), rank 0's .lock line and checkpoint in --checkpoint-dir, each node's torchrun"):
+            torch.distributed.all_gather_object(held, (line, os.path.isfile(saved), _launch()))
+        line, self._saved = held[0][:2]
+        self._launches = {launch for *_, launch in held if launch}
+        rank_0s = seen = (line, self._saved)
         # NFS may answer from its cached view of a folder for up to 60 s (acdirmax): look again before refusing,
         # within --dist-timeout, the time the other ranks wait for this one.
         until = time.monotonic() + min(60.0, self.args.dist_timeout / 2)
-        while not self.env.is_main and (found := checkpoint.holder(directory)) != line and time.monotonic() < until:
+        while not self.env.is_main and (seen := (checkpoint.holder(directory), os.path.isfile(saved))) != rank_0s \
+                and time.monotonic() < until:
             time.sleep(1)
-        if not all_ranks_ok(found == line, "TrainingRun(...), agreeing that every rank sees --checkpoint-dir"):
-            seen = "another rank does not see" if found == line else "this node finds no .lock with" if not found \
-                else f"this node reads {found!r} in .lock, not"
-            raise UsageError(f"--checkpoint-dir {os.path.abspath(directory)}: {seen} the line of rank 0 ({line}): "
+        if not all_ranks_ok(seen == rank_0s, "TrainingRun(...), agreeing that every rank sees --checkpoint-dir"):
+            found = seen[0]
+            what = ("another rank does not see" if seen == rank_0s else "this node finds no .lock with" if not found
+                    else f"this node reads {found!r} in .lock, not" if found != line
+                    else f"this node {'does not see' if self._saved else 'sees'} a {checkpoint.FILENAME} (rank 0 "
+                         f"{'does' if self._saved else 'does not'}) beside")
+            raise UsageError(f"--checkpoint-dir {os.path.abspath(directory)}: {what} the line of rank 0 ({line}): "
                              "every node must see the same folder (a shared file system), and one run use it at a "
-                             "time", met_by="job" if found == line else "node")
+                             "time", met_by="job" if seen == rank_0s else "node")
 
     # --- resume -------------------------------------------------------------------
 
@@ -145,12 +153,9 @@ class TrainingRun:
         overwrites a checkpoint it did not resume, in any attempt: torchrun restarts one that refused, as any
         failure."""
         args = self.args
-        here = bool(self.checkpoint_path) and os.path.isfile(self.checkpoint_path)
-        agreeing = "TrainingRun(...), agreeing on the checkpoint to resume from"
-        exists = all_ranks_ok(here, agreeing)
-        if not exists and not all_ranks_ok(not here, agreeing):
-            raise UsageError(f"{self.checkpoint_path} exists for some ranks but not others: "
-                             "--checkpoint-dir must be on a file system that every node sees")
+        # Rank 0's view, which every rank shares by now (_check_shared), where there are several.
+        exists = self._saved if self._saved is not None else bool(self.checkpoint_path) and \
+            os.path.isfile(self.checkpoint_path)
         if args.resume == "auto":
             if not exists:
                 print0(f"--resume: no checkpoint in {args.checkpoint_dir} yet, starting from scratch")
