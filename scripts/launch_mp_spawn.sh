@@ -10,7 +10,7 @@
 #
 # Extra flags go to the script and win over SCRIPT_ARGS.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.."  # the repository: relative paths, in flags too, are read from here
 
 # --- edit here -------------------------------------------------------------------------
 MODE=${MODE:-single}                # single | multi | file

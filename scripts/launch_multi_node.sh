@@ -12,7 +12,7 @@
 # the checkpoint, can therefore land on any node, and after a restart on another one:
 # --checkpoint-dir must be on a file system that every node sees.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.."  # the repository: relative paths, in flags too, are read from here
 
 # --- edit here -------------------------------------------------------------------------
 NNODES=${NNODES:-2}                 # nodes; MIN:MAX (e.g. 2:4) makes the job elastic

@@ -11,7 +11,7 @@
 # the last value). Run it again after an interruption and it continues the run: --resume
 # picks up --checkpoint-dir/checkpoint.pt, or starts fresh when there is none yet.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.."  # the repository: relative paths, in flags too, are read from here
 
 # --- edit here -------------------------------------------------------------------------
 SCRIPT=${SCRIPT:-distributed.py}   # a script that torchrun launches (not distributed_mp.py)

@@ -298,7 +298,7 @@ def refuse_a_folder_in_use(script_args, run_id):
         fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError as exc:
         holder = checkpoint.holder(directory) or "unknown holder"
-        if exc.errno in (errno.EACCES, errno.EAGAIN) and not holder.endswith(f", torchrun run {run_id}"):
+        if exc.errno in (errno.EACCES, errno.EAGAIN) and not holder.endswith(checkpoint.run_tag(run_id)):
             print_line(f"torchrun_bounded.py: error: --checkpoint-dir {directory} is in use by another run "
                        f"({holder}): wait until it ends, or choose another directory")
             sys.exit(2)

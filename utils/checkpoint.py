@@ -151,7 +151,7 @@ def lock_directory(directory: str):
                               "one run per folder", kind="warning"))
     # Written through: this process keeps the file open, and NFS would write it to the server only on close.
     line = f"host {socket.gethostname()}, pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}" + (
-        f", torchrun run {os.environ['TORCHELASTIC_RUN_ID']}" if "TORCHELASTIC_RUN_ID" in os.environ else "")
+        run_tag(os.environ["TORCHELASTIC_RUN_ID"]) if "TORCHELASTIC_RUN_ID" in os.environ else "")
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{line}\n".encode(), 0)
     with contextlib.suppress(OSError):  # a file system without fsync (some FUSE mounts)
@@ -167,6 +167,21 @@ def holder(directory: str):
         return f.read().strip()
 
 
+def look_again(look, want, patience: float):
+    """look() every second until it answers `want`, for `patience` seconds at most; its last answer. A file
+    that another node wrote may appear here late: NFS answers from its cached view of a folder (names it
+    found missing too) for up to acdirmax, 60 s by default."""
+    until = time.monotonic() + patience
+    while (seen := look()) != want and time.monotonic() < until:
+        time.sleep(1)
+    return seen
+
+
+def run_tag(run_id: str) -> str:
+    """How a lock line ends under torchrun: scripts/torchrun_bounded.py reads it to tell this job from another."""
+    return f", torchrun run {run_id}"
+
+
 class WholeState:
     """The model and optimizer of a checkpoint where every rank has all of them (DDP, one process): their
     state_dicts in checkpoint.pt (utils/sharded.py: sharded across ranks). TrainingRun calls check(state,
@@ -177,7 +192,7 @@ class WholeState:
     def __init__(self, model, optimizer):
         self.model, self.optimizer = model, optimizer
 
-    def check(self, state: dict, path: str):
+    def check(self, state: dict, path: str, patience: float = 0.0):
         if "sharded" in state:
             raise UsageError(f"checkpoint {path} is sharded: resume it with the script that wrote it "
                              f"({state.get('strategy', 'unknown')})")

@@ -127,12 +127,9 @@ class TrainingRun:
         line, self._saved = held[0][:2]
         self._launches = {launch for *_, launch in held if launch}
         rank_0s = seen = (line, self._saved)
-        # NFS may answer from its cached view of a folder for up to 60 s (acdirmax): look again before refusing,
-        # within --dist-timeout, the time the other ranks wait for this one.
-        until = time.monotonic() + min(60.0, self.args.dist_timeout / 2)
-        while not self.env.is_main and (seen := (checkpoint.holder(directory), os.path.isfile(saved))) != rank_0s \
-                and time.monotonic() < until:
-            time.sleep(1)
+        if not self.env.is_main:  # seen late on NFS: looked at again before refusing
+            seen = checkpoint.look_again(lambda: (checkpoint.holder(directory), os.path.isfile(saved)), rank_0s,
+                                         self._patience)
         if not all_ranks_ok(seen == rank_0s, "TrainingRun(...), agreeing that every rank sees --checkpoint-dir"):
             found = seen[0]
             what = ("another rank does not see" if seen == rank_0s else "this node finds no .lock with" if not found
@@ -142,6 +139,12 @@ class TrainingRun:
             raise UsageError(f"--checkpoint-dir {os.path.abspath(directory)}: {what} the line of rank 0 ({line}): "
                              "every node must see the same folder (a shared file system), and one run use it at a "
                              "time", met_by="job" if seen == rank_0s else "node")
+
+    @property
+    def _patience(self) -> float:
+        """How long a rank looks again for what another node wrote (checkpoint.look_again): within --dist-timeout,
+        the time the other ranks wait for this one."""
+        return min(60.0, self.args.dist_timeout / 2) if self.env.distributed else 0.0
 
     # --- resume -------------------------------------------------------------------
 
@@ -189,7 +192,7 @@ class TrainingRun:
                 if not self._launches & set(state.get("launches", ())):
                     raise UsageError(self._holds_one)
                 print0(f"torchrun restart: resuming from {path}")
-            self.state.check(state, path)
+            self.state.check(state, path, self._patience)
             saved = state.get("config", {})
             for key in self._MUST_MATCH:
                 if key in saved and saved[key] != getattr(self.args, key, saved[key]):

@@ -18,7 +18,7 @@ import warnings
 
 import torch
 
-from .checkpoint import LOCKNAME, load
+from .checkpoint import LOCKNAME, load, look_again
 from .cli import UsageError, first_line
 
 SHARDED_PREFIX = "sharded-step"
@@ -34,20 +34,26 @@ class ShardedState:
     def __init__(self, model, optimizer):
         self.model, self.optimizer = model, optimizer
         self.folder = self.param_groups = self.token = None  # the folder this run's checkpoint.pt names
+        self.metadata = None  # DCP's metadata of the folder to load, as check read it
         self.previous = None  # the folder it named before the last save
 
-    def check(self, state: dict, path: str):
+    def check(self, state: dict, path: str, patience: float = 0.0):
+        """Before the collective load. `patience`: how long to look again for the folder's .metadata, which
+        rank 0 wrote before checkpoint.pt named the folder (every rank looked that name up, missing, as DCP's
+        save began: a node on NFS may answer from that view)."""
         if "sharded" not in state:
             raise UsageError(f"checkpoint {path} is not sharded: resume it with the script that wrote it "
                              f"({state.get('strategy', 'unknown')})")
-        check_sharded_folder(sharded_folder(path, state["sharded"]["folder"]))  # before the collective load
+        folder = sharded_folder(path, state["sharded"]["folder"])
+        look_again(lambda: os.path.isfile(os.path.join(folder, _DCP_METADATA)), True, patience)
+        self.metadata = check_sharded_folder(folder)
 
     def load(self, state: dict, path: str, own: bool = False):
         """A collective: the whole run fails alike if the shards do not fit. own: `path` is this
         run's own checkpoint.pt, whose folder a later save replaces."""
         shards = state["sharded"]
         folder = sharded_folder(path, shards["folder"])
-        load_sharded(self.model, self.optimizer, folder, shards["param_groups"])
+        load_sharded(self.model, self.optimizer, folder, shards["param_groups"], self.metadata)
         if own:
             self.folder, self.param_groups = shards["folder"], shards["param_groups"]
 
@@ -235,13 +241,13 @@ def check_sharded_folder(folder: str):
     return metadata
 
 
-def load_sharded(model, optimizer, folder: str, param_groups: list):
+def load_sharded(model, optimizer, folder: str, param_groups: list, metadata):
     """Load `folder` into the (sharded) model and optimizer, whatever the number of ranks that
     wrote it: DCP reads the pieces of the saved shards that this rank's shards cover. A
-    collective. UsageError if the folder does not fit the model."""
+    collective. metadata: the folder's, as check_sharded_folder read it. UsageError if the folder does not
+    fit the model."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    metadata = check_sharded_folder(folder)
     # The current state is the template: DCP loads into its tensors (this rank's shards).
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state["state"]}
