@@ -108,6 +108,20 @@ def test_written_files_have_the_original_layout(small_cifar):
     assert as_text["fine_labels"] == split["train_labels"].tolist()
 
 
+def test_cifar100_reaches_loader_workers_started_by_spawn(small_cifar):
+    # Where workers start by spawn (macOS, Windows; Linux forks: see data.Loader), each is sent the data set
+    # pickled: a class defined inside a function cannot be, and the default run stopped at its first batch.
+    root, _ = small_cifar
+    train_set, test_set = data.build_datasets(args_for("--dataset", "cifar100", "--data-dir", root),
+                                              ONE_CPU_PROCESS)
+    for dataset, keys in ((train_set, [(i, 0) for i in range(40)]), (test_set, range(12))):  # (index, epoch)
+        loader = torch.utils.data.DataLoader(dataset, batch_size=len(keys), sampler=keys, num_workers=1,
+                                             multiprocessing_context="spawn")
+        images, labels = next(iter(loader))
+        assert torch.equal(images, torch.stack([dataset[key][0] for key in keys]))
+        assert labels.tolist() == [dataset[key][1] for key in keys]
+
+
 def test_build_datasets_reads_cifar100_from_disk(small_cifar):
     root, split = small_cifar
     train_set, test_set = data.build_datasets(args_for("--dataset", "cifar100", "--data-dir", root),

@@ -81,47 +81,50 @@ def read_cifar_file(path: str) -> dict:
     return entry
 
 
-def _cifar100(data_dir: str, train: bool):
-    """torchvision's CIFAR-100 (its layout, its download with the archive's md5 check), read by
-    read_cifar_file. Files on disk are trusted: torchvision's md5 check at every load is off, as it would
-    reject any copy that is not the release (a subset, the tests' data). Imported here: seconds that synthetic
+class CIFAR100(Dataset):
+    """CIFAR-100's images (N, 32, 32, 3 uint8), labels and class names, read by read_cifar_file. A class of
+    the module, not of a function: loader workers that start by spawn (not Linux's fork: see Loader) are
+    sent the data set pickled, and pickle finds a class by its module and name."""
+
+    def __init__(self, data: np.ndarray, targets: list, classes: list):
+        self.data, self.targets, self.classes = data, targets, classes
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, index):
+        return self.data[index], self.targets[index]
+
+
+def _cifar100(data_dir: str, train: bool) -> CIFAR100:
+    """CIFAR-100 in torchvision's layout, downloaded by torchvision (the archive's md5 checked) if a file is
+    missing. Files on disk are trusted: torchvision's own data set checks every file's md5 at every load, which
+    rejects any copy that is not the release (a subset, the tests' data). Imported here: seconds that synthetic
     runs skip."""
-    import torchvision
-    base = torchvision.datasets.CIFAR100
-
-    class CIFAR100(base):
-        train_list = [[name, None] for name, _ in base.train_list]
-        test_list = [[name, None] for name, _ in base.test_list]
-
-        def __init__(self, root, train):
-            torchvision.datasets.VisionDataset.__init__(self, root)
-            self.train = train
-            # The download alone: the ranks of a node then read the files at once. In self.root, where torchvision
-            # reads: `~` expanded (--data-dir=~/data reaches the program unexpanded).
-            with _download_lock(self.root) as lock:
-                if isinstance(lock, OSError) and not self._check_integrity():  # every process would download
-                    raise UsageError(f"CIFAR-100 is not in --data-dir {root}, and no lock can be taken there "
-                                     f"({lock.strerror or lock}) to download it once: put cifar-100-python/ there")
-                self.download()  # torchvision's: skipped when the files are there
-            folder = os.path.join(self.root, self.base_folder)
-            # (torchvision downloads when train or test is missing; a missing meta: read_cifar_file says so)
-            files = [name for name, _ in (self.train_list if train else self.test_list)]
-            entries = [read_cifar_file(os.path.join(folder, name)) for name in files]
-            try:
-                self.data = np.vstack([e["data"] for e in entries]).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
-                self.targets = [int(t) for e in entries for t in e["fine_labels"]]
-                self.classes = read_cifar_file(os.path.join(folder, self.meta["filename"]))[self.meta["key"]]
-            except (KeyError, ValueError, TypeError) as exc:
-                raise UsageError(f"the CIFAR-100 files in {folder} do not have the expected layout "
-                                 f"({type(exc).__name__}: {exc})") from None
-            if len(self.targets) != len(self.data):
-                raise UsageError(f"the CIFAR-100 files in {folder} hold {len(self.data)} images but "
-                                 f"{len(self.targets)} labels")
-
-        def __getitem__(self, index):
-            return self.data[index], self.targets[index]  # as stored: no PIL image to turn back into an array
-
-    return CIFAR100(data_dir, train=train)
+    from torchvision.datasets import cifar
+    release = cifar.CIFAR100
+    root = os.path.expanduser(data_dir)  # as torchvision's: --data-dir=~/data reaches the program unexpanded
+    folder = os.path.join(root, release.base_folder)
+    # The download alone: the ranks of a node then read the files at once. (Any file missing: the archive, as
+    # torchvision's download does; a missing meta then says so below.)
+    with _download_lock(root) as lock:
+        if not all(os.path.isfile(os.path.join(folder, name)) for name, _ in release.train_list + release.test_list):
+            if isinstance(lock, OSError):  # every process would download
+                raise UsageError(f"CIFAR-100 is not in --data-dir {data_dir}, and no lock can be taken there "
+                                 f"({lock.strerror or lock}) to download it once: put cifar-100-python/ there")
+            cifar.download_and_extract_archive(release.url, root, filename=release.filename, md5=release.tgz_md5)
+    entries = [read_cifar_file(os.path.join(folder, name)) for name, _ in
+               (release.train_list if train else release.test_list)]
+    try:
+        data = np.vstack([e["data"] for e in entries]).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+        targets = [int(t) for e in entries for t in e["fine_labels"]]
+        classes = read_cifar_file(os.path.join(folder, release.meta["filename"]))[release.meta["key"]]
+    except (KeyError, ValueError, TypeError) as exc:
+        raise UsageError(f"the CIFAR-100 files in {folder} do not have the expected layout "
+                         f"({type(exc).__name__}: {exc})") from None
+    if len(targets) != len(data):
+        raise UsageError(f"the CIFAR-100 files in {folder} hold {len(data)} images but {len(targets)} labels")
+    return CIFAR100(data, targets, classes)
 
 
 def _download_lock(data_dir: str):
