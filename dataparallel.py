@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from models import MODEL_NAMES, build_model
 from utils import cli, data, distributed as dist_utils, lifecycle, metrics, precision, schedule
-from utils.run import TrainingRun
+from utils.run import TrainingRun, validated
 
 # --- why DistributedDataParallel is faster --------------------------------------------
 # DataParallel is one Python process. At every step it
@@ -57,7 +57,7 @@ def main(argv=None):
     g.add_argument("--amp", choices=sorted(precision.AMP_DTYPES), default=None,
                    help="mixed precision with torch.amp autocast; without it, float32")
     args = cli.parse_args(parser, argv)
-    plan = cli.validated(args, check)  # every refusal before anything starts; --check-args ends here
+    plan = validated(args, check)  # every refusal before anything starts; --check-args ends here
 
     # --- devices ----------------------------------------------------------------------
     # One process and no process group: DataParallel threads the GPUs of this process.

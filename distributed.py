@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from models import MODEL_NAMES, build_model
 from utils import cli, compat, data, distributed as dist_utils, lifecycle, metrics, replicas, schedule
-from utils.run import TrainingRun
+from utils.run import TrainingRun, validated
 
 
 def main(argv=None):
@@ -31,7 +31,7 @@ def main(argv=None):
     replicas.add_flags(parser)
     cli.add_fast_path_flags(parser)
     args = cli.parse_args(parser, argv)
-    plan = cli.validated(args, check)  # every refusal before anything starts; --check-args ends here
+    plan = validated(args, check)  # every refusal before anything starts; --check-args ends here
 
     # --- distributed setup ------------------------------------------------------------
     # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT: the processes meet

@@ -41,7 +41,7 @@ from models import MODEL_NAMES, build_model
 from utils import cli, compat, data, distributed as dist_utils, lifecycle, metrics, replicas, schedule
 from utils.precision import AMP_DTYPES, choose_precision
 from utils.device_data import DeviceEvalLoader, DeviceTrainLoader
-from utils.run import TrainingRun
+from utils.run import TrainingRun, validated
 
 
 
@@ -60,7 +60,7 @@ def main(argv=None):
                    help="apex.amp's level (O1 when apex.amp is used); with torch.amp: O0 = float32, "
                         "O1/O2 = autocast + GradScaler, O3 (pure fp16) is refused")
     args = cli.parse_args(parser, argv)
-    plan = cli.validated(args, check)  # every refusal before anything starts; --check-args ends here
+    plan = validated(args, check)  # every refusal before anything starts; --check-args ends here
 
     # --- distributed setup ------------------------------------------------------------
     # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT: the processes meet

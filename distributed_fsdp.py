@@ -48,7 +48,7 @@ from models import MODEL_NAMES, build_model
 from utils import cli, data, distributed as dist_utils, lifecycle, metrics, schedule
 from utils.sharded import ShardedState
 from utils.device_data import DeviceEvalLoader, DeviceTrainLoader
-from utils.run import TrainingRun
+from utils.run import TrainingRun, validated
 
 
 def main(argv=None):
@@ -67,7 +67,7 @@ def main(argv=None):
                    help="bf16: compute in bfloat16 (parameters gathered in bf16), reduce gradients "
                         "and keep the sharded weights in fp32")
     args = cli.parse_args(parser, argv)
-    plan = cli.validated(args, check)  # every refusal before anything starts; --check-args ends here
+    plan = validated(args, check)  # every refusal before anything starts; --check-args ends here
 
     # --- distributed setup ------------------------------------------------------------
     # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT: the processes meet

@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from models import MODEL_NAMES, build_model
 from utils import cli, compat, data, distributed as dist_utils, lifecycle, metrics, replicas, schedule
-from utils.run import TrainingRun
+from utils.run import TrainingRun, validated
 
 
 def main(argv=None):
@@ -42,7 +42,7 @@ def main(argv=None):
     g.add_argument("--accum-steps", "--grad_accu_steps", type=cli.positive_int, default=1,
                    help="micro-batches per optimizer step and process (gradient accumulation)")
     args = cli.parse_args(parser, argv)
-    plan = cli.validated(args, check)  # every refusal before anything starts; --check-args ends here
+    plan = validated(args, check)  # every refusal before anything starts; --check-args ends here
 
     # --- distributed setup ------------------------------------------------------------
     # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT: the processes meet

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from models import MODEL_NAMES, build_model
 from utils import cli, compat, data, distributed as dist_utils, lifecycle, metrics, replicas, schedule, spawn
-from utils.run import TrainingRun
+from utils.run import TrainingRun, validated
 
 
 def main(argv=None):
@@ -38,7 +38,7 @@ def main(argv=None):
     cli.add_fast_path_flags(parser)
     spawn.add_flags(parser)  # --nproc-per-node, --nodes, --node-rank, --ip, --port, --init-method
     args = cli.parse_args(parser, argv)
-    plan = cli.validated(args, check)  # every refusal before a process starts; --check-args ends here
+    plan = validated(args, check)  # every refusal before a process starts; --check-args ends here
 
     # --- distributed setup ------------------------------------------------------------
     # worker(local_rank, ...) runs in nproc_per_node fresh Python processes ("spawn": CUDA

@@ -269,41 +269,16 @@ def check_args(args, rendezvous):
     except ValueError as err:
         print_line(f"torchrun_bounded.py: error: --nproc_per_node={args.nproc_per_node}: {err}")
         sys.exit(2)
+    # TORCHELASTIC_RUN_ID, as torchrun sets it: a --checkpoint-dir that this job (its --rdzv-id) holds is no refusal
+    # (a node that joins it, or comes back), one that another run holds is.
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE=str(nprocs), MASTER_PORT=str(port),
-               MASTER_ADDR=args.local_addr if args.local_addr and hosts_store else host)
+               MASTER_ADDR=args.local_addr if args.local_addr and hosts_store else host, TORCHELASTIC_RUN_ID=args.rdzv_id)
     fewest, _, most = str(args.nnodes).partition(":")  # N, or MIN:MAX
     for nodes in range(int(most or fewest), int(fewest) - 1, -1):  # the most first: a fixed job's line
         env["WORLD_SIZE"] = str(nodes * nprocs)
         status = subprocess.run([sys.executable, args.training_script, *args.training_script_args], env=env).returncode
         if status:
             sys.exit(status)
-    refuse_a_folder_in_use(args.training_script_args, args.rdzv_id)
-
-
-def refuse_a_folder_in_use(script_args, run_id):
-    """A second launch on a --checkpoint-dir that a run holds: the run would refuse it on every attempt, and
-    torchrun restart it --max-restarts times. The lock (utils/checkpoint.py lock_directory), tested, not taken.
-    Not when the holder is this job (its --rdzv-id): a node that joins it, or comes back, meets it there."""
-    import argparse
-    import fcntl
-    from utils import checkpoint
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--checkpoint-dir")  # as the script reads it: the last one wins
-    directory = parser.parse_known_args(script_args)[0].checkpoint_dir
-    try:
-        fd = os.open(os.path.join(directory, checkpoint.LOCKNAME), os.O_RDONLY)
-    except (OSError, TypeError):  # no such folder or lock yet, or no --checkpoint-dir
-        return
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError as exc:
-        holder = checkpoint.holder(directory) or "unknown holder"
-        if exc.errno in (errno.EACCES, errno.EAGAIN) and not holder.endswith(checkpoint.run_tag(run_id)):
-            print_line(f"torchrun_bounded.py: error: --checkpoint-dir {directory} is in use by another run "
-                       f"({holder}): wait until it ends, or choose another directory")
-            sys.exit(2)
-    finally:
-        os.close(fd)
 
 
 def main():

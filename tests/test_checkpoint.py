@@ -4,13 +4,15 @@ import errno
 import os
 import random
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import SMALL, assert_refused
+from conftest import ROOT, SMALL, assert_one_line_error, assert_refused, run_script
 from models import MODEL_NAMES, build_model
 from utils import checkpoint, cli, lifecycle, metrics, schedule
 from utils.distributed import DistEnv
@@ -254,6 +256,38 @@ def test_fresh_run_does_not_overwrite_a_checkpoint(tmp_path, keep_signal_handler
     with pytest.raises(cli.UsageError, match="--resume"):
         make_run(args_for("--checkpoint-dir", directory))
     assert (directory / "checkpoint.pt").read_bytes() == before
+
+
+def test_check_args_refuses_what_the_resume_would(tmp_path):
+    """--check-args (what slurm.sbatch runs before srun, where a refusal would be restarted) and the run refuse a
+    checkpoint folder alike, in the same line: a changed recipe, a checkpoint a fresh run would overwrite, a folder
+    given as --resume's file, one that another run holds. The matching resume passes."""
+    ck = tmp_path / "ck"
+    recipe = [*SMALL, "--workers", "0", "--no-nesterov"]
+    run_script(["distributed.py", *recipe, "--max-steps", "2", "--checkpoint-dir", ck])
+    refused = {("--checkpoint-dir", ck, "--resume", "--epochs", "2"): "written with --epochs 1, this run has --epochs 2",
+               ("--checkpoint-dir", ck, "--resume", "--nesterov"): "written with --no-nesterov, this run has --nesterov",
+               ("--checkpoint-dir", ck): "already holds a checkpoint: add --resume",
+               ("--resume", ck): f"no checkpoint at {ck}: a folder; name its file, {ck / 'checkpoint.pt'}"}
+    for argv, fragment in refused.items():
+        lines = [assert_one_line_error(run_script(["distributed.py", *recipe, *argv, *check], check=False), fragment)
+                 for check in (["--check-args"], [])]
+        assert lines[0] == lines[1]
+    assert "arguments OK" in run_script(["distributed.py", *recipe, "--checkpoint-dir", ck, "--resume",
+                                         "--check-args"]).stdout
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from utils import checkpoint; "
+                               "checkpoint.lock_directory(sys.argv[1]); print('held', flush=True); time.sleep(120)",
+                               str(ck)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        lines = [assert_one_line_error(run_script(["distributed.py", *recipe, "--checkpoint-dir", ck, "--resume",
+                                                   *check], check=False), f"--checkpoint-dir {ck} is in use by another")
+                 for check in (["--check-args"], [])]
+        assert lines[0] == lines[1]
+    finally:
+        holder.kill()
+        holder.wait()
+    assert checkpoint.load(str(ck / "checkpoint.pt"))["global_step"] == 2  # refused, never overwritten
 
 
 def test_rng_state_round_trip():

@@ -18,6 +18,7 @@ from .cli import UsageError, error_line, first_line, print_line
 FORMAT = "multi-gpu-training-checkpoint/1"
 FILENAME = "checkpoint.pt"
 LOCKNAME = ".lock"
+RUN_TAG = ", torchrun run {}"  # how a lock line ends under torchrun: --check-args tells this job from another by it
 _held_locks = []  # open descriptors of the locks this process holds, until it exits
 
 
@@ -97,7 +98,8 @@ def set_rng_state(state: dict, device: torch.device = None):
 def read_file(path: str, what: str = "checkpoint"):
     """torch.load with weights_only=True onto the CPU, or UsageError with one readable line."""
     if not os.path.isfile(path):
-        raise UsageError(f"no {what} at {path}")
+        raise UsageError(f"no {what} at {path}" + (f": a folder; name its file, {os.path.join(path, FILENAME)}"
+                                                    if os.path.isdir(path) else ""))
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
@@ -151,7 +153,7 @@ def lock_directory(directory: str):
                               "one run per folder", kind="warning"))
     # Written through: this process keeps the file open, and NFS would write it to the server only on close.
     line = f"host {socket.gethostname()}, pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}" + (
-        run_tag(os.environ["TORCHELASTIC_RUN_ID"]) if "TORCHELASTIC_RUN_ID" in os.environ else "")
+        RUN_TAG.format(os.environ["TORCHELASTIC_RUN_ID"]) if "TORCHELASTIC_RUN_ID" in os.environ else "")
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{line}\n".encode(), 0)
     with contextlib.suppress(OSError):  # a file system without fsync (some FUSE mounts)
@@ -161,25 +163,18 @@ def lock_directory(directory: str):
 
 
 def holder(directory: str):
-    """The line of the run that holds `directory` (lock_directory), or None. Never in the process that holds the
-    lock: closing any descriptor of a file releases the process's POSIX locks on it."""
+    """The line of the run holding `directory` (lock_directory), or None; not in the holder (a close drops its lock)."""
     with contextlib.suppress(OSError), open(os.path.join(directory, LOCKNAME), errors="replace") as f:
         return f.read().strip()
 
 
 def look_again(look, want, patience: float):
-    """look() every second until it answers `want`, for `patience` seconds at most; its last answer. A file
-    that another node wrote may appear here late: NFS answers from its cached view of a folder (names it
-    found missing too) for up to acdirmax, 60 s by default."""
+    """look() every second until it answers `want`, for `patience` s at most; its last answer. What another node
+    wrote may appear here late: NFS answers from its cached view of a folder for up to acdirmax (60 s by default)."""
     until = time.monotonic() + patience
     while (seen := look()) != want and time.monotonic() < until:
         time.sleep(1)
     return seen
-
-
-def run_tag(run_id: str) -> str:
-    """How a lock line ends under torchrun: scripts/torchrun_bounded.py reads it to tell this job from another."""
-    return f", torchrun run {run_id}"
 
 
 class WholeState:

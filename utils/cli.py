@@ -1,8 +1,8 @@
 """The command line the scripts share: the parser, its checks, and the one-line error.
 
 A script builds its parser with `build_parser`, adds a group of its own, calls `parse_args`, then
-`validated(args, check)`, after which --check-args stops: a batch script's check and the run refuse the
-same things in the same words. Bad input raises `UsageError` (one line, exit status 2: utils/lifecycle.py's
+utils/run.py's `validated(args, check)`, after which --check-args stops: a batch script's check and the run
+refuse the same things in the same words. Bad input raises `UsageError` (one line, exit status 2: utils/lifecycle.py's
 `run_main`). The ground floor: it imports nothing of the package."""
 import argparse
 import contextlib
@@ -95,6 +95,8 @@ positive_int = _number(int, lambda v: v > 0, "must be at least 1")
 non_negative_int = _number(int, lambda v: v >= 0, "must be 0 or more")
 positive_float = _number(float, lambda v: v > 0, "must be greater than 0")
 non_negative_float = _number(float, lambda v: v >= 0, "must be 0 or more")
+# A timeout: under 1 s c10d's waits end at once ("after 0ms"); at 1e10 s its nanoseconds overflow (the same).
+seconds = _number(float, lambda v: 1 <= v <= 365 * 86400, "must be 1 .. 31536000 (a year)")
 seed = _number(int, lambda v: 0 <= v < 2**64, "must be in 0 .. 2**64-1")  # torch.manual_seed's range
 port = _number(int, lambda v: 0 < v <= 65535, "a TCP port is 1 .. 65535")
 
@@ -164,7 +166,7 @@ def build_parser(doc: str, model_names, own_data: bool = False, images: bool = T
     g.add_argument("--check-args", action="store_true",
                    help="make the run's every check before it starts, with the launcher's variables (WORLD_SIZE, "
                         "LOCAL_WORLD_SIZE, RANK, MASTER_ADDR), and exit: 0 if it would start, else its line and 2")
-    g.add_argument("--dist-timeout", type=positive_float, default=1800.0, metavar="SECONDS",
+    g.add_argument("--dist-timeout", type=seconds, default=1800.0, metavar="SECONDS",
                    help="how long a rank waits for a peer, to form the group or in a collective, before the job fails")
     g.add_argument("--device", default="auto", metavar="{auto,cpu,cuda,xpu,mps,...}",
                    help="auto: this machine's accelerator (torch.accelerator), else the CPU; or name a device type")
@@ -236,19 +238,6 @@ class Plan(types.SimpleNamespace):
 
     def __init__(self, world_size: int, read: str = "", **settled):
         super().__init__(world_size=world_size, read=read, **settled)
-
-
-def validated(args, check) -> Plan:
-    """check(args) -> Plan, or a UsageError: the run's every refusal that needs no process group (a batch
-    that does not split, a device this machine lacks, a network on which the groups cannot form,
-    contradicting flags). --check-args (what scripts/slurm.sbatch runs before srun) stops right after it."""
-    plan = check(args)
-    if args.check_args:
-        n = plan.world_size
-        print(f"arguments OK for {n} process{'es' if n != 1 else ''}" + (f" ({plan.read})" if plan.read else ""),
-              flush=True)
-        sys.exit(0)
-    return plan
 
 
 def check_flags(args):

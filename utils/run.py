@@ -26,7 +26,7 @@ import time
 import torch
 
 from . import checkpoint, observe
-from .cli import UsageError, first_line, given, plain_config
+from .cli import Plan, UsageError, first_line, given, plain_config
 from .data import steps_per_epoch
 from .distributed import DistEnv, all_ranks_ok, any_rank, device_name, meeting, print0
 from .lifecycle import stop_signals, stop_under_way
@@ -52,6 +52,76 @@ def _same_file(a: str, b: str) -> bool:
         return os.path.realpath(a) == os.path.realpath(b)
 
 
+def validated(args, check) -> Plan:
+    """check(args) -> Plan, or a UsageError: the run's every refusal that needs no process group, data or model
+    (a batch that does not split, a device this machine lacks, a network on which the groups cannot form,
+    contradicting flags). --check-args (what scripts/slurm.sbatch runs before srun) adds the refusals of
+    --checkpoint-dir and --resume (_check_checkpoints), then stops."""
+    plan = check(args)
+    if args.check_args:
+        _check_checkpoints(args)
+        n = plan.world_size
+        print(f"arguments OK for {n} process{'es' if n != 1 else ''}" + (f" ({plan.read})" if plan.read else ""),
+              flush=True)
+        sys.exit(0)
+    return plan
+
+
+def _check_checkpoints(args):
+    """--check-args: the run's refusals of --checkpoint-dir and --resume, as a new launch's: a folder that another
+    run holds (its lock taken, then let go), a checkpoint it would overwrite, one of another recipe (not the data's
+    size: none is loaded here)."""
+    if args.checkpoint_dir:
+        try:
+            checkpoint.lock_directory(args.checkpoint_dir)
+        except UsageError:  # unless its own job holds it: a node that joins it, or comes back
+            if (checkpoint.holder(args.checkpoint_dir) or "").endswith(
+                    checkpoint.RUN_TAG.format(os.environ.get("TORCHELASTIC_RUN_ID", "\0"))):
+                return
+            raise
+    saved = os.path.join(args.checkpoint_dir, checkpoint.FILENAME) if args.checkpoint_dir else None
+    if path := _resume_choice(args, bool(saved) and os.path.isfile(saved), restarts=False)[0]:
+        _check_recipe(args, checkpoint.load(path), path)
+
+
+def _resume_choice(args, exists: bool, restarts: bool):
+    """(checkpoint to continue from or None, whether a restart of this launch may have written it). --resume PATH:
+    that file; --resume: --checkpoint-dir's if it holds one (`exists`; a requeued SLURM job passes it every time).
+    Under torchrun (`restarts`), its restarts resume --checkpoint-dir's by themselves if this launch wrote it, even
+    after --resume PATH (the newer wins). No run overwrites a checkpoint it did not resume, in any attempt."""
+    saved = os.path.join(args.checkpoint_dir, checkpoint.FILENAME) if args.checkpoint_dir else None
+    if args.resume == "auto":
+        return (saved if exists else None), False
+    if exists and not (args.resume and _same_file(args.resume, saved)):
+        if not restarts:  # not under torchrun: no restart of this run can have written it
+            raise UsageError(_holds_one(args))
+        return saved, True
+    return args.resume, False
+
+
+def _holds_one(args) -> str:
+    return f"--checkpoint-dir {args.checkpoint_dir} already holds a checkpoint: " + (
+        f"--resume {args.resume} would overwrite it: give --resume alone to continue it, or choose another directory"
+        if args.resume else "add --resume to continue it, or choose another directory (it would be overwritten)")
+
+
+# Flags that decide which sample comes at which step and the learning rate there, and the optimizer's settings (its
+# saved state carries them, a new value would be ignored): other values are a new run. (The data's size: _resume.)
+_MUST_MATCH = ("model", "batch_size", "dataset", "seed", "epochs", "warmup_epochs",
+               "lr", "momentum", "nesterov", "weight_decay")
+
+
+def _check_recipe(args, state: dict, path: str):
+    saved = state.get("config", {})
+    for key in _MUST_MATCH:
+        if key in saved and saved[key] != getattr(args, key, saved[key]):
+            flag = "--" + key.replace("_", "-")
+            spelled = [f"--no-{flag[2:]}" if value is False else flag if value is True else f"{flag} {value}"
+                       for value in (saved[key], getattr(args, key))]
+            raise UsageError(f"checkpoint {path} was written with {spelled[0]}, this run has {spelled[1]}: "
+                             "resume with the same value")
+
+
 class TrainingRun:
     def __init__(self, args, env: DistEnv, model, optimizer, scheduler, *, train_size: int,
                  strategy: str, scaler=None, extra_record=None, state=None):
@@ -73,10 +143,17 @@ class TrainingRun:
         self._stop = self._restarted_into = False
         self._saved = None  # whether rank 0 sees a checkpoint in --checkpoint-dir (_check_shared), when distributed
         self._launches = set()  # every node's torchrun: _check_shared gathers them (under torchrun: distributed)
+        # How long a rank looks again for what another node wrote (checkpoint.look_again): within --dist-timeout.
+        self._patience = min(60.0, args.dist_timeout / 2) if env.distributed else 0.0
         self._claim_outputs()
         self.started = time.perf_counter()
         self.checkpoint_path = os.path.join(args.checkpoint_dir, checkpoint.FILENAME) if args.checkpoint_dir else None
-        if resume_from := self._resume_path():
+        # Rank 0's view, which every rank shares by now (_check_shared), where there are several.
+        exists = self._saved if self._saved is not None else os.path.isfile(self.checkpoint_path or "")
+        if args.resume == "auto" and not exists:
+            print0(f"--resume: no checkpoint in {args.checkpoint_dir} yet, starting from scratch")
+        resume_from, self._restarted_into = _resume_choice(args, exists, restarts=bool(self._launches))
+        if resume_from:
             self._resume(resume_from)
             if not args.checkpoint_dir:
                 print0(f"--resume {args.resume} without --checkpoint-dir: this run saves no checkpoint")
@@ -140,48 +217,8 @@ class TrainingRun:
                              "every node must see the same folder (a shared file system), and one run use it at a "
                              "time", met_by="job" if seen == rank_0s else "node")
 
-    @property
-    def _patience(self) -> float:
-        """How long a rank looks again for what another node wrote (checkpoint.look_again): within --dist-timeout,
-        the time the other ranks wait for this one."""
-        return min(60.0, self.args.dist_timeout / 2) if self.env.distributed else 0.0
-
     # --- resume -------------------------------------------------------------------
 
-    def _resume_path(self):
-        """Which checkpoint to continue from, if any. torchrun's restarts (--max-restarts, a node that came or went)
-        resume --checkpoint-dir's checkpoint by themselves if one of this launch's torchruns wrote it (even after a
-        first attempt with --resume PATH: the newer one wins); --resume PATH: that file. --resume: --checkpoint-dir's
-        checkpoint if there is one (a requeued SLURM job passes it every time), else a fresh start. No run
-        overwrites a checkpoint it did not resume, in any attempt: torchrun restarts one that refused, as any
-        failure."""
-        args = self.args
-        # Rank 0's view, which every rank shares by now (_check_shared), where there are several.
-        exists = self._saved if self._saved is not None else bool(self.checkpoint_path) and \
-            os.path.isfile(self.checkpoint_path)
-        if args.resume == "auto":
-            if not exists:
-                print0(f"--resume: no checkpoint in {args.checkpoint_dir} yet, starting from scratch")
-            return self.checkpoint_path if exists else None
-        if exists and not (args.resume and _same_file(args.resume, self.checkpoint_path)):
-            if not self._launches:  # not under torchrun: no restart of this run can have written it
-                raise UsageError(self._holds_one)
-            self._restarted_into = True  # if this launch wrote it, which _resume reads
-            return self.checkpoint_path
-        return args.resume
-
-    @property
-    def _holds_one(self):
-        fix = (f"--resume {self.args.resume} would overwrite it: give --resume alone to continue it, or choose another "
-               "directory") if self.args.resume else "add --resume to continue it, or choose another directory (it " \
-            "would be overwritten)"
-        return f"--checkpoint-dir {self.args.checkpoint_dir} already holds a checkpoint: {fix}"
-
-    # Flags that decide which sample comes at which step and the learning rate there, and the optimizer's
-    # settings (its saved state carries them, a new value would be ignored): other values are a new run.
-    # (--train-samples: the size of the training set, checked below, whether given or not.)
-    _MUST_MATCH = ("model", "batch_size", "dataset", "seed", "epochs", "warmup_epochs",
-                   "lr", "momentum", "nesterov", "weight_decay")
     _NEEDED = ("scheduler", "epoch", "step_in_epoch", "global_step", "train_sums", "rng")
 
     def _resume(self, path):
@@ -190,15 +227,10 @@ class TrainingRun:
             state = checkpoint.load(path)  # every rank reads the file: no broadcast needed
             if self._restarted_into:  # every node's torchrun is a new process in another launch
                 if not self._launches & set(state.get("launches", ())):
-                    raise UsageError(self._holds_one)
+                    raise UsageError(_holds_one(self.args))
                 print0(f"torchrun restart: resuming from {path}")
             self.state.check(state, path, self._patience)
-            saved = state.get("config", {})
-            for key in self._MUST_MATCH:
-                if key in saved and saved[key] != getattr(self.args, key, saved[key]):
-                    flag = "--" + key.replace("_", "-")
-                    raise UsageError(f"checkpoint {path} was written with {flag} {saved[key]}, this run has "
-                                     f"{flag} {getattr(self.args, key)}: resume with the same value")
+            _check_recipe(self.args, state, path)
             # Your own data that gained or lost samples: each epoch's order is a permutation of the set's size, so
             # the resumed position would name other samples, and the schedule other steps.
             if state.get("train_size", self.train_size) != self.train_size:
