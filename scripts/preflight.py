@@ -35,6 +35,7 @@ at the end), 2 bad arguments. Only global rank 0 prints.
 import argparse
 import contextlib
 import datetime
+import errno
 import json
 import math
 import multiprocessing
@@ -57,7 +58,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import DEFAULT
 from models import MODEL_NAMES, build_model  # noqa: E402
 from utils import cli, distributed as dist_utils, lifecycle, network, spawn  # noqa: E402
 from utils.cli import UsageError  # noqa: E402
-from utils.data import NUM_CLASSES  # noqa: E402  (the classifier's size enters the gradient's size)
+from utils.data import NUM_CLASSES, loader_workers  # noqa: E402  (the classifier's size enters the gradient's size)
 
 DEFAULT_PORT = 29500      # torchrun's --master-port and the launch scripts' default rendezvous port
 STORE_PORT_FIX = ("let the nodes reach each other on every TCP port: torchrun's c10d rendezvous serves the ranks' "
@@ -81,13 +82,6 @@ def sample_shape(text):
     return shape
 
 
-def tcp_port(text):
-    port = cli.positive_int(text)
-    if port > 65535:
-        raise argparse.ArgumentTypeError(f"a TCP port is 1..65535, got {port}")
-    return port
-
-
 def endpoint(text):
     """HOST[:PORT], an IPv6 address in brackets: [ADDRESS]:PORT; without a port, c10d's default, as torchrun."""
     if text.endswith(":"):  # torchrun refuses an empty port; the default would check another endpoint
@@ -106,15 +100,16 @@ def endpoint(text):
         host, _, port = text.partition(":")
     if not host:
         raise argparse.ArgumentTypeError(f"expected HOST or HOST:PORT, got {text!r}")
-    return host, tcp_port(port) if port else C10D_PORT
+    return host, cli.port(port) if port else C10D_PORT
 
 
 def build_parser():
     # utils.cli's parser: a bad flag is one line on stderr and exit status 2, printed by rank 0 only.
     parser = cli.Parser(description=__doc__.strip().splitlines()[0], formatter_class=cli.Help)
     g = parser.add_argument_group("the training job to check (pass its own values)")
-    g.add_argument("--workers", type=cli.non_negative_int, default=4,
-                   help="DataLoader worker processes per training process")
+    g.add_argument("--workers", type=cli.non_negative_int, default=None,
+                   help="DataLoader worker processes per training process (default: the training scripts' default "
+                        "on each node, min(4, cores per process))")
     g.add_argument("--batch-size", type=cli.positive_int, default=128,
                    help="GLOBAL batch, as in the training scripts: each process loads batch-size / processes")
     g.add_argument("--prefetch-factor", type=cli.positive_int, default=2,
@@ -132,13 +127,13 @@ def build_parser():
                         "under torchrun the launcher's processes are used")
     g.add_argument("--shm-dir", default=lifecycle.SHM_DIR,
                    help="where the loader workers' shared memory lives")
-    g.add_argument("--port", type=tcp_port, default=None,
+    g.add_argument("--port", type=cli.port, default=None,
                    help=f"rendezvous port the training job will use, checked on this node; without it "
                         f"{DEFAULT_PORT} under plain python, none under torchrun (whose own port is in use)")
     g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", type=endpoint, default=None, metavar="HOST[:PORT]",
                    help="the multi-node job's rendezvous endpoint (torchrun's --rdzv-endpoint, node 0): under "
                         "plain python, check this node against it (name resolution, interfaces, the port)")
-    g.add_argument("--timeout", type=cli.positive_float, default=30.0, metavar="SECONDS",
+    g.add_argument("--timeout", type=cli.seconds, default=30.0, metavar="SECONDS",
                    help="limit for each communication step (start-up, joining, peer copies, all-reduce)")
     g.add_argument("--iters", type=cli.positive_int, default=10, help="timed all-reduces, after one warm-up")
     return parser
@@ -180,9 +175,8 @@ def validate(args, job: dist_utils.DistEnv):
         if args.rdzv_endpoint is not None:
             raise UsageError("--rdzv-endpoint is for plain python (one node, before the job); under torchrun "
                              "the check crosses the network torchrun's own rendezvous uses")
-        if count and job.local_world_size > count:
-            raise UsageError(f"{job.local_world_size} processes per node but only {devices}: "
-                             f"use --nproc_per_node={count} or fewer")
+        if count:  # the run's own rule and words (torchrun --virtual-local-rank: one visible device per worker)
+            dist_utils.pick_device(job.local_rank, job.local_world_size, distributed=True)
     elif count and args.nproc is not None and args.nproc > count:
         raise UsageError(f"--nproc {args.nproc} but only {devices} (one process per device): "
                          f"use --nproc {count} or fewer")
@@ -289,9 +283,10 @@ def port_facts(port) -> dict:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 s.bind((host, port))
         except OSError as err:
-            if err.errno == 98 or "in use" in str(err).lower():  # EADDRINUSE; no IPv6 here is not a problem
-                # A port outside the ephemeral range, which outgoing connections may take meanwhile.
+            if err.errno == errno.EADDRINUSE:  # a port outside the ephemeral range, which connections may take
                 return {"port": port, "free": False, "suggest": spawn.free_port(host)}
+            if family == socket.AF_INET:  # EACCES (a port below 1024 for a user), ...; no IPv6 here is no problem
+                return {"port": port, "free": False, "error": err.strerror or str(err)}
     return {"port": port, "free": True}
 
 
@@ -382,6 +377,8 @@ def rank_facts(role: Role, args, device) -> dict:
             "peer_access": peer_access(kind, count),
             "shm": shm_facts(args.shm_dir),
             "cpus": cpu_facts(),
+            # --workers, or the training scripts' own default here (they count the cores as this process does)
+            "workers": loader_workers(argparse.Namespace(workers=args.workers), role),
             "ram": host_memory(),
             "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)},
             "interfaces": sorted(name for _, name in socket.if_nameindex()) if hasattr(socket, "if_nameindex")
@@ -857,7 +854,6 @@ class Report:
         eval_batch = 2 * per_process_batch  # the training scripts evaluate with twice the batch
         # The training and the evaluation loader: both keep their workers between epochs, and a training epoch
         # cut short leaves its prefetched batches while evaluation runs.
-        per_process = args.workers * args.prefetch_factor * (per_process_batch + eval_batch) * sample_bytes
         # --rdzv-endpoint: this node alone, not knowing the job's processes, over which the GLOBAL batch is
         # divided; the check under torchrun across the nodes knows them.
         alone = self.role.launcher == "python" and args.rdzv_endpoint is not None
@@ -866,11 +862,12 @@ class Report:
             self.problem(f"--batch-size {args.batch_size} is not divisible by {world} processes "
                          "(the training scripts refuse it)", f"--batch-size {multiple} (a multiple of {world})")
         for node, _, nf in self.each_node():
-            shm, local = nf["shm"], nf["local_world_size"]
+            shm, local, workers = nf["shm"], nf["local_world_size"], nf["workers"]
+            per_process = workers * args.prefetch_factor * (per_process_batch + eval_batch) * sample_bytes
             need = per_process * local
             formula = ("what the loader workers need, and whether --batch-size divides, is checked under torchrun "
                        "across the nodes" if alone else
-                       f"{args.workers} workers x {args.prefetch_factor} x ({per_process_batch} training + "
+                       f"{workers} workers x {args.prefetch_factor} x ({per_process_batch} training + "
                        f"{eval_batch} evaluation samples) x {sample_bytes:,} B = {size(per_process)} per process, "
                        f"{size(need)} for {local} on the node")
             if not shm["exists"]:
@@ -878,7 +875,7 @@ class Report:
                 continue
             print(f"  node {node}: {shm['path']} ({shm['fstype'] or '?'}) {size(shm['free'])} free of "
                   f"{size(shm['total'])}; {formula}")
-            if args.workers and not alone and need > shm["free"]:
+            if workers and not alone and need > shm["free"]:
                 ram = nf["ram"][1]
                 lower = "lower --workers, --prefetch-factor or --batch-size"
                 if ram and need * 1.5 > ram:
@@ -891,21 +888,19 @@ class Report:
                              f"hold {size(need)} (a DataLoader worker then dies with a bus error)", fix)
 
     def cpu(self):
-        print("\nCPU (each training process needs a core, and one per loader worker)")
-        workers = self.args.workers
+        print("\nCPU (a core for each loader worker of each process: more would wait for one)")
         for node, _, nf in self.each_node():
-            cpus, local = nf["cpus"], nf["local_world_size"]
+            cpus, local, workers = nf["cpus"], nf["local_world_size"], nf["workers"]
             per = cpus["cores"] / local
             limit = f", container limit {cpus['quota']:g}" if cpus["quota"] else ""
             print(f"  node {node}: {cpus['cores']:g} cores usable ({cpus['affinity']} in the affinity mask{limit}) "
-                  f"for {local} process{'es' if local != 1 else ''}: {per:.1f} per process; "
-                  f"--workers {workers} + 1 need {workers + 1}")
+                  f"for {local} process{'es' if local != 1 else ''}: {per:.1f} per process; --workers {workers}")
             if per < 1:
                 self.problem(f"node {node}: {local} processes share {cpus['cores']:g} cores",
                              f"start at most {math.floor(cpus['cores']) or 1} processes on this node")
-            elif workers + 1 > per:
-                self.problem(f"node {node}: --workers {workers} needs {workers + 1} cores per process, "
-                             f"there are {per:.1f}", f"--workers {max(0, math.floor(per) - 1)}")
+            elif workers > per:
+                self.problem(f"node {node}: --workers {workers} per process, with {per:.1f} cores per process",
+                             f"--workers {math.floor(per)}")
 
     def port(self):
         print("\nrendezvous port")
@@ -921,6 +916,11 @@ class Report:
         where = f"node {f0['node']} ({f0['host']})"
         if port["free"]:
             print(f"  {port['port']}: free on {where}")
+            return
+        if "error" in port:
+            print(f"  {port['port']}: cannot listen on {where}: {port['error']}")
+            self.problem(f"a store cannot listen on port {port['port']} on {f0['host']}: {port['error']}",
+                         "use another port: torchrun --master-port PORT / --rdzv-endpoint HOST:PORT (1024 or above)")
             return
         print(f"  {port['port']}: IN USE on {where}")
         self.problem(f"port {port['port']} is already in use on {f0['host']} (another job, or one that did not end)",
@@ -1013,7 +1013,7 @@ def main(argv=None):
     role = role_from(job)
     # Under torchrun the agent hosts the rendezvous store (TORCHELASTIC_USE_AGENT_STORE);
     # with a launcher that does not, rank 0 hosts it, as env:// initialisation would.
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # as torch reads it (rendezvous.py)
     where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     try:
         connect_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), role.rank, role.world_size,

@@ -154,6 +154,7 @@ COMMON = {
     ("--check-args",): [Works([FLAG], lambda r: "arguments OK for 1 process" in r.stdout and r.records == [])],
     ("--dist-timeout",): [
         Works([FLAG, "77"], lambda r: r.group_timeouts == [77], env=TORCHRUN_OF_ONE),
+        Refused([FLAG, "1e10"], "must be 1 .. 31536000 (a year)"),  # c10d's nanoseconds would overflow
         Elsewhere("tests/test_missed_collective.py::test_the_waiting_rank_names_the_call_it_waited_in"),
     ],
     ("--device",): [

@@ -3,6 +3,7 @@ a machine with problems (shared memory too small, port taken, a rank that never
 reaches the all-reduce), bad arguments; the report's GPU and multi-node branches
 from recorded facts."""
 import argparse
+import errno
 import os
 import re
 import socket
@@ -13,9 +14,10 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, assert_one_line_error, free_port, run_script, subprocess_env, torchrun
+from conftest import ROOT, assert_one_line_error, fake_accelerator, free_port, run_script, subprocess_env, torchrun
 from scripts import preflight
-from utils import spawn
+from utils import distributed as dist_utils, spawn
+from utils.cli import UsageError
 
 SCRIPT = "scripts/preflight.py"
 
@@ -36,6 +38,14 @@ def test_plain_python_starts_two_cpu_processes_and_passes():
     assert "free on node 0" in out and "NCCL_*, GLOO_*" in out
     assert out.rstrip().endswith("all checks passed")
     assert_one_report(out)
+
+
+def test_the_training_scripts_default_workers_pass():
+    # Without --workers, the scripts' own default on this node (min(4, cores per process)), judged by their rule.
+    proc = run_script([SCRIPT, "--port", free_port(), "--iters", "1"], timeout=240)
+    cores = len(os.sched_getaffinity(0))
+    assert f"per process; --workers {max(1, min(4, cores // 2))}\n" in proc.stdout, proc.stdout
+    assert proc.stdout.rstrip().endswith("all checks passed"), proc.stdout
 
 
 def test_under_torchrun_uses_the_launchers_processes():
@@ -85,7 +95,7 @@ def test_problems_are_listed_with_their_fixes_and_a_stuck_rank_times_out(tmp_pat
     assert f"{shm} has" in out and "the loader workers would hold" in out
     assert "fix: lower --workers, --prefetch-factor or --batch-size" in out
     assert f"port {port} is already in use" in out and f"ss -ltnp 'sport = :{port}'" in out
-    assert "--workers 10000 needs 10001 cores per process" in out
+    assert "--workers 10000 per process, with " in out
     count = int(re.search(r"^(\d+) problems:$", out, re.M).group(1))
     assert count >= 4 and len(re.findall(r"^     fix: \S", out, re.M)) == count, out
     assert elapsed < 200
@@ -101,8 +111,9 @@ def test_a_bad_flag_is_one_line_and_exit_2():
 @pytest.mark.parametrize("argv, fragment", [
     (["--shm-dir", "/no/such/folder"], "--shm-dir /no/such/folder is not a directory"),
     (["--sample-shape", "3,x,32"], "expected sizes separated by commas"),
-    (["--port", "70000"], "a TCP port is 1..65535"),
-    (["--timeout", "0"], "must be greater than 0"),
+    (["--port", "70000"], "a TCP port is 1 .. 65535"),
+    (["--timeout", "0"], "must be 1 .. 31536000 (a year)"),
+    (["--timeout", "1e10"], "must be 1 .. 31536000 (a year)"),
     # torchrun splits at the last colon, as preflight did: host 'fe80:', port 1, which never resolves
     (["--rdzv-endpoint", "fe80::1"], "which torchrun reads as host 'fe80:' and port 1: write it in brackets, "
                                      "[fe80::1]:PORT"),
@@ -160,6 +171,37 @@ def test_port_in_use_is_seen():
     assert preflight.port_facts(free_port())["free"] is True
 
 
+def test_devices_per_node_are_checked_as_the_run_checks_them(monkeypatch):
+    # torchrun --virtual-local-rank: every worker is local rank 0 and sees its own GPU alone; the run trains.
+    fake_accelerator(monkeypatch, "cuda", 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    args = preflight.build_parser().parse_args([])
+    preflight.validate(args, dist_utils.DistEnv(0, 0, 2, 2, distributed=True))
+    with pytest.raises(UsageError, match="local rank 1 of 2 processes per node has no device"):
+        preflight.validate(args, dist_utils.DistEnv(1, 1, 2, 2, distributed=True))
+
+
+def test_a_port_that_cannot_be_listened_on_is_not_called_free(monkeypatch):
+    # As for a user's port below 1024 (EACCES): the store would fail there as surely as on a port in use.
+    bind = socket.socket.bind
+
+    def refused(self, address):
+        if self.family == socket.AF_INET:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        return bind(self, address)
+    monkeypatch.setattr(socket.socket, "bind", refused)
+    assert preflight.port_facts(80) == {"port": 80, "free": False, "error": "Permission denied"}
+
+
+def test_report_names_a_port_that_cannot_be_listened_on(capsys):
+    role = preflight.Role(0, 1, 0, 1, 0, "python")
+    facts = {0: rank_facts(0, 0, local=node_facts(["H100"], None, 2**34))}
+    facts[0]["port"] = {"port": 80, "free": False, "error": "Permission denied"}
+    problems = preflight.report(facts, passed([0]), args_for(), role)
+    assert "80: cannot listen on node 0" in capsys.readouterr().out
+    assert any("cannot listen on port 80" in what and "1024 or above" in fix for what, fix in problems), problems
+
+
 @pytest.mark.parametrize("value, expected", [
     ("eth", ["eth0", "eth1"]),         # a prefix
     ("=eth", []),                      # = asks for the exact name
@@ -211,8 +253,9 @@ def test_a_loopback_endpoint_is_named_as_the_user_gave_it():
 
 # --- the report from recorded facts: what a GPU node or two nodes would send ------------
 
-def node_facts(devices, peer_access, shm_free, env=None, cores=16, ram=64 * 2**30, network=None):
+def node_facts(devices, peer_access, shm_free, env=None, cores=16, ram=64 * 2**30, network=None, workers=4):
     return {"local_world_size": max(len(devices), 1), "devices": devices, "peer_access": peer_access,
+            "workers": workers,
             "shm": {"path": "/dev/shm", "exists": True, "free": shm_free, "total": shm_free, "fstype": "tmpfs"},
             "cpus": {"affinity": cores, "quota": None, "cores": cores}, "ram": [ram, ram],
             "env": env or {}, "interfaces": ["eth0", "lo"], "network": network or network_facts()}
