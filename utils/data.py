@@ -82,9 +82,8 @@ def read_cifar_file(path: str) -> dict:
 
 
 class CIFAR100(Dataset):
-    """CIFAR-100's images (N, 32, 32, 3 uint8), labels and class names, read by read_cifar_file. A class of
-    the module, not of a function: loader workers that start by spawn (not Linux's fork: see Loader) are
-    sent the data set pickled, and pickle finds a class by its module and name."""
+    """CIFAR-100's images (N, 32, 32, 3 uint8), labels and class names. A class of the module, not of a function:
+    loader workers started by spawn (not Linux's fork: Loader) are sent it pickled, found by module and name."""
 
     def __init__(self, data: np.ndarray, targets: list, classes: list):
         self.data, self.targets, self.classes = data, targets, classes
@@ -97,10 +96,9 @@ class CIFAR100(Dataset):
 
 
 def _cifar100(data_dir: str, train: bool) -> CIFAR100:
-    """CIFAR-100 in torchvision's layout, downloaded by torchvision (the archive's md5 checked) if a file is
-    missing. Files on disk are trusted: torchvision's own data set checks every file's md5 at every load, which
-    rejects any copy that is not the release (a subset, the tests' data). Imported here: seconds that synthetic
-    runs skip."""
+    """CIFAR-100 in torchvision's layout, downloaded by torchvision (the archive's md5 checked) if a file is missing.
+    Files on disk are trusted: torchvision's data set checks every file's md5 at every load, which rejects any copy
+    but the release (a subset, the tests' data). Imported here: seconds that synthetic runs skip."""
     from torchvision.datasets import cifar
     release = cifar.CIFAR100
     root = os.path.expanduser(data_dir)  # as torchvision's: --data-dir=~/data reaches the program unexpanded

@@ -77,8 +77,8 @@ def evaluation_due(epoch: int, args, last: bool) -> bool:
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader, device, autocast=None, inputs=None) -> dict:
     """Exact evaluation over all ranks: each rank sums loss and hits over its shard, and one all-reduce
-    gives the numbers of one process evaluating the whole test set. Pass the UNWRAPPED module: a DDP with its
-    default buffer sync broadcasts rank 0's buffers in its forward, a collective that would hang on uneven shards.
+    gives the numbers of one process evaluating the whole test set. Pass the UNWRAPPED module: a DDP with its default
+    buffer sync broadcasts rank 0's buffers in its first forward after training, which a rank with no batch never joins.
 
     Every rank evaluates with rank 0's buffers: each rank's last training forward updated its batch-norm statistics from
     its own slice of the batch; with the copy every shard is scored by the model that rank 0 checkpoints. Each rank gets
@@ -106,11 +106,11 @@ def evaluate(model: torch.nn.Module, loader, device, autocast=None, inputs=None)
     model.train(was_training)
     for buffer, own in zip(model.buffers(), own_buffers):
         buffer.copy_(own)
-    count_safe = max(count, 1)
-    # With 5 classes or fewer every target is among the top 5: NaN, as for an epoch not evaluated. (None: this
-    # rank's shard was empty; it reports a figure, as the ranks that saw logits do with more classes.)
-    top5 = 100.0 * top5 / count_safe if classes is None or classes > 5 else float("nan")
-    return {"test_loss": loss_sum / count_safe, "test_acc1": 100.0 * top1 / count_safe, "test_acc5": top5,
+    if not count:  # an empty test set: nothing was measured
+        return dict(NOT_EVALUATED)
+    # 5 classes or fewer: every target is in the top 5, NaN as for no evaluation (None: this rank saw no batch).
+    top5 = 100.0 * top5 / count if classes is None or classes > 5 else float("nan")
+    return {"test_loss": loss_sum / count, "test_acc1": 100.0 * top1 / count, "test_acc5": top5,
             "test_samples": int(count)}
 
 
