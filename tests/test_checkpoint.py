@@ -273,8 +273,17 @@ def test_check_args_refuses_what_the_resume_would(tmp_path):
         lines = [assert_one_line_error(run_script(["distributed.py", *recipe, *argv, *check], check=False), fragment)
                  for check in (["--check-args"], [])]
         assert lines[0] == lines[1]
-    assert "arguments OK" in run_script(["distributed.py", *recipe, "--checkpoint-dir", ck, "--resume",
-                                         "--check-args"]).stdout
+    check = ["distributed.py", *recipe, "--checkpoint-dir", ck, "--resume", "--check-args"]
+    assert "arguments OK" in run_script(check).stdout
+    # Another node's check tests the lock at the same moment (a shared lock, for an instant): both pass.
+    checking = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1]); "
+                                 "fcntl.lockf(f, fcntl.LOCK_SH); print('held', flush=True); time.sleep(120)",
+                                 str(ck / ".lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert checking.stdout.readline() == "held\n" and "arguments OK" in run_script(check).stdout
+    finally:
+        checking.kill()
+        checking.wait()
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from utils import checkpoint; "
                                "checkpoint.lock_directory(sys.argv[1]); print('held', flush=True); time.sleep(120)",
                                str(ck)], cwd=ROOT, stdout=subprocess.PIPE, text=True)

@@ -228,6 +228,10 @@ def test_readme_template_trains_your_data_and_model_under_torchrun_and_resumes_e
     assert "resumed from" in resumed.stdout and "step 2 of 4 in it" in resumed.stdout, resumed.stdout
     assert_same_training_state(tmp_path / "straight" / "checkpoint.pt",
                                tmp_path / "resumed" / "checkpoint.pt", global_step=8)
+    # As slurm.sbatch checks a requeued job before it starts it again: the same flags, --resume, --check-args.
+    check = run_script(["train.py", *map(str, common), "--checkpoint-dir", tmp_path / "resumed", "--resume",
+                        "--check-args"], cwd=project, env=subprocess_env(PYTHONPATH=str(project)), timeout=120)
+    assert "arguments OK" in check.stdout
 
     # What the run recorded of the data is what it trained on.
     config = json.loads((tmp_path / "straight" / "config.json").read_text())

@@ -42,7 +42,7 @@ def test_plain_python_starts_two_cpu_processes_and_passes():
 
 def test_the_training_scripts_default_workers_pass():
     # Without --workers, the scripts' own default on this node (min(4, cores per process)), judged by their rule.
-    proc = run_script([SCRIPT, "--port", free_port(), "--iters", "1"], timeout=240)
+    proc = run_script([SCRIPT, "--port", free_port(), "--iters", "1", "--nproc", "2"], timeout=240)
     cores = len(os.sched_getaffinity(0))
     assert f"per process; --workers {max(1, min(4, cores // 2))}\n" in proc.stdout, proc.stdout
     assert proc.stdout.rstrip().endswith("all checks passed"), proc.stdout

@@ -119,12 +119,16 @@ def load(path: str) -> dict:
     return state
 
 
-def lock_directory(directory: str):
+def lock_directory(directory: str, take: bool = True):
     """`directory` this run's alone while this process lives (UsageError for a second run, or a folder that cannot
     be made or written; a warning where its file system has no locks): a POSIX record lock (fcntl.lockf) on
     DIRECTORY/.lock, which the kernel releases however the process ends (no stale lock after a crash or a kill).
     Unlike flock(), forked loader workers do not inherit it, and NFS honours it. Returns the line it writes there:
-    the holder, named in a refusal and compared by the other nodes."""
+    the holder, named in a refusal and compared by the other nodes. take=False, a check before the run: nothing
+    made or written, a .lock tested with a shared lock (checks on several nodes pass each other): None, or the
+    line of this torchrun job (its run id ends it: a node that joins the job, or comes back), which passes."""
+    if not take and not os.path.isfile(os.path.join(directory, LOCKNAME)):
+        return None  # no run has held it (the run makes the folder, and says why it cannot)
     try:
         os.makedirs(directory, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
@@ -138,11 +142,13 @@ def lock_directory(directory: str):
     except OSError as exc:
         raise UsageError(f"--checkpoint-dir {directory} is not writable: {exc.strerror}") from None
     try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.lockf(fd, (fcntl.LOCK_EX if take else fcntl.LOCK_SH) | fcntl.LOCK_NB)
     except OSError as exc:
         if exc.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):
             held_by = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown holder"
             os.close(fd)
+            if not take and held_by.endswith(RUN_TAG.format(os.environ.get("TORCHELASTIC_RUN_ID", "\0"))):
+                return held_by
             raise UsageError(f"--checkpoint-dir {directory} is in use by another run ({held_by}): wait until it ends, "
                              "or choose another directory" if exc.errno in (errno.EACCES, errno.EAGAIN) else
                              f"cannot lock --checkpoint-dir {directory}: {exc.strerror}") from None
@@ -151,6 +157,8 @@ def lock_directory(directory: str):
         print_line(error_line(f"cannot lock --checkpoint-dir {directory} ({exc.strerror}): its file system offers "
                               "no locks, so a second run started on it at the same time would not be refused; start "
                               "one run per folder", kind="warning"))
+    if not take:
+        return os.close(fd)
     # Written through: this process keeps the file open, and NFS would write it to the server only on close.
     line = f"host {socket.gethostname()}, pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}" + (
         RUN_TAG.format(os.environ["TORCHELASTIC_RUN_ID"]) if "TORCHELASTIC_RUN_ID" in os.environ else "")

@@ -95,7 +95,7 @@ positive_int = _number(int, lambda v: v > 0, "must be at least 1")
 non_negative_int = _number(int, lambda v: v >= 0, "must be 0 or more")
 positive_float = _number(float, lambda v: v > 0, "must be greater than 0")
 non_negative_float = _number(float, lambda v: v >= 0, "must be 0 or more")
-# A timeout: under 1 s c10d's waits end at once ("after 0ms"); at 1e10 s its nanoseconds overflow (the same).
+# A timeout: under 1 ms c10d's waits end at once ("after 0ms"); at 1e10 s its nanoseconds overflow (the same).
 seconds = _number(float, lambda v: 1 <= v <= 365 * 86400, "must be 1 .. 31536000 (a year)")
 seed = _number(int, lambda v: 0 <= v < 2**64, "must be in 0 .. 2**64-1")  # torch.manual_seed's range
 port = _number(int, lambda v: 0 < v <= 65535, "a TCP port is 1 .. 65535")

@@ -38,7 +38,7 @@ def uint8_images(dataset) -> tuple:
         return images[keep], [targets[i] for i in keep]
     if isinstance(dataset, data.SyntheticCIFAR):
         return np.stack([dataset[i][0] for i in range(len(dataset))]), list(dataset.targets)
-    return np.asarray(dataset.data), list(dataset.targets)  # torchvision's CIFAR100
+    return np.asarray(dataset.data), list(dataset.targets)  # data.CIFAR100
 
 
 class DeviceTrainLoader:

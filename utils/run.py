@@ -68,17 +68,10 @@ def validated(args, check) -> Plan:
 
 
 def _check_checkpoints(args):
-    """--check-args: the run's refusals of --checkpoint-dir and --resume, as a new launch's: a folder that another
-    run holds (its lock taken, then let go), a checkpoint it would overwrite, one of another recipe (not the data's
-    size: none is loaded here)."""
-    if args.checkpoint_dir:
-        try:
-            checkpoint.lock_directory(args.checkpoint_dir)
-        except UsageError:  # unless its own job holds it: a node that joins it, or comes back
-            if (checkpoint.holder(args.checkpoint_dir) or "").endswith(
-                    checkpoint.RUN_TAG.format(os.environ.get("TORCHELASTIC_RUN_ID", "\0"))):
-                return
-            raise
+    """--check-args: the run's refusals of --checkpoint-dir and --resume, as a new launch's: a folder another run
+    holds, a checkpoint it would overwrite, a changed recipe (not the data's size, nor sharded or not: unknown here)."""
+    if args.checkpoint_dir and checkpoint.lock_directory(args.checkpoint_dir, take=False):
+        return  # its own job holds it: the job's checkpoint, which the run checks
     saved = os.path.join(args.checkpoint_dir, checkpoint.FILENAME) if args.checkpoint_dir else None
     if path := _resume_choice(args, bool(saved) and os.path.isfile(saved), restarts=False)[0]:
         _check_recipe(args, checkpoint.load(path), path)
@@ -87,8 +80,7 @@ def _check_checkpoints(args):
 def _resume_choice(args, exists: bool, restarts: bool):
     """(checkpoint to continue from or None, whether a restart of this launch may have written it). --resume PATH:
     that file; --resume: --checkpoint-dir's if it holds one (`exists`; a requeued SLURM job passes it every time).
-    Under torchrun (`restarts`), its restarts resume --checkpoint-dir's by themselves if this launch wrote it, even
-    after --resume PATH (the newer wins). No run overwrites a checkpoint it did not resume, in any attempt."""
+    torchrun's restarts (`restarts`) resume --checkpoint-dir's if this launch wrote it, even after --resume PATH."""
     saved = os.path.join(args.checkpoint_dir, checkpoint.FILENAME) if args.checkpoint_dir else None
     if args.resume == "auto":
         return (saved if exists else None), False
@@ -113,8 +105,8 @@ _MUST_MATCH = ("model", "batch_size", "dataset", "seed", "epochs", "warmup_epoch
 
 def _check_recipe(args, state: dict, path: str):
     saved = state.get("config", {})
-    for key in _MUST_MATCH:
-        if key in saved and saved[key] != getattr(args, key, saved[key]):
+    for key in _MUST_MATCH:  # (None: filled in later, your own data's dataset by data.own_datasets)
+        if key in saved and saved[key] != getattr(args, key, saved[key]) and getattr(args, key) is not None:
             flag = "--" + key.replace("_", "-")
             spelled = [f"--no-{flag[2:]}" if value is False else flag if value is True else f"{flag} {value}"
                        for value in (saved[key], getattr(args, key))]
