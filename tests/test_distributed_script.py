@@ -239,30 +239,37 @@ def test_a_checkpoint_dir_that_a_node_sees_late_is_looked_at_again(tmp_path):
 
 SEEN_LATE = """
 import os, time
-from utils import checkpoint
-isfile, started = os.path.isfile, time.monotonic()
+isfile, first = os.path.isfile, {{}}
 
-def late(path):  # the checkpoint appears to this rank 2 s after it first looks (NFS's cached view of the folder)
-    return isfile(path) and (not str(path).endswith(checkpoint.FILENAME) or time.monotonic() - started > 2)
+def late(path):  # {name} appears to this rank {after} s after it first looks (NFS's cached view of its folder)
+    if not str(path).endswith({name!r}):
+        return isfile(path)
+    return isfile(path) and time.monotonic() - first.setdefault(path, time.monotonic()) > {after}
 os.path.isfile = late
 """
 
 
-def test_a_checkpoint_that_a_node_sees_late_is_resumed(tmp_path):
-    # Rank 0's view decides whether there is a checkpoint to resume (a torchrun restart, seconds after the save
-    # on another node): the others look again, as for the folder's .lock, and are not refused.
+@pytest.mark.parametrize("script, name, refusal", [
+    ("distributed.py", checkpoint.FILENAME,
+     r"this node does not see a checkpoint\.pt \(rank 0 does\) beside the line of rank 0 \(host "),
+    # Every rank looked its shards' .metadata up, missing, as DCP's save began (FileSystemWriter.prepare_local_plan).
+    ("distributed_fsdp.py", ".metadata", r"no sharded checkpoint at \S+sharded-step4-[0-9a-f]{8} \(its \.metadata is "
+                                         "missing")])
+def test_a_checkpoint_that_a_node_sees_late_is_resumed(tmp_path, script, name, refusal):
+    # A torchrun restart seconds after a save on another node: rank 0's view decides whether there is a checkpoint
+    # to resume; the others look again for what it names, as for the folder's .lock, and are not refused.
     flags = [*with_flag(SMALL, "--workers", 1), "--checkpoint-dir", tmp_path / "ck"]
-    torchrun(2, "distributed.py", [*flags, "--max-steps", "2"])
-    (tmp_path / "late.py").write_text(SEEN_LATE)
-    runner = on_rank_1(tmp_path, "distributed.py", f"exec(open({str(tmp_path / 'late.py')!r}).read())")
+    torchrun(2, script, [*flags, "--max-steps", "2"])
+    runner = on_rank_1(tmp_path, script, f"exec(open({str(tmp_path / 'late.py')!r}).read())")
+    (tmp_path / "late.py").write_text(SEEN_LATE.format(name=name, after=2))
     resumed = torchrun(2, runner, [*flags, "--max-steps", "4", "--resume"])
     assert "resumed from" in resumed.stdout and checkpoint.load(str(tmp_path / "ck" / "checkpoint.pt"))[
         "global_step"] == 4, resumed.stdout + resumed.stderr
     # Never seen there (half of --dist-timeout): refused, the node that does not see it saying so.
-    (tmp_path / "late.py").write_text(SEEN_LATE.replace("> 2)", "> 600)"))
+    (tmp_path / "late.py").write_text(SEEN_LATE.format(name=name, after=600))
     refused = torchrun(2, runner, [*flags, "--max-steps", "6", "--resume", "--dist-timeout", "20"], check=False)
     assert refused.returncode != 0 and "exitcode  : 2" in refused.stderr, refused.stderr
-    assert f"this node does not see a checkpoint.pt (rank 0 does) beside the line of rank 0 (host " in refused.stderr
+    assert re.search(refusal, refused.stderr), refused.stderr
 
 
 @pytest.fixture
