@@ -507,8 +507,9 @@ def row_workers(row, plan: Plan) -> tuple:
     if plan.workers is not None:
         return plan.workers, ""
     procs, batch = row_shape(row, plan)[:2]
-    # The cores this process may use (taskset, a container's cpuset), as utils/data.py counts them.
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    # The cores this process may use (taskset, a container's cpuset or CPU limit), as utils/data.py counts them.
+    affinity, quota = data.cpu_limits()
+    cores = int(min(affinity, quota or affinity))
     wanted = max(1, min(16, cores // procs - 1))
     free = lifecycle.shm_free_bytes(lifecycle.SHM_DIR)
     workers = workers_that_fit(wanted, procs, batch // procs, free)

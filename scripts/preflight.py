@@ -58,7 +58,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import DEFAULT
 from models import MODEL_NAMES, build_model  # noqa: E402
 from utils import cli, distributed as dist_utils, lifecycle, network, spawn  # noqa: E402
 from utils.cli import UsageError  # noqa: E402
-from utils.data import NUM_CLASSES, loader_workers  # noqa: E402  (the classifier's size enters the gradient's size)
+from utils.data import NUM_CLASSES, cpu_limits, loader_workers  # noqa: E402  (NUM_CLASSES: the gradient's size)
 
 DEFAULT_PORT = 29500      # torchrun's --master-port and the launch scripts' default rendezvous port
 STORE_PORT_FIX = ("let the nodes reach each other on every TCP port: torchrun's c10d rendezvous serves the ranks' "
@@ -253,26 +253,8 @@ def shm_facts(path) -> dict:
 
 
 def cpu_facts() -> dict:
-    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    quota = None
-    # A container's CPU limit (docker --cpus, Kubernetes limits) is a cgroup quota, invisible to os.cpu_count().
-    try:
-        with open("/sys/fs/cgroup/cpu.max") as f:  # cgroup v2
-            limit, period = f.read().split()[:2]
-        if limit != "max":
-            quota = int(limit) / int(period)
-    except (OSError, ValueError):
-        try:  # cgroup v1
-            with open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us") as f:
-                limit = int(f.read())
-            with open("/sys/fs/cgroup/cpu/cpu.cfs_period_us") as f:
-                period = int(f.read())
-            if limit > 0:
-                quota = limit / period
-        except (OSError, ValueError):
-            pass
-    cores = min(affinity, quota) if quota else affinity
-    return {"affinity": affinity, "quota": quota, "cores": cores}
+    affinity, quota = cpu_limits()  # the cores the training scripts count
+    return {"affinity": affinity, "quota": quota, "cores": min(affinity, quota) if quota else affinity}
 
 
 def port_facts(port) -> dict:

@@ -409,10 +409,30 @@ def test_default_workers_fit_the_cores_per_process(monkeypatch, cores, local_wor
     from utils.distributed import DistEnv
     import torch
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr(data, "CGROUP", "/no/cgroup/here")  # no container limit, whatever this machine has
     env = DistEnv(0, 0, local_world_size, local_world_size, torch.device("cpu"), local_world_size > 1)
     args = parse([])
     assert data.loader_workers(args, env) == expected == args.workers  # kept, as config.json records it
     assert data.loader_workers(parse(["--workers", "0"]), env) == 0  # an explicit value wins
+
+
+@pytest.mark.parametrize("files, expected", [
+    ({"cpu.max": "200000 100000\n"}, 2),                      # cgroup v2, docker --cpus 2
+    ({"cpu.max": "max 100000\n"}, 4),                         # v2, no limit
+    ({"cpu/cpu.cfs_quota_us": "150000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 1),  # v1, 1.5 CPUs
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, 4),      # v1, no limit
+])
+def test_default_workers_fit_a_containers_cpu_limit(monkeypatch, tmp_path, files, expected):
+    # 64 cores in the mask, but the container may use only its quota: more workers would wait for a core.
+    from utils import data
+    from utils.distributed import DistEnv
+    import torch
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    monkeypatch.setattr(data, "CGROUP", str(tmp_path))
+    assert data.loader_workers(parse([]), DistEnv(0, 0, 1, 1, torch.device("cpu"), False)) == expected
 
 
 # --- which flags were given; full names only; torchrun's error file -------------------------

@@ -8,6 +8,7 @@ workers, resumes in the middle of an epoch are exact, and --data-on-gpu augments
 import contextlib
 import fcntl
 import os
+import pathlib
 import pickle
 import random
 import sys
@@ -24,6 +25,7 @@ NUM_CLASSES = 100
 CIFAR100_MEAN = (0.5071, 0.4865, 0.4409)  # per channel, of the training set (0..1 scale)
 CIFAR100_STD = (0.2673, 0.2564, 0.2762)
 PAD = 4  # random crop with 4 pixels of zero padding, as in the ResNet paper
+CGROUP = "/sys/fs/cgroup"  # where cpu_limits reads a container's CPU limit
 
 
 # --- data sets --------------------------------------------------------------------
@@ -386,13 +388,27 @@ def _worker_init(_):
     ignore_stop_signals()  # they reach the whole process group, but the rank decides when to stop
 
 
+def cpu_limits() -> tuple:
+    """(the cores in this process's affinity mask: taskset, Slurm; a container's CPU limit, or None). docker --cpus
+    and Kubernetes' limits set a cgroup quota, which neither the mask nor os.cpu_count() shows; a container sees
+    its own cgroup at CGROUP (v2's cpu.max, else v1's). macOS has no sched_getaffinity."""
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = None
+    with contextlib.suppress(OSError, ValueError):  # "max 100000": no limit (a ValueError)
+        limit, period = pathlib.Path(CGROUP, "cpu.max").read_text().split()[:2]
+        quota = int(limit) / int(period)
+    with contextlib.suppress(OSError, ValueError):  # -1: no limit
+        if quota is None and (limit := int(pathlib.Path(CGROUP, "cpu/cpu.cfs_quota_us").read_text())) > 0:
+            quota = limit / int(pathlib.Path(CGROUP, "cpu/cpu.cfs_period_us").read_text())
+    return affinity, quota
+
+
 def loader_workers(args, env: DistEnv) -> int:
     """--workers, or min(4, CPU cores per process), at least 1: more would only wait for a core. The choice is
     kept in args, as config.json records it."""
     if args.workers is None:
-        # The cores this process may use (containers, taskset); macOS has no sched_getaffinity.
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        args.workers = max(1, min(4, cores // max(1, env.local_world_size)))
+        affinity, quota = cpu_limits()
+        args.workers = max(1, min(4, int(min(affinity, quota or affinity) // max(1, env.local_world_size))))
     return args.workers
 
 
