@@ -54,9 +54,7 @@ def prints_errors(met_by: str = "job") -> bool:
         local_rank = os.environ.get("LOCAL_RANK", "").strip()
         return not local_rank.isdigit() or int(local_rank) == 0
     rank, size = os.environ.get("RANK", "").strip(), os.environ.get("WORLD_SIZE", "").strip()
-    if not rank.isdigit() or int(rank) == 0:
-        return True
-    return bool(size) and (not size.isdigit() or int(rank) >= int(size))
+    return not rank.isdigit() or int(rank) == 0 or bool(size) and (not size.isdigit() or int(rank) >= int(size))
 
 
 class Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -264,9 +262,8 @@ def split_batch(global_batch: int, world_size: int, accum_steps: int = 1, unit: 
     """Per-device batch for one forward pass; refuses to truncate silently."""
     parts = world_size * accum_steps
     if global_batch % parts:
-        how = f"{world_size} {unit}{('es' if unit.endswith('s') else 's') if world_size != 1 else ''}"
-        if accum_steps != 1:
-            how += f" x {accum_steps} accumulation steps"
+        how = f"{world_size} {unit}{('es' if unit.endswith('s') else 's') if world_size != 1 else ''}" + (
+            f" x {accum_steps} accumulation steps" if accum_steps != 1 else "")
         raise UsageError(f"batch size {global_batch} is not divisible by {how} "
                          f"({global_batch} / {parts} = {global_batch / parts:g}); "
                          f"choose a multiple of {parts}, e.g. {max(parts, global_batch // parts * parts)}")

@@ -39,12 +39,10 @@ class DistEnv:
 
     @property
     def device_ids(self):
-        """DDP's device_ids: this rank's one device, or None on the CPU."""
         return None if self.device.type == "cpu" else [self.device.index]
 
     @property
     def rendezvous(self) -> str:
-        """tcp://HOST:PORT (env://: MASTER_ADDR:MASTER_PORT) or file:///PATH."""
         if self.init_method.startswith("env://"):
             return f"tcp://{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '0')}"
         return self.init_method

@@ -57,12 +57,10 @@ def resolve(host: str, family=socket.AF_INET) -> list:
 
 
 def is_own_name(host: str) -> bool:
-    """Whether `host` is this host's name, short or qualified; names are case-insensitive."""
     return host.split(".")[0].lower() == socket.gethostname().split(".")[0].lower()
 
 
 def is_address(host: str) -> bool:
-    """Whether `host` is an IP address as written, not a name."""
     with contextlib.suppress(ValueError):
         return ipaddress.ip_address(host) is not None
     return False
@@ -96,10 +94,9 @@ def own_address(host: str):
     return next((address for address in resolve(host, socket.AF_UNSPEC) if can_bind(address)), None)
 
 
-def route_toward(host: str, known: dict = None):
+def route_toward(host: str, known: dict):
     """(interface, address) of this host that reaches `host`: its own, or the one the route to it
     leaves from (a UDP socket only picks its route: nothing is sent); (None, None) if unknown."""
-    known = interfaces() if known is None else known
     source = (resolve(host) or ["127.0.0.1"])[0]  # none: as unknown as a loopback address
     if is_loopback(source):
         return None, None
@@ -133,9 +130,8 @@ def gloo_listens_on(known: dict = None):
         names = [name for name in chosen.split(",") if name]
         return known[names[0]] if names and set(names) <= set(known) else None, f"GLOO_SOCKET_IFNAME={chosen}"
     name = socket.gethostname()
-    for address in resolve(name, socket.AF_UNSPEC):  # as gloo looks it up: "::1 nodea" comes first, say
-        if can_bind(address):
-            return address, f"the address of this host's name {name}"
+    if address := own_address(name):  # as gloo looks it up: "::1 nodea" comes first, say
+        return address, f"the address of this host's name {name}"
     return "127.0.0.1", f"this host's name {name} resolves to no address of its own"
 
 

@@ -9,6 +9,7 @@ import torch
 from torch.profiler import ProfilerActivity
 
 from . import compat
+from .distributed import print0
 
 
 # The profiled window, in optimizer steps from the run's start (or resume). WAIT keeps the start-up
@@ -53,17 +54,13 @@ class Observers:
             # purge_step hides those, so each step shows one value.
             self._writer = SummaryWriter(args.tensorboard, purge_step=start_step + 1 if start_step else None)
 
-    def _say(self, message: str):
-        if self.env.is_main:
-            print(f"--profile: {message}", flush=True)
-
     def _write_trace(self, profiler):
         profiler.export_chrome_trace(os.path.join(self.profile_dir, f"trace-rank{self.env.rank}.json"))
         self._traced_up_to = self._step
         partial = "" if self._step == self._window[-1] else " (the run ended inside the window)"
-        self._say(f"traced steps {self._window[0]} to {self._step}{partial} in "
-                  f"{os.path.join(self.profile_dir, 'trace-rank*.json')}: open one in "
-                  "https://ui.perfetto.dev or chrome://tracing")
+        print0(f"--profile: traced steps {self._window[0]} to {self._step}{partial} in "
+               f"{os.path.join(self.profile_dir, 'trace-rank*.json')}: open one in "
+               "https://ui.perfetto.dev or chrome://tracing")
 
     def step(self, global_step: int):
         if self._profiler is not None:
@@ -86,9 +83,9 @@ class Observers:
             self._profiler.stop()  # inside the window this writes the steps recorded so far
             self._profiler = None
             if self._traced_up_to is None:
-                self._say(f"the run was too short to profile, no trace written: it ended at step "
-                          f"{self._step}, the trace records steps {self._window[0]} to {self._window[-1]} "
-                          f"(it needs {STEPS_TO_PROFILE} steps after the run's start)")
+                print0(f"--profile: the run was too short to profile, no trace written: it ended at step "
+                       f"{self._step}, the trace records steps {self._window[0]} to {self._window[-1]} "
+                       f"(it needs {STEPS_TO_PROFILE} steps after the run's start)")
         if self._writer is not None:
             self._writer.close()
             self._writer = None

@@ -140,7 +140,6 @@ class TrainingRun:
         self._claim_outputs()
         self.started = time.perf_counter()
         self.checkpoint_path = os.path.join(args.checkpoint_dir, checkpoint.FILENAME) if args.checkpoint_dir else None
-        # Rank 0's view, which every rank shares by now (_check_shared), where there are several.
         exists = self._saved if self._saved is not None else os.path.isfile(self.checkpoint_path or "")
         if args.resume == "auto" and not exists:
             print0(f"--resume: no checkpoint in {args.checkpoint_dir} yet, starting from scratch")
@@ -280,7 +279,6 @@ class TrainingRun:
         return epochs >= self.args.epochs or (max_steps is not None and self.global_step >= max_steps)
 
     def done(self) -> bool:
-        """Whether the loop ends now: trained all it was asked to, or stopped by a signal."""
         return self._stop or self.trained()
 
     def epochs(self):
@@ -297,7 +295,6 @@ class TrainingRun:
                 self.epoch, self.step_in_epoch = self.epoch + 1, 0
 
     def progress(self, loader):
-        """Iterate the loader; a progress bar on rank 0 when stderr is a terminal."""
         if not (self.env.is_main and sys.stderr.isatty()):
             yield from loader
             return
@@ -384,7 +381,6 @@ class TrainingRun:
             self.stop_signal.announce(self.global_step, self.checkpoint_path)
 
     def record(self, record: dict):
-        """One JSON line in --metrics, appended and flushed (global rank 0)."""
         if self.args.metrics and self.env.is_main:
             with open(self.args.metrics, "a") as f:
                 f.write(json.dumps(record) + "\n")
