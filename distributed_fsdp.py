@@ -67,7 +67,7 @@ def main(argv=None):
                    help="bf16: compute in bfloat16 (parameters gathered in bf16), reduce gradients "
                         "and keep the sharded weights in fp32")
     args = cli.parse_args(parser, argv)
-    plan = validated(args, check)  # every refusal before anything starts; --check-args ends here
+    plan = validated(args, check, sharded=True)  # every refusal before anything starts; --check-args ends here
 
     # --- distributed setup ------------------------------------------------------------
     # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT: the processes meet

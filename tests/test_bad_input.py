@@ -27,6 +27,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
     (["--lr", "nan"], "--lr: expected a finite number"),
     (["--warmup-epochs", "inf"], "--warmup-epochs: expected a finite number"),
     (["--momentum", "nan"], "--momentum: expected a finite number"),
+    (["--lr", "1e300"], "--lr: expected a finite number of float32's range"),  # else SGD's step fails
     (["--seed", "-1"], "--seed: must be in 0 .. 2**64-1"),
     (["--seed", str(2**64)], "--seed: must be in 0 .. 2**64-1"),
     (["--checkpoint-dir", ""], "--checkpoint-dir is empty"),

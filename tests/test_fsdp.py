@@ -288,9 +288,14 @@ def test_crash_during_a_sharded_save_keeps_the_previous_checkpoint(one_process, 
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 def test_checkpoints_refuse_what_does_not_fit(run_in_process, one_process, tmp_path):
     fsdp_checkpoint = one_process / "distributed_fsdp.py" / "checkpoint.pt"
-    # DDP cannot continue a sharded checkpoint (nor FSDP a plain one): one line, exit 2.
-    assert_refused(run_in_process("distributed.py", [*SMALL, "--resume", fsdp_checkpoint]),
-                   "is sharded", "resume it with the script that wrote it (fsdp2)")
+    # DDP cannot continue a sharded checkpoint, nor FSDP a plain one: one line, exit 2, from --check-args too.
+    for check in ([], ["--check-args"]):
+        assert_refused(run_in_process("distributed.py", [*SMALL, "--resume", fsdp_checkpoint, *check]),
+                       f"{fsdp_checkpoint} is sharded", "resume it with the script that wrote it (fsdp2)")
+        ddp_checkpoint = one_process / "distributed.py" / "checkpoint.pt"
+        assert_refused(run_in_process("distributed_fsdp.py", [*SMALL, "--resume", ddp_checkpoint, *check]),
+                       f"{ddp_checkpoint} is not sharded", "resume it with the script that wrote it (ddp-torchrun)")
+    expect_ok(run_in_process("distributed_fsdp.py", [*SMALL, "--resume", fsdp_checkpoint, "--check-args"]))
     # Flags that would change the run are refused as for the other scripts.
     assert_refused(run_in_process("distributed_fsdp.py", [*SMALL, "--lr", "0.2", "--resume", fsdp_checkpoint]),
                    "--lr 0.1", "resume with the same value")

@@ -185,6 +185,13 @@ def look_again(look, want, patience: float):
     return seen
 
 
+def check_kind(state: dict, path: str, sharded: bool):
+    """A checkpoint resumes in the kind of script that wrote it: sharded across ranks (FSDP), or whole."""
+    if ("sharded" in state) != sharded:
+        raise UsageError(f"checkpoint {path} is {'not ' * sharded}sharded: resume it with the script that wrote it "
+                         f"({state.get('strategy', 'unknown')})")
+
+
 class WholeState:
     """The model and optimizer of a checkpoint where every rank has all of them (DDP, one process): their
     state_dicts in checkpoint.pt (utils/sharded.py: sharded across ranks). TrainingRun calls check(state,
@@ -196,9 +203,7 @@ class WholeState:
         self.model, self.optimizer = model, optimizer
 
     def check(self, state: dict, path: str, patience: float = 0.0):
-        if "sharded" in state:
-            raise UsageError(f"checkpoint {path} is sharded: resume it with the script that wrote it "
-                             f"({state.get('strategy', 'unknown')})")
+        check_kind(state, path, sharded=False)
 
     def load(self, state: dict, path: str, own: bool = False):
         self.model.load_state_dict(state["model"])

@@ -7,7 +7,6 @@ refuse the same things in the same words. Bad input raises `UsageError` (one lin
 import argparse
 import contextlib
 import importlib.util
-import math
 import os
 import re
 import sys
@@ -81,8 +80,8 @@ def _number(kind, test, wanted):
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a {'whole ' if kind is int else ''}number, "
                                              f"got {text!r}") from None
-        if kind is float and not math.isfinite(value):  # inf and nan would train on garbage
-            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+        if kind is float and not abs(value) <= 3.4028234663852886e38:  # float32's largest; inf, nan: garbage
+            raise argparse.ArgumentTypeError(f"expected a finite number of float32's range, got {text!r}")
         if not test(value):
             raise argparse.ArgumentTypeError(f"{wanted}, got {value}")
         return value

@@ -52,14 +52,14 @@ def _same_file(a: str, b: str) -> bool:
         return os.path.realpath(a) == os.path.realpath(b)
 
 
-def validated(args, check) -> Plan:
+def validated(args, check, sharded: bool = False) -> Plan:
     """check(args) -> Plan, or a UsageError: the run's every refusal that needs no process group, data or model
     (a batch that does not split, a device this machine lacks, a network on which the groups cannot form,
     contradicting flags). --check-args (what scripts/slurm.sbatch runs before srun) adds the refusals of
-    --checkpoint-dir and --resume (_check_checkpoints), then stops."""
+    --checkpoint-dir and --resume (_check_checkpoints; `sharded`: the script's checkpoints are), then stops."""
     plan = check(args)
     if args.check_args:
-        _check_checkpoints(args)
+        _check_checkpoints(args, sharded)
         n = plan.world_size
         print(f"arguments OK for {n} process{'es' if n != 1 else ''}" + (f" ({plan.read})" if plan.read else ""),
               flush=True)
@@ -67,14 +67,15 @@ def validated(args, check) -> Plan:
     return plan
 
 
-def _check_checkpoints(args):
+def _check_checkpoints(args, sharded: bool):
     """--check-args: the run's refusals of --checkpoint-dir and --resume, as a new launch's: a folder another run
-    holds, a checkpoint it would overwrite, a changed recipe (not the data's size, nor sharded or not: unknown here)."""
+    holds, a checkpoint it would overwrite or of another kind, a changed recipe (not the data's size, nor shards)."""
     if args.checkpoint_dir and checkpoint.lock_directory(args.checkpoint_dir, take=False):
         return  # its own job holds it: the job's checkpoint, which the run checks
     saved = os.path.join(args.checkpoint_dir, checkpoint.FILENAME) if args.checkpoint_dir else None
     if path := _resume_choice(args, bool(saved) and os.path.isfile(saved), restarts=False)[0]:
-        _check_recipe(args, checkpoint.load(path), path)
+        checkpoint.check_kind(state := checkpoint.load(path), path, sharded)
+        _check_recipe(args, state, path)
 
 
 def _resume_choice(args, exists: bool, restarts: bool):

@@ -18,7 +18,7 @@ import warnings
 
 import torch
 
-from .checkpoint import LOCKNAME, load, look_again
+from .checkpoint import LOCKNAME, check_kind, load, look_again
 from .cli import UsageError, first_line
 
 SHARDED_PREFIX = "sharded-step"
@@ -41,9 +41,7 @@ class ShardedState:
         """Before the collective load. `patience`: how long to look again for the folder's .metadata, which
         rank 0 wrote before checkpoint.pt named the folder (every rank looked that name up, missing, as DCP's
         save began: a node on NFS may answer from that view)."""
-        if "sharded" not in state:
-            raise UsageError(f"checkpoint {path} is not sharded: resume it with the script that wrote it "
-                             f"({state.get('strategy', 'unknown')})")
+        check_kind(state, path, sharded=True)
         folder = sharded_folder(path, state["sharded"]["folder"])
         look_again(lambda: os.path.isfile(os.path.join(folder, _DCP_METADATA)), True, patience)
         self.metadata = check_sharded_folder(folder)
