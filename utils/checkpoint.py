@@ -217,4 +217,3 @@ class WholeState:
 
     def tidy(self, path: str):
         pass
-

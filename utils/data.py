@@ -190,7 +190,10 @@ def own_datasets(args, train, test):
         raise UsageError("--data-on-gpu holds the CIFAR images in device memory and augments "
                          "them there; it does not apply to another data set (leave it out)")
     train, test = _first(train, args, "train"), _first(test, args, "test")
-    args.dataset = describe(train)
+    inner = train  # args.dataset names the class under our views and torch's Subset
+    while isinstance(deeper := _inner(inner), Dataset):
+        inner = deeper
+    args.dataset = type(inner).__name__
     return SeededSamples(train, args.seed), test
 
 
@@ -198,13 +201,6 @@ def _inner(dataset):
     """What one of our views (.base) or torch's Subset (.dataset) looks at; None for anything else."""
     inner = getattr(dataset, "base", None)
     return inner if inner is not None else getattr(dataset, "dataset", None)
-
-
-def describe(dataset) -> str:
-    """The class name of the data set under our views and torch's Subset ("ImageFolder")."""
-    while isinstance(inner := _inner(dataset), Dataset):
-        dataset = inner
-    return type(dataset).__name__
 
 
 def num_classes(dataset) -> int:
@@ -215,10 +211,6 @@ def num_classes(dataset) -> int:
                              "`classes` list (as torchvision's data sets have), or pass the number to the model")
         dataset = inner
     return len(dataset.classes)
-
-
-def _to_uint8_chw(image: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(image).permute(2, 0, 1)  # our images are HWC views of CHW bytes: dense again, no copy
 
 
 def _normalize(pixels: torch.Tensor) -> torch.Tensor:
@@ -277,7 +269,7 @@ def augmentation_plan(seed: int, epoch: int, num_samples: int) -> torch.Tensor:
 
 
 class _View(Dataset):
-    """`base` seen another way, sample by sample (describe and num_classes look through it)."""
+    """`base` seen another way, sample by sample (own_datasets and num_classes look through it)."""
 
     def __init__(self, base, seed: int = None):
         self.base, self.seed = base, seed
@@ -290,7 +282,6 @@ class TrainImages(_View):
     """Training view of our CIFAR data: key (index, epoch) crops and flips as augmentation_plan says,
     uint8 CHW (model_inputs normalises a batch on the device)."""
 
-    takes_sample_keys = True  # train_loader hands it (index, epoch), not a bare index
     _plan_epoch = None
 
     def __getitem__(self, key):
@@ -299,7 +290,7 @@ class TrainImages(_View):
             self._plan, self._plan_epoch = augmentation_plan(self.seed, epoch, len(self.base)), epoch
         dy, dx, flip = self._plan[index].tolist()
         image, target = self.base[index]
-        return crop_flip(_to_uint8_chw(image), dy, dx, flip), target  # normalised on the device: Normalize
+        return crop_flip(torch.from_numpy(image).permute(2, 0, 1), dy, dx, flip), target  # CHW, as TestImages
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -315,8 +306,6 @@ class SeededSamples(_View):
     """Training view of any data set: key (index, epoch) loads `base[index]` with torch's CPU, Python's
     and NumPy's global generators seeded by sample_seed for its random transforms, then put back, so
     that --workers 0 leaves the training's random numbers alone."""
-
-    takes_sample_keys = True
 
     def __getitem__(self, key):
         index, epoch = key
@@ -338,7 +327,7 @@ class TestImages(_View):
 
     def __getitem__(self, index):
         image, target = self.base[index]
-        return _to_uint8_chw(image), target
+        return torch.from_numpy(image).permute(2, 0, 1), target  # HWC views of CHW bytes: dense again, no copy
 
 
 # --- samplers ----------------------------------------------------------------------
@@ -364,19 +353,16 @@ class TrainSampler(Sampler):
 
     def set_epoch(self, epoch: int, start_step: int = 0):
         """Call before every epoch, as with DistributedSampler; start_step skips steps already taken."""
-        self.epoch, self.start_step = epoch, start_step
-
-    def _start(self) -> int:
-        return self.start_step * self.global_batch // self.world_size
+        self.epoch, self._start = epoch, start_step * self.global_batch // self.world_size  # this rank's samples taken
 
     def __len__(self):
-        return self._per_rank - self._start()
+        return self._per_rank - self._start
 
     def epoch_indices(self) -> torch.Tensor:
         """This rank's remaining sample indices of the epoch, in order."""
         g = torch.Generator().manual_seed((self.seed + self.epoch) % 2**64)  # seeds are 64-bit
         mine = torch.randperm(self.num_samples, generator=g)[self.rank::self.world_size][:self._per_rank]
-        return mine[self._start():]
+        return mine[self._start:]
 
     def __iter__(self):
         return iter([(index, self.epoch) for index in self.epoch_indices().tolist()])
@@ -456,7 +442,7 @@ def _loader(dataset, sampler, batch_size: int, env: DistEnv, args) -> Loader:
 
 def train_loader(train_set, per_device_batch: int, global_batch: int, env: DistEnv, args) -> DataLoader:
     """Whole global batches split over the ranks; a data set not from us is seen through SeededSamples."""
-    if not getattr(train_set, "takes_sample_keys", False):
+    if not isinstance(train_set, (TrainImages, SeededSamples)):  # views that take (index, epoch), not an index
         train_set = SeededSamples(train_set, args.seed)
     sampler = TrainSampler(len(train_set), global_batch, env.rank, env.world_size, args.seed)
     return _loader(train_set, sampler, per_device_batch, env, args)

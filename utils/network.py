@@ -35,8 +35,6 @@ class Finding:
 
 def interfaces() -> dict:
     """{name: IPv4 address} of this host's interfaces that have one, in the system's order."""
-    if not hasattr(socket, "if_nameindex"):
-        return {}
     import fcntl
     found = {}
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -125,8 +123,7 @@ def way_out(host, known: dict = None):
 def gloo_listens_on(known: dict = None):
     """(address, how gloo came to it); None if a name in GLOO_SOCKET_IFNAME is no interface with one."""
     known = interfaces() if known is None else known
-    chosen = os.environ.get("GLOO_SOCKET_IFNAME")
-    if chosen:  # gloo makes one device per name and fails on any it cannot find
+    if chosen := os.environ.get("GLOO_SOCKET_IFNAME"):  # gloo makes one device per name and fails on any it cannot find
         names = [name for name in chosen.split(",") if name]
         return known[names[0]] if names and set(names) <= set(known) else None, f"GLOO_SOCKET_IFNAME={chosen}"
     name = socket.gethostname()
@@ -154,8 +151,7 @@ def findings(meet_at, uses_gloo: bool, flag: str = "MASTER_ADDR") -> list:
             # This host's own name is left to the gloo rule below: the other nodes may resolve it to this
             # host's network address. Another host's name is this host's fault (a hosts file cloned from
             # that host's); localhost (node 0's socket.getfqdn() under torchrun) or an address, every node's.
-            mine = not is_address(meet_at) and not meet_at.lower().startswith("localhost")
-            if mine:
+            if mine := not is_address(meet_at) and not meet_at.lower().startswith("localhost"):
                 fix = (f"list {meet_at} in {name}'s own /etc/hosts with its network address, as the other nodes "
                        "resolve it, not on a 127.x line")
             elif flag != "MASTER_ADDR":

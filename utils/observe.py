@@ -30,22 +30,18 @@ def profiled_steps(start_step: int) -> range:
     return range(start_step + WAIT_STEPS + WARMUP_STEPS + 1, start_step + STEPS_TO_PROFILE + 1)
 
 
-def profiler_activities(device: torch.device) -> list:
-    """The CPU, plus the device where this PyTorch can record it (CUDA, ROCm's too, XPU, HPU, MTIA)."""
-    own = getattr(ProfilerActivity, device.type.upper(), None)
-    recordable = own not in (None, ProfilerActivity.CPU) and own in torch.profiler.supported_activities()
-    return [ProfilerActivity.CPU, own] if recordable else [ProfilerActivity.CPU]
-
-
 class Observers:
     def __init__(self, args, env, start_step: int = 0):
         self.env, self.profile_dir = env, getattr(args, "profile", None)
         self._profiler = self._writer = self._traced_up_to = None  # _traced_up_to: the last step in the trace
         self._step, self._window = start_step, profiled_steps(start_step)
         if self.profile_dir:
+            own = getattr(ProfilerActivity, env.device.type.upper(), None)  # CUDA (ROCm's too), XPU, HPU, MTIA
+            recordable = own not in (None, ProfilerActivity.CPU) and own in torch.profiler.supported_activities()
             # It counts steps from here (each step() ends one): the window follows this run's warm-up, resumed or not.
             self._profiler = torch.profiler.profile(
-                activities=profiler_activities(env.device), on_trace_ready=self._write_trace, **compat.ONE_WINDOW,
+                activities=[ProfilerActivity.CPU, own] if recordable else [ProfilerActivity.CPU],
+                on_trace_ready=self._write_trace, **compat.ONE_WINDOW,
                 schedule=torch.profiler.schedule(wait=WAIT_STEPS, warmup=WARMUP_STEPS, active=ACTIVE_STEPS, repeat=1))
             self._profiler.start()
         if getattr(args, "tensorboard", None) and env.is_main:

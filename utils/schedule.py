@@ -11,8 +11,6 @@ def warmup_multistep(optimizer, args, steps_per_epoch: int) -> torch.optim.lr_sc
     milestones = [round(m * args.epochs * steps_per_epoch) for m in MILESTONES]
 
     def factor(step: int) -> float:  # step = optimizer steps taken so far
-        if step < warmup:
-            return (step + 1) / warmup
-        return GAMMA ** sum(step >= m for m in milestones)
+        return (step + 1) / warmup if step < warmup else GAMMA ** sum(step >= m for m in milestones)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
