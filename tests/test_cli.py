@@ -234,14 +234,21 @@ sys.path.insert(0, {root!r})
 from utils import cli, lifecycle
 
 class Witness:
+    import time
+    slow = "slow-teardown" in sys.argv and time.sleep  # (module globals may be gone by then)
+
     def __del__(self):
         print("teardown ran", flush=True)
+        self.slow and self.slow(2)
 
 witness = Witness()
 
 def main(argv):
     if "join" in sys.argv:
         lifecycle.joined_a_group()  # what utils.distributed.setup calls after init_process_group
+    if "slow-teardown" in sys.argv:  # a handler of its own, as mp.spawn's parent forwards the stop signals
+        import signal
+        signal.signal(signal.SIGTERM, lambda *_: print("forwarded", flush=True))
     print("main ran", flush=True)
     if "slow-exit" in sys.argv:  # a rank still on its way out, as under load
         import atexit, time
@@ -275,6 +282,20 @@ def test_run_main_as_the_program_leaves_without_teardown_once_a_group_was_joined
     assert ("teardown ran" in proc.stdout) == teardown, proc.stdout + proc.stderr
     if code == 2:
         assert "error: bad input" in proc.stderr, proc.stderr
+
+
+def test_a_program_that_finished_is_not_killed_by_a_stop_signal_in_its_teardown(tmp_path):
+    # The interpreter's teardown puts back the default of a signal that Python handled: a second Ctrl-C, or a
+    # repeated kill, there would kill a finished mp.spawn parent (exit -15 for a run that ended well).
+    program = tmp_path / "program.py"
+    program.write_text(RUN_MAIN_PROGRAM.format(root=os.path.dirname(os.path.dirname(__file__))))
+    env = dict(os.environ)
+    env.pop("RANK", None)
+    proc = subprocess.Popen([sys.executable, str(program), "slow-teardown"], stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline() == "main ran\n" and proc.stdout.readline() == "teardown ran\n"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    proc.stdout.close()
 
 
 @pytest.mark.parametrize("joined", [False, True])

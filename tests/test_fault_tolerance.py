@@ -732,10 +732,12 @@ def wait_until_gone(proc, timeout=40):
 LONG = [*TINY, "--train-samples", "8192", *WORKERS]
 
 
-def test_workers_stop_when_torchrun_is_killed(tmp_path):
+# torchrun's default: its agent serves the workers' store, which then dies with it (rank 0 serves the agreements').
+@pytest.mark.parametrize("store", [{}, FRESH_STORE], ids=["torchrun's store", "the workers' own store"])
+def test_workers_stop_when_torchrun_is_killed(tmp_path, store):
     proc = Proc(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                  FAULTS, "--fault", "kill-launcher", "--rank", "0", "--step", "3", "--",
-                 "distributed.py", *LONG, "--checkpoint-dir", tmp_path], **FRESH_STORE)
+                 "distributed.py", *LONG, "--checkpoint-dir", tmp_path], **store)
     try:
         proc.popen.wait(120)  # the agent dies of SIGKILL at step 3
         wait_until_gone(proc)

@@ -202,9 +202,23 @@ def setup(job: DistEnv, device: torch.device, timeout_s: float = 1800.0) -> Dist
         dist.init_process_group(backend, store=dist.PrefixStore(f"{attempt}/pg", store), rank=job.rank,
                                 world_size=job.world_size, timeout=timeout,
                                 device_id=device if device.type != "cpu" else None)
-    _store, _agreements = dist.PrefixStore(f"{attempt}/agreements", store), 0
+        agreements = _rank_0s_store(job, store, f"{attempt}/agreements-at", timeout) if (
+            os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and not job.several_nodes) else store
+    _store, _agreements = dist.PrefixStore(f"{attempt}/agreements", agreements), 0
     lifecycle.joined_a_group(store)  # the process now ends through lifecycle.leave (see there)
     return dataclasses.replace(job, device=device)
+
+
+def _rank_0s_store(job: DistEnv, shared, key: str, timeout):
+    """A store that rank 0 serves on this node, its port told through torchrun's `shared` one: that store lives in
+    torchrun's agent and dies with it, and the agreements, the stop's among them, must outlive a launcher that dies.
+    (On several nodes no address of rank 0 is known to reach it from every other: there, set
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as the launchers do, and rank 0 serves the job's store.)"""
+    if job.rank == 0:  # a free port
+        own = dist.TCPStore("127.0.0.1", 0, None, True, timeout, wait_for_workers=False)
+        shared.set(key, str(own.port))
+        return own
+    return dist.TCPStore("127.0.0.1", int(shared.get(key)), None, False, timeout)
 
 
 @contextlib.contextmanager

@@ -35,8 +35,8 @@ _watchdog = None
 
 
 def joined_a_group(store=None):
-    """From now on run_main ends this process through `leave`, and a refusal is told through the group's
-    own `store` (tell_the_job)."""
+    """From now on a refusal is told through the group's own `store` (tell_the_job), and an error that a lost
+    peer caused is reported a second after the peer's (run_main)."""
     global _joined_a_group, _group_store
     _joined_a_group, _group_store = True, store
 
@@ -91,6 +91,8 @@ def run_main(main, argv=None):
         # A failure after joining (a bug, a dead peer): leave, as the teardown of a rank whose peer died can hang.
         traceback.print_exc()
         leave(1)
+    finally:  # ending: the interpreter's teardown puts back the default of a signal handled in Python, which kills
+        ignore_stop_signals()  # (a second Ctrl-C, the one mp.spawn's parent forwards, a repeated kill)
     if _joined_a_group:
         leave(0)
 
@@ -106,9 +108,8 @@ def leave(code: int = 0, message: str = None):
     destroy_process_group() once DDP has used the group, and one still running while the interpreter finalizes
     can abort it (SIGABRT, a failure reported for a job that completed: tutorials/09-debugging.md). Only the atexit
     handlers run (they end the loader workers still alive and flush logging), and stdout and stderr are flushed."""
-    if threading.current_thread() is threading.main_thread():
-        for sig in SIGNALS:  # ending now: a stop signal that comes late (mp.spawn forwards one) would only
-            signal.signal(sig, signal.SIG_IGN)  # interrupt the exit handlers, with a traceback
+    if threading.current_thread() is threading.main_thread():  # ending now: a stop signal that comes late (mp.spawn
+        ignore_stop_signals()  # forwards one) would only interrupt the exit handlers, with a traceback
     if message:
         print_line(message)
     try:
@@ -153,6 +154,8 @@ def watch_launcher(grace_s: float = 30.0, poll_s: float = 1.0):
         if not _stopping:
             os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace_s)
+        print_line(error_line(f"its launcher (pid {parent}) died {grace_s:.0f} s ago, and this process has not "
+                              "ended since (it stops at a step all ranks agree on, every 10 steps): killing it"))
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="watch-launcher", daemon=True).start()
@@ -163,7 +166,7 @@ def deadline(seconds: float, line=None, code: int = 1):
     """Inside, this process ends (with `line` on stderr and in torchrun's error file, and exit status `code`)
     once `seconds` have passed (`line` may be a function, called then: what was learnt meanwhile): for waits
     that overrun their own timeout, as a TCPStore call or gloo's connect across a network partition does (until
-    the kernel drops the connection). One watchdog thread checks every deadline; it does no I/O."""
+    the kernel drops the connection). One watchdog thread checks every deadline."""
     global _watchdog
     key = object()
     _deadlines[key] = (time.monotonic() + seconds, line, code)
@@ -320,7 +323,8 @@ def refusal_said(store: list):
 
 def ignore_stop_signals():
     """In a DataLoader worker: the stop signals are its rank's. (A forked worker would run its copy
-    of the rank's handler, or die of them, and the rank fail at its next batch, unsaved.)"""
+    of the rank's handler, or die of them, and the rank fail at its next batch, unsaved.) In a process
+    that ends (run_main, leave): the work is done."""
     for sig in SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)

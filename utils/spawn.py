@@ -244,7 +244,7 @@ def worker_exit(errors, local_rank):
 
 def forward_stop_signals(workers):
     """Pass the stop signals on to the workers, as torchrun does: they checkpoint at an agreed step
-    and exit 0 (utils/run.py). Dying here would take them down mid-step, unsaved."""
+    and exit 0 (utils/run.py), and this parent, alive, reports their status and cleans up after them."""
     def forward(signum, frame):
         for pid in workers.pids():
             with contextlib.suppress(ProcessLookupError):  # already gone
