@@ -131,9 +131,13 @@ def reset_peak_memory(device):
 
 
 class EpochTimer:
-    """Wall time of an epoch and its throughput after warm-up: the first `warmup_steps` steps of each epoch (loader
-    start, cudnn autotuning, torch.compile) are timed but left out of images/s. The clock is read at the start, at
-    the warm-up boundary and at the end, each time after one device sync, never inside the other steps."""
+    """Wall time of an epoch and its throughput after warm-up.
+
+    The first `warmup_steps` steps of each epoch (loader start, cudnn autotuning,
+    torch.compile) are timed but left out of images/s. The clock is read at the
+    start, at the warm-up boundary and at the end, each time after one device sync,
+    never inside the other steps.
+    """
 
     def __init__(self, device, images_per_step: int, steps: int):
         self.device, self.images_per_step = device, images_per_step
