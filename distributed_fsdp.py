@@ -137,7 +137,7 @@ class EvenBatches:
 
 
 def shard(model, env, reshard_after_forward: bool, mp_policy: str):
-    """Shard the model in place over all ranks with fully_shard (scripts/benchmark.py --memory
+    """Shard the model in place over all ranks with fully_shard (scripts/memory_table.py
     measures what this leaves on each rank)."""
     # Every rank built the same weights from the same seed; fully_shard keeps its slice of each
     # (dim 0 split in N) as a DTensor. Each residual stage is a unit of its own: its

@@ -7,7 +7,8 @@ torch.compile), the figures are over epochs 2..E. The ceiling rows time the trai
 alone, in a process of their own, on random tensors already on the device. benchmark.md says
 what each column means; it, benchmark.json and benchmark.png (in --out) are rewritten after
 every row and each row's output is kept in --log-dir, so a run cut short (--time-budget, a row
-timeout, SIGTERM or Ctrl-C) still leaves every finished row behind. A row whose processes
+timeout, SIGTERM or Ctrl-C; a second one kills the running row at once) still leaves every
+finished row behind. One run at a time owns --out. A row whose processes
 outlive its work (EXIT_SECONDS after its end record, or its launcher) keeps its figures and
 makes the exit status 1: a job that would hold its nodes is a bug to see, not a slow row.
 
@@ -25,14 +26,13 @@ makes the exit status 1: a job that would hold its nodes is a bug to see, not a 
     # a quick check of the harness on the CPU (tiny model, 2 processes, a few minutes)
     python scripts/benchmark.py --quick --device cpu --out /tmp/bench
 
-    # instead of the rows: what each rank holds under DDP and FSDP2 at 1, 2, 4 processes
-    # (memory.md and memory.json; on GPUs with the peak allocated, see scripts/memory_table.py)
-    python scripts/benchmark.py --memory --device cpu
+What each rank holds under DDP and FSDP2 is scripts/memory_table.py's table.
 """
 import argparse
 import contextlib
 import ctypes
 import datetime
+import fcntl
 import glob
 import json
 import os
@@ -48,7 +48,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+
+STARTED = time.monotonic()  # --time-budget counts from here, before PyTorch's import
 
 # `python scripts/benchmark.py` puts scripts/ on sys.path, not the repository root.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,7 +64,6 @@ from utils import cli, data, device_data, lifecycle, metrics, precision  # noqa:
 from utils.data import NUM_CLASSES  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))  # also when this file is imported from elsewhere (tests)
-import memory_table  # noqa: E402
 from preflight import cpu_model  # noqa: E402
 from torchrun_bounded import live_children  # noqa: E402
 
@@ -93,7 +94,6 @@ DEFAULTS = {
     "quick": Defaults(model="resnet_tiny", per_device_batch=16, steps=4, epochs=3, row_timeout=180.0,
                       ceiling_warmup=2, ceiling_steps=4, ceiling_windows=3, min_row_seconds=10.0),
 }
-REPORT_SECONDS = 15.0  # kept back from --time-budget for ending a row and writing the report
 
 # Dense (no sparsity) bfloat16 tensor-core peak in TFLOP/s with float32 accumulation, from
 # the vendor datasheets; GPUs without bfloat16 get their float16 figure (also float32
@@ -194,23 +194,26 @@ class Ceiling:
     dtype: str               # autocast dtype name, "fp32" for none
     channels_last: bool
     compile_mode: str        # torch.compile's mode, "" for eager
-    about: str
     mirrors: str             # the script row that runs the same step with real data
     per_device_batch: int = 0
     gpu_only: str = ""       # why it is skipped on the CPU ("" = it runs there)
 
+    @property
+    def about(self) -> str:
+        """Its layout and how it runs: "NCHW, eager", "channels_last, torch.compile reduce-overhead (CUDA graphs)"."""
+        mode = f"torch.compile {self.compile_mode}" if self.compile_mode else "eager"
+        graphs = " (CUDA graphs)" if self.compile_mode == "reduce-overhead" else ""
+        return f"{'channels_last' if self.channels_last else 'NCHW'}, {mode}{graphs}"
+
 
 CEILINGS = [
-    Ceiling("ceiling-fp32", "fp32", True, "", "channels_last, eager", "fast-fp32"),
-    Ceiling("ceiling-bf16-nchw", "bf16", False, "", "NCHW, eager", "ddp-bf16-nchw"),
-    Ceiling("ceiling-bf16-channels-last", "bf16", True, "", "channels_last, eager", "fast-bf16"),
-    Ceiling("ceiling-bf16-compile", "bf16", True, "default", "channels_last, torch.compile (default mode)",
-            "fast-bf16-compile"),
-    Ceiling("ceiling-bf16-cudagraphs", "bf16", True, "reduce-overhead",
-            "channels_last, torch.compile mode reduce-overhead: the step captured in CUDA graphs and replayed",
-            "fast-bf16-cudagraphs", gpu_only="CUDA graphs need a GPU"),
-    Ceiling("ceiling-bf16-compile-1024", "bf16", True, "default", "ceiling-bf16-compile at 1024 images per device",
-            "fast-bf16-compile-1024", per_device_batch=1024),
+    Ceiling("ceiling-fp32", "fp32", True, "", "fast-fp32"),
+    Ceiling("ceiling-bf16-nchw", "bf16", False, "", "ddp-bf16-nchw"),
+    Ceiling("ceiling-bf16-channels-last", "bf16", True, "", "fast-bf16"),
+    Ceiling("ceiling-bf16-compile", "bf16", True, "default", "fast-bf16-compile"),
+    Ceiling("ceiling-bf16-cudagraphs", "bf16", True, "reduce-overhead", "fast-bf16-cudagraphs",
+            gpu_only="CUDA graphs need a GPU"),
+    Ceiling("ceiling-bf16-compile-1024", "bf16", True, "default", "fast-bf16-compile-1024", per_device_batch=1024),
 ]
 # Former names, still accepted by --rows: the same measurement under its present name.
 RENAMED = {"ceiling-bf16": "ceiling-bf16-channels-last"}
@@ -261,15 +264,19 @@ def tf32_convolutions(use_cuda: bool) -> bool:
             and torch.backends.cudnn.allow_tf32)
 
 
+def flag_value(row, flag: str, default=None):
+    """What a script row gives `flag` (the item after it in its flags), or `default`."""
+    return row.flags[row.flags.index(flag) + 1] if flag in row.flags else default
+
+
 def row_precision(row, plan) -> tuple:
     """(amp, label): the dtype the row computes in ("fp32", "bf16", "fp16"), and the label
     that the report prints, read from the row's own flags."""
     if isinstance(row, Ceiling):
         amp, matmul_tf32 = row.dtype, True
     else:
-        flags = list(row.flags)
-        amp = flags[flags.index("--amp") + 1] if "--amp" in flags else "fp32"
-        if "--mp-policy" in flags and flags[flags.index("--mp-policy") + 1] == "bf16":
+        amp = flag_value(row, "--amp", "fp32")
+        if flag_value(row, "--mp-policy") == "bf16":
             return "bf16", "bf16 (FSDP2 MixedPrecisionPolicy: bf16 compute, fp32 gradient reduction)"
         matmul_tf32 = row.script in MATMUL_TF32_SCRIPTS
     if amp == "bf16":
@@ -281,11 +288,11 @@ def row_precision(row, plan) -> tuple:
     return amp, "fp32"
 
 
-def row_wrapper(row) -> str:
+def row_wrapper(row, plan) -> str:
     """What wraps the model in a script row: the launcher decides (the scripts wrap in DDP
     under any launcher, a group of one included, and in nothing under plain python)."""
     if row.script == "dataparallel.py":
-        return "nn.DataParallel"
+        return "nn.DataParallel" if plan.use_cuda else "no wrapper (CPU: nn.DataParallel needs GPUs)"
     if row.launcher == "python":
         return "no wrapper, no process group (plain python)"
     return "FSDP2 fully_shard" if row.script == "distributed_fsdp.py" else "DDP"
@@ -293,20 +300,14 @@ def row_wrapper(row) -> str:
 
 # --- arithmetic -----------------------------------------------------------------------
 
-def spread(values: list) -> dict:
-    """Median, min and max of the timed figures; min and max only where there are two or
-    more of them (the min-max of one value is not a spread)."""
+def spread(values: list, what: str = "") -> dict:
+    """A row's median_WHATimages_per_second, min_... and max_... of the timed figures; min and max
+    only where there are two or more of them (the min-max of one value is not a spread)."""
     values = [v for v in values if v is not None]
-    if not values:
-        return {"median": None, "min": None, "max": None, "count": 0}
     several = len(values) > 1
-    return {"median": statistics.median(values), "min": min(values) if several else None,
-            "max": max(values) if several else None, "count": len(values)}
-
-
-def flat(prefix: str, s: dict, suffix: str) -> dict:
-    """spread() as a row's keys: median_<suffix>, min_<suffix>, max_<suffix>."""
-    return {f"{key}_{prefix}{suffix}": s[key] for key in ("median", "min", "max")}
+    return {f"median_{what}images_per_second": statistics.median(values) if values else None,
+            f"min_{what}images_per_second": min(values) if several else None,
+            f"max_{what}images_per_second": max(values) if several else None}
 
 
 def timed_steps(steps: int) -> int:
@@ -339,12 +340,10 @@ def summarize_epochs(records: list) -> dict:
     steady = [e for e in summary_epochs if e["epoch"] > WARMUP_EPOCHS]
     counted = steady or summary_epochs  # a one-epoch run has nothing but its warm-up epoch
     peaks = [e["peak_memory_mb"] for e in counted if e["peak_memory_mb"] is not None]
-    rate = spread([e["images_per_second"] for e in counted])
-    whole = spread([e["whole_epoch_images_per_second"] for e in counted])
     return {
-        **flat("", rate, "images_per_second"),
-        **flat("whole_epoch_", whole, "images_per_second"),
-        "timed_count": rate["count"], "timed_unit": "epochs",
+        **spread([e["images_per_second"] for e in counted]),
+        **spread([e["whole_epoch_images_per_second"] for e in counted], "whole_epoch_"),
+        "timed_count": len(counted), "timed_unit": "epochs",
         "timed_steps": counted[-1]["timed_steps"],  # per epoch; every epoch of a row has as many steps
         "median_epoch_seconds": statistics.median(e["epoch_seconds"] for e in counted),
         "counted_epochs": [e["epoch"] for e in counted],
@@ -352,12 +351,6 @@ def summarize_epochs(records: list) -> dict:
         "peak_memory_mb": max(peaks) if peaks else None,
         "epochs": summary_epochs,
     }
-
-
-def epoch_steps(global_batch: int, steps: int) -> int:
-    """Optimizer steps in one of a row's epochs: `steps`, or (0) as many whole global
-    batches as one CIFAR-100 epoch holds."""
-    return steps or max(1, EPOCH_IMAGES // global_batch)
 
 
 def share_of_peak(images_per_second: float, flops_per_image: float, peak_tflops):
@@ -423,13 +416,13 @@ class Plan:
     data_dir: str
     timeout: float              # --row-timeout
     bf16: bool
+    min_row_seconds: float      # under time_budget, a row is not started with less left
+    ceiling_warmup: int
+    ceiling_steps: int
+    ceiling_windows: int
     names: list = field(default_factory=list)  # in the order they run
     tf32: bool = False          # float32 convolutions run in TF32 (tf32_convolutions)
     time_budget: float = None   # seconds for the whole benchmark; None: no limit
-    min_row_seconds: float = 30.0  # under time_budget, a row is not started with less left
-    ceiling_warmup: int = 20
-    ceiling_steps: int = 50
-    ceiling_windows: int = 5
     compile_ceiling: bool = True
     log_dir: str = ""
     synthetic_files: str = ""   # --dataset synthetic: the folder the rows read it from (write_synthetic_files)
@@ -481,9 +474,11 @@ def resolve_plan(args) -> Plan:
         if row.name not in names:
             continue
         procs_, batch, _, steps_ = row_shape(row, plan)
-        if row.name == "ddp-accum2" and batch % (procs_ * 2):  # the same batch in 2 micro-batches
+        accum = int(flag_value(row, "--accum-steps", 1))
+        if batch % (procs_ * accum):  # the same global batch in `accum` micro-batches
             raise cli.UsageError(f"row {row.name}: global batch {batch} does not split into {procs_} processes x "
-                                 f"2 micro-batches: use a multiple of {procs_ * 2}, or leave the row out (--rows)")
+                                 f"{accum} micro-batches: use a multiple of {procs_ * accum}, or leave the row out "
+                                 "(--rows)")
         if args.dataset == "cifar100" and steps_ * batch > EPOCH_IMAGES:
             raise cli.UsageError(f"row {row.name}: --steps {steps_} x global batch {batch} = {steps_ * batch} "
                                  f"images per epoch, more than CIFAR-100's {EPOCH_IMAGES}: lower --steps")
@@ -544,15 +539,16 @@ def skip_reason(row, plan: Plan) -> str:
 
 def row_shape(row: Row, plan: Plan) -> tuple:
     """(processes, global batch, devices, steps per epoch): one-process rows take one
-    device's batch, so that they do the same work per device as the all-device rows."""
+    device's batch, so that they do the same work per device as the all-device rows (so do
+    the dp rows on the CPU, where dataparallel.py trains the plain module)."""
     per_device = row.per_device_batch or plan.per_device_batch
-    if row.launcher == "python" and row.all_devices:  # DataParallel: one process drives every GPU
-        procs, batch, devices = 1, per_device * plan.procs, plan.procs if plan.use_cuda else 1
-    elif row.all_devices:
+    if row.launcher == "python" and row.all_devices and plan.use_cuda:  # DataParallel: one process, every GPU
+        procs, batch, devices = 1, per_device * plan.procs, plan.procs
+    elif row.all_devices and row.launcher != "python":
         procs, batch, devices = plan.procs, per_device * plan.procs, plan.procs
     else:
         procs, batch, devices = 1, per_device, 1
-    return procs, batch, devices, epoch_steps(batch, plan.steps)
+    return procs, batch, devices, plan.steps or max(1, EPOCH_IMAGES // batch)  # steps 0: a CIFAR-100 epoch
 
 
 def row_command(row: Row, plan: Plan, metrics_path: str, as_typed: bool = False) -> list:
@@ -611,20 +607,11 @@ def write_synthetic_files(plan: Plan):
         pickle.dump({"fine_label_names": synthetic.classes}, f, protocol=2)
 
 
-def ceiling_setup(ceiling: Ceiling) -> str:
-    """Its layout and how it runs: "NCHW, eager", "channels_last, torch.compile reduce-overhead (CUDA graphs)"."""
-    mode = "eager"
-    if ceiling.compile_mode:
-        mode = f"torch.compile {ceiling.compile_mode}" + (" (CUDA graphs)" if ceiling.compile_mode == "reduce-overhead"
-                                                         else "")
-    return f"{'channels_last' if ceiling.channels_last else 'NCHW'}, {mode}"
-
-
 def short_command(row, plan: Plan) -> str:
     if isinstance(row, Ceiling):
         batch, multiplier = row.per_device_batch or plan.per_device_batch, plan.procs
         device = "cuda" if plan.use_cuda else "cpu"
-        return (f"the step alone: {ceiling_setup(row)}, {batch} random images on {device}"
+        return (f"the step alone: {row.about}, {batch} random images on {device}"
                 + (f", x {multiplier} {'GPUs' if plan.use_cuda else 'processes'} (no communication)"
                    if multiplier > 1 else ""))
     procs = row_shape(row, plan)[0]
@@ -667,11 +654,16 @@ class Interrupted(BaseException):
 
 
 _stopping = []  # the signal that is ending the benchmark, once one has arrived
+_running = {}   # tag -> launcher of the row running now (run_process): what a second signal kills
 
 
 def _on_stop_signal(signum, frame):
-    if _stopping:  # already on the way out: let the report be written
-        return
+    if _stopping:  # a second signal while the first ends the row: the user will not wait for it
+        for tag, proc in list(_running.items()):
+            signal_row(proc, tag, signal.SIGKILL)
+        print(f"\n{signal.Signals(signum).name} again: stopped at once, the running row's processes killed "
+              "(SIGKILL); the report holds the rows finished before", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum)
     _stopping.append(signum)
     raise Interrupted(signum)
 
@@ -699,18 +691,23 @@ def _die_with_parent():
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def end_group(proc, tag: str, grace: float = 15.0):
+def end_group(proc, tag: str):
     """SIGTERM to every process of the row, as a cluster signals a job step, then SIGKILL to
-    those still running `grace` s later: its process group, and the processes of the row
-    outside it (row_processes; torchrun starts its workers in sessions of their own)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, sig)
-        for pid in row_processes(tag):
-            _signal(pid, sig)
-        deadline = time.monotonic() + grace
+    those still running TERM_SECONDS later, and at most KILL_SECONDS for the kernel to take them."""
+    for sig, wait in ((signal.SIGTERM, TERM_SECONDS), (signal.SIGKILL, KILL_SECONDS)):
+        signal_row(proc, tag, sig)
+        deadline = time.monotonic() + wait
         while (proc.poll() is None or row_processes(tag)) and time.monotonic() < deadline:
             time.sleep(0.1)
+
+
+def signal_row(proc, tag: str, sig):
+    """`sig` to the row's process group and to the processes of the row outside it (row_processes;
+    torchrun starts its workers in sessions of their own)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+    for pid in row_processes(tag):
+        _signal(pid, sig)
 
 
 ROW_TAG = "BENCHMARK_ROW"  # in the environment of a row's launcher, and so of every process it starts
@@ -742,15 +739,15 @@ def dump_stacks(proc, log, why: str):
     # All stopped first (SIGSTOP), then each one asked and let go in turn: otherwise a launcher
     # that sees its worker die of the first SIGABRT moves on (torchrun to its shutdown) before
     # its own turn, and its stack no longer shows where the row hung. The launcher last (it may
-    # forward signals); each waited for until it is gone, at most 3 s.
+    # forward signals); each waited for until it is gone, all of them within STACK_SECONDS.
     pids = [*live_children(proc.pid), proc.pid]
     for pid in pids:
         _signal(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + STACK_SECONDS
     for pid in pids:
         if not _abort_main_thread(pid):
             continue
         _signal(pid, signal.SIGCONT)  # the main thread handles its pending SIGABRT before any other code
-        deadline = time.monotonic() + 3
         while time.monotonic() < deadline and (pid in live_children(proc.pid) if pid != proc.pid
                                                else proc.poll() is None):
             time.sleep(0.05)
@@ -785,60 +782,78 @@ def _signal(pid: int, sig) -> bool:
 # (a whole --quick row, its start and exit included, took 5 to 11 s on the 2-core build
 # machine under the test suite); far longer is a hang.
 EXIT_SECONDS = 30.0
+# Ending a row: its stacks first where it hung (dump_stacks), SIGTERM (torchrun passes it on, the
+# scripts stop at their next step), then SIGKILL and a second for the kernel to take them. Their
+# sum is the most that ending a row takes; REPORT_SECONDS keeps it back from --time-budget.
+STACK_SECONDS, TERM_SECONDS, KILL_SECONDS = 4.0, 5.0, 1.0
+ENDING_SECONDS = STACK_SECONDS + TERM_SECONDS + KILL_SECONDS
+REPORT_SECONDS = ENDING_SECONDS + 5.0  # and 5 s to write the report
+CUT_SHORT = "cut short"  # run_process's status for a row that --time-budget ended
 
 
-def run_process(cmd: list, env: dict, timeout: float, log_path: str, finished=None) -> tuple:
-    """(status, the output): the exit status, None after a timeout, or a str: why processes
-    of a row that did its work had to be ended. The row runs in a session of its own, its
-    processes tagged (row_processes), so that a timeout or a stop signal ends the launcher
-    and every process it started; stdout and stderr go to log_path, which is kept.
+def run_process(cmd: list, env: dict, timeout: float, log_path: str, finished=None, budget: float = None) -> tuple:
+    """(status, the output): the exit status; None after its `timeout` (its stacks go to the
+    log first, dump_stacks); CUT_SHORT when the `budget` (seconds, None: no limit) ran out
+    first; or a str: why processes of a row that did its work had to be ended. The row runs in
+    a session of its own, its processes tagged (row_processes), so that ending it ends the
+    launcher and every process it started, within ENDING_SECONDS; stdout and stderr go to
+    log_path, which is kept.
 
     finished(): whether the row's work is done (its end record written). From then on its
-    processes have EXIT_SECONDS to exit; if they have not, or if the timeout comes first,
-    their stacks go to the log (dump_stacks) and they are ended: a job that would have held
-    its nodes until the scheduler's time limit, whose figures are whole all the same. So is
-    a launcher that exits 0 with processes of the row still running EXIT_SECONDS later
+    processes have EXIT_SECONDS to exit, its timeout or not (only the budget cuts that short);
+    if they have not, their stacks go to the log and they are ended: a job that would have
+    held its nodes until the scheduler's time limit, whose figures are whole all the same. So
+    is a launcher that exits 0 with processes of the row still running EXIT_SECONDS later
     (ended, without their stacks)."""
     tag = f"{os.getpid()}:{log_path}"
+    started = time.monotonic()
+    deadline, cut, done_at = started + timeout, started + (budget if budget is not None else float("inf")), None
     with open(log_path, "w") as log:
         log.write(f"$ {shlex.join(cmd)}\n")
         log.flush()
         proc = subprocess.Popen(cmd, cwd=ROOT, env={**env, ROW_TAG: tag}, stdout=log, stderr=subprocess.STDOUT,
                                 preexec_fn=_die_with_parent)
-        deadline, done_at = time.monotonic() + timeout, None
+        _running[tag] = proc
         try:
             while True:
                 try:
-                    status = proc.wait(timeout=max(0.01, min(1.0, deadline - time.monotonic())))
+                    until = cut if done_at is not None else min(deadline, cut)  # the next thing to act on
+                    status = proc.wait(timeout=max(0.01, min(1.0, until - time.monotonic())))
                     # Its processes have EXIT_SECONDS to follow the launcher (an orphaned loader
                     # worker notices within 5 s); one still running then would outlive a job.
-                    waited = time.monotonic()
-                    while row_processes(tag) and time.monotonic() - waited < EXIT_SECONDS:
+                    until = time.monotonic() + EXIT_SECONDS
+                    while row_processes(tag) and time.monotonic() < min(until, cut):
                         time.sleep(0.1)
                     left = row_processes(tag)
                     if left:
-                        why = f"{len(left)} of its processes still ran {EXIT_SECONDS:.0f} s after its launcher exited"
+                        why = (f"{len(left)} of its processes still ran {EXIT_SECONDS:.0f} s after its launcher exited"
+                               if until <= cut else "--time-budget ran out while its processes exited")
                         log.write(f"\n--- benchmark: {why}; ended ---\n")
-                        end_group(proc, tag, grace=5)
-                        status = f"{why}: they were ended" if status == 0 else status
+                        end_group(proc, tag)
+                        if status == 0:
+                            status = f"{why}: they were ended" if until <= cut else CUT_SHORT
                     break
                 except subprocess.TimeoutExpired:
                     now = time.monotonic()
                     if done_at is None and finished is not None and finished():
                         done_at = now
-                    if done_at is not None and (now - done_at >= EXIT_SECONDS or now >= deadline):
+                    if done_at is not None and now - done_at >= EXIT_SECONDS:
                         why = f"its processes had not exited {now - done_at:.0f} s after its end record"
                         dump_stacks(proc, log, why)
                         end_group(proc, tag)
                         status = f"{why}: they were ended; their stacks are in its log"
                         break
-                    if now >= deadline:
-                        status = None
+                    if now >= cut or (now >= deadline and done_at is None):
+                        status = CUT_SHORT if now >= cut else None
+                        if status is None:  # a hang mid-run shows where it is stuck, as one at its end does
+                            dump_stacks(proc, log, f"it ran past its {timeout:.0f} s timeout")
                         end_group(proc, tag)
                         break
         except BaseException:  # Interrupted (a stop signal), or anything else: end the row first
             end_group(proc, tag)
             raise
+        finally:
+            _running.pop(tag, None)
     with open(log_path, errors="replace") as f:
         return status, f.read()
 
@@ -879,43 +894,49 @@ def base_result(row, plan: Plan) -> dict:
     workers, workers_note = row_workers(row, plan)
     result = {"name": row.name, "kind": "script", "about": row.about, "script": row.script,
               "launcher": row.launcher, "flags": list(row.flags), "amp": amp, "precision": precision_label,
-              "wrapper": row_wrapper(row), "processes": procs, "global_batch": batch,
+              "wrapper": row_wrapper(row, plan), "processes": procs, "global_batch": batch,
               "devices": devices, "steps_per_epoch": steps, "epoch_images": steps * batch,
               "workers": workers, "workers_note": workers_note,
               "short_command": short_command(row, plan), "status": "skipped", "reason": ""}
-    if row.name.startswith("dp") and not plan.use_cuda:
-        result["about"] += " (CPU: DataParallel needs GPUs, this trains the plain module)"
     return result
 
 
-def launch(row, plan: Plan, work_dir: str, timeout, suffix: str, command, finished, graphs: bool) -> tuple:
+def launch(row, plan: Plan, work_dir: str, budget, suffix: str, command, finished, graphs: bool) -> tuple:
     """What every row does first: its result, skipped with the reason where it cannot run here;
-    else its command, command(out), run (run_process) into work_dir/NAME.log, where `out`,
-    work_dir/NAME + suffix, takes its figures (a file an earlier run left there is removed: it
-    would be appended to, or read as this run's) and finished(out) says whether they are
-    written. The result is marked failed (status, reason, the output's tail) unless the
+    else its command, command(out), run (run_process: --row-timeout, and the `budget`'s seconds)
+    into work_dir/NAME.log, where `out`, work_dir/NAME + suffix, takes its figures (a file an
+    earlier run left there is removed: it would be appended to, or read as this run's) and
+    finished(out) says whether they are written. The result is marked failed (status, reason, the output's tail) unless the
     command exited 0 with its figures and, for `graphs` (reduce-overhead), ran every graph in
     CUDA graphs. Returns (result, out, whether it has figures to read)."""
     result = base_result(row, plan)
     result["reason"] = skip_reason(row, plan)
     if result["reason"]:
         return result, None, False
-    out, timeout = os.path.join(work_dir, f"{row.name}{suffix}"), timeout or plan.timeout
+    out = os.path.join(work_dir, f"{row.name}{suffix}")
     if os.path.exists(out):
         os.remove(out)
     cmd = command(out)
     result.update(command=shlex.join(cmd), log=os.path.join(work_dir, f"{row.name}.log"))
     started = time.perf_counter()
     try:
-        status, output = run_process(cmd, subprocess_env(plan, graphs), timeout, result["log"], lambda: finished(out))
+        status, output = run_process(cmd, subprocess_env(plan, graphs), plan.timeout, result["log"],
+                                     lambda: finished(out), budget)
     finally:
         result["wall_seconds"] = time.perf_counter() - started
+    if status == CUT_SHORT:
+        # Not a failure: nothing is known to be wrong with the row (a first torch.compile alone
+        # can take minutes).
+        done = "; its end record was written, but its processes had not exited" if finished(out) else ""
+        result.update(status="cut short", reason=f"--time-budget had {budget:.0f} s left for it, and it needed more"
+                                                 f"{done}; its processes were ended")
+        return result, out, False
     if isinstance(status, str):  # the figures are whole; the processes are the problem
         result["did_not_exit"], status = f"wrote its figures, but {status}", 0
     if status != 0 or not finished(out):
-        result.update(status="failed", timed_out=status is None, output_tail=output.splitlines()[-30:],
-                      reason=f"timed out after {timeout:.0f} s (row timeout)" if status is None
-                      else f"exit status {status}: {last_message(output)}")
+        result.update(status="failed", output_tail=output.splitlines()[-30:],
+                      reason=f"timed out after {plan.timeout:.0f} s (row timeout); the stacks of its processes are "
+                             "in its log" if status is None else f"exit status {status}: {last_message(output)}")
         return result, out, False
     result["status"] = "ok"
     skips = re.findall(r".*skipping cudagraphs? due to.*", output) if graphs else []
@@ -927,9 +948,9 @@ def launch(row, plan: Plan, work_dir: str, timeout, suffix: str, command, finish
     return result, out, True
 
 
-def run_row(row: Row, plan: Plan, work_dir: str, timeout: float = None) -> dict:
+def run_row(row: Row, plan: Plan, work_dir: str, budget: float = None) -> dict:
     result, metrics_path, measured = launch(
-        row, plan, work_dir, timeout, ".jsonl", lambda out: row_command(row, plan, out),
+        row, plan, work_dir, budget, ".jsonl", lambda out: row_command(row, plan, out),
         lambda out: any(r.get("event") == "end" for r in read_records(out)), graphs="reduce-overhead" in row.flags)
     if "command" in result:  # as a reader would type it: no interpreter path, no log directory
         result["display_command"] = shlex.join(["python", *row_command(row, plan, f"{row.name}.jsonl", True)[1:]])
@@ -940,11 +961,16 @@ def run_row(row: Row, plan: Plan, work_dir: str, timeout: float = None) -> dict:
     first = records[0]
     # Not the records' `strategy`: it names the script, not what this launch wrapped the model in
     # (distributed.py writes "ddp-torchrun" under plain python too); the row's `wrapper` says that.
-    # Their `amp`, where they write one, must agree with the row's.
+    # What they say they ran must be what the row asked for.
     result.update(device=first.get("device"), world_size=first.get("world_size"))
-    if result["status"] == "ok" and first.get("amp") not in (None, result["amp"]):
-        result.update(status="failed", reason=f"the row asks for {result['amp']} but its script recorded "
-                                              f"amp {first['amp']!r}")
+    claims = [("world_size", result["processes"], first.get("world_size")),
+              ("amp", result["amp"], first.get("amp", result["amp"]))]  # written by distributed_apex.py only
+    if flag_value(row, "--mp-policy"):  # distributed_fsdp.py records its policy as mp_policy
+        claims.append(("mp_policy", flag_value(row, "--mp-policy"), first.get("mp_policy")))
+    wrong = [(key, asked, got) for key, asked, got in claims if asked != got]
+    if result["status"] == "ok" and wrong:
+        key, asked, got = wrong[0]
+        result.update(status="failed", reason=f"the row asks for {key} {asked!r} but its script recorded {got!r}")
     return result
 
 
@@ -1014,7 +1040,7 @@ def measure_ceiling(spec: dict) -> dict:
             "peak_memory_mb": metrics.peak_memory_mb(device)["peak_memory_mb"]}
 
 
-def run_ceiling(ceiling: Ceiling, plan: Plan, work_dir: str, timeout: float = None) -> dict:
+def run_ceiling(ceiling: Ceiling, plan: Plan, work_dir: str, budget: float = None) -> dict:
     """One device's share of the batch, timed in a process of its own, times the number of
     devices (GPUs, or CPU processes with the rows' threads each): what the rows would
     reach with nothing but the step. Its spread is over the timed windows; it has no
@@ -1024,7 +1050,7 @@ def run_ceiling(ceiling: Ceiling, plan: Plan, work_dir: str, timeout: float = No
             "model": plan.model, "channels_last": ceiling.channels_last, "compile_mode": ceiling.compile_mode,
             "warmup": plan.ceiling_warmup, "steps": plan.ceiling_steps, "windows": plan.ceiling_windows}
     result, out_path, measured = launch(
-        ceiling, plan, work_dir, timeout, ".json",
+        ceiling, plan, work_dir, budget, ".json",
         lambda out: [sys.executable, os.path.abspath(__file__), "--measure-ceiling", json.dumps(spec), "--out", out],
         os.path.exists, graphs=ceiling.compile_mode == "reduce-overhead")
     if not measured:
@@ -1032,13 +1058,11 @@ def run_ceiling(ceiling: Ceiling, plan: Plan, work_dir: str, timeout: float = No
     with open(out_path) as f:
         measured = json.load(f)
     per_device = [plan.ceiling_steps * batch / s for s in measured["window_seconds"]]
-    rate = spread([x * plan.procs for x in per_device])
     result.update(window_seconds=measured["window_seconds"],
                   window_images_per_second_per_device=per_device, warmup_steps=measured["warmup_steps"],
-                  **flat("", rate, "images_per_second"), timed_count=rate["count"], timed_unit="windows",
-                  timed_steps=plan.ceiling_steps,
-                  median_whole_epoch_images_per_second=None, min_whole_epoch_images_per_second=None,
-                  max_whole_epoch_images_per_second=None, peak_memory_mb=measured["peak_memory_mb"])
+                  **spread([x * plan.procs for x in per_device]), **spread([], "whole_epoch_"),
+                  timed_count=len(per_device), timed_unit="windows", timed_steps=plan.ceiling_steps,
+                  peak_memory_mb=measured["peak_memory_mb"])
     return result
 
 
@@ -1087,6 +1111,12 @@ def spread_text(r, what: str = "") -> str:
     return f"{low:,.0f}-{high:,.0f}"
 
 
+def median_text(r, what: str = "") -> str:
+    """The median images/s, and "mean of 2" where two values were timed (their median is their mean)."""
+    median = r[f"median_{what}images_per_second"]
+    return fmt(median, ",.0f") + (" (mean of 2)" if median is not None and r["timed_count"] == 2 else "")
+
+
 def timed_text(r) -> str:
     """What the median images/s is a median of: timed epochs (ceilings: windows) x the steps timed in each."""
     return f"{r['timed_count']} x {r['timed_steps']}" if r.get("timed_steps") else "n/a"
@@ -1105,8 +1135,8 @@ def summary_lines(report: dict) -> list:
         if r["status"] == "ok":
             share = r["share_of_peak"]
             lines.append(
-                start + f"| {fmt(r['median_images_per_second'], ',.0f')} | {spread_text(r)} | {timed_text(r)} "
-                f"| {fmt(r['median_whole_epoch_images_per_second'], ',.0f')} | {spread_text(r, 'whole_epoch_')} "
+                start + f"| {median_text(r)} | {spread_text(r)} | {timed_text(r)} "
+                f"| {median_text(r, 'whole_epoch_')} | {spread_text(r, 'whole_epoch_')} "
                 f"| {epoch_text(r)} | {fmt(r.get('median_epoch_seconds'), '.2f')} "
                 f"| {fmt(r['peak_memory_mb'], ',.0f')} | {fmt(share * 100 if share is not None else None, '.1f', '%')} "
                 f"| {fmt(r['vs_baseline'], '.2f', 'x')} |")
@@ -1152,31 +1182,16 @@ def write_markdown(path: str, report: dict):
     notes += [f"- {r['name']}: {r['did_not_exit']}" for r in report["rows"] if r.get("did_not_exit")]
     notes += [f"- {r['name']}: loader workers {r['workers_note']}" for r in report["rows"] if r.get("workers_note")]
     lines += ["", "## Notes", ""] + notes + [
-        "- img/s after warm-up steps: the scripts' own figure (their --metrics records), which leaves out the "
-        "first min(10, steps // 4) steps of each epoch; median and min-max over the timed epochs (ceilings: "
-        "windows), of as many steps as the timed column says. With one timed epoch there is no spread to show.",
-        "- whole-epoch img/s: steps x global batch / the measured epoch, its first steps (loader start, cudnn "
-        "autotuning, torch.compile) included: what a training run gets per epoch. s per epoch is that "
-        "epoch's measured training time (evaluation runs after the clock stops).",
-        "- precision: fp32 rows " + (
-            "run their convolutions in TF32, cuDNN's default (torch.backends.cudnn.allow_tf32 is True) on this GPU; "
-            "distributed_apex.py and the ceilings also let float32 matmuls use TF32 "
-            "(torch.backends.cuda.matmul.allow_tf32, False by default)" if plan.get("tf32_convolutions")
-            else "compute in float32 (no TF32 on this device)") + ". bf16 and fp16 rows autocast; FSDP2's bf16 "
-        "row computes in bf16 by its MixedPrecisionPolicy and reduces gradients in fp32.",
-        "- peak MiB: the largest of the timed epochs' (ceilings: windows') peaks of memory allocated; epoch 1's, "
-        "cudnn's autotuning and torch.compile included, is in the per-epoch list below.",
-        "- one-process rows (ddp-1proc, ddp-1proc-noddp, fast-bf16-cudagraphs) run one device's batch, "
-        "the same work per device as the all-device rows. Under a launcher the scripts wrap the model in "
-        "DDP at any world size, one process included (ddp-1proc); under plain python in nothing "
-        "(ddp-1proc-noddp, fast-bf16-cudagraphs).",
-        "- ceiling rows time the training step alone in a process of their own on random tensors already "
-        "on the device (no loader, no DDP, no communication), timed windows after untimed warm-up steps; "
-        "with several devices, one device's figure times their number. They have no epochs: no whole-epoch "
-        "figure.",
-        "- % of peak: images/s per device x FLOPs per training step per image / the device's peak FLOP/s; "
-        f"fp32 rows are measured against the same (bf16 tensor-core) peak. vs {BASELINE}, the ratios and the "
-        "chart are per device too.",
+        "- img/s after warm-up steps: the scripts' own figure, without the first min(10, steps // 4) steps of "
+        "each epoch; whole-epoch img/s counts every step over the measured epoch (evaluation is off the clock).",
+        "- precision: fp32 rows " + ("run convolutions in TF32 on this GPU (cuDNN's default); distributed_apex.py "
+                                     "and the ceilings their matmuls too" if plan.get("tf32_convolutions")
+                                     else "compute in float32 (no TF32 on this device)") + ".",
+        "- peak MiB: the largest peak allocated of the timed epochs (windows); epoch 1's is in the list below.",
+        "- one-process rows train one device's batch; % of peak (fp32 against the same bf16 peak), vs "
+        f"{BASELINE}, the ratios and the chart are per device.",
+        "- ceiling rows: the step alone on random tensors already on the device (no loader, no DDP, no "
+        "communication), one device's figure times the devices.",
         f"- the benchmark took {report['header']['total_seconds']:.0f} s"
         + (f" of a {report['settings']['time_budget_s']:.0f} s budget" if report['settings']['time_budget_s']
            else "") + ".",
@@ -1273,17 +1288,6 @@ def build_parser():
                    help="cpu: CPU processes even where GPUs are visible (default auto: GPUs when there are any)")
     g.add_argument("--nproc", type=cli.positive_int, default=None,
                    help="processes of the multi-process rows (default: every visible GPU, or 2 on the CPU)")
-    g = parser.add_argument_group("memory per rank (instead of the rows)")
-    g.add_argument("--memory", action="store_true",
-                   help="measure what each rank holds under DDP and FSDP2 (parameters, gradients, optimizer "
-                        "state, whole parameters at once, GPU peak) beside the formula: memory.md and "
-                        "memory.json in --out (scripts/memory_table.py)")
-    g.add_argument("--world-sizes", default=None, metavar="N,N,...",
-                   help="processes to measure --memory at (default 1,2,4 on the CPU; on GPUs 1, 2, 4, ... "
-                        "up to the GPUs visible)")
-    g.add_argument("--memory-batch", type=cli.positive_int, default=None, metavar="N",
-                   help=f"images per process in --memory's steps (default 32 on the CPU, "
-                        f"{full.per_device_batch} on GPUs)")
     g = parser.add_argument_group("the training problem (the same in every row)")
     g.add_argument("--model", choices=MODEL_NAMES, default=None,
                    help=f"default {full.model} (--quick: {quick.model})")
@@ -1306,10 +1310,10 @@ def build_parser():
     g.add_argument("--row-timeout", type=cli.positive_float, default=None, metavar="SECONDS",
                    help=f"end a row that runs longer (default {full.row_timeout:.0f}; --quick: {quick.row_timeout:.0f})")
     g.add_argument("--time-budget", type=cli.positive_float, default=None, metavar="SECONDS",
-                   help="the whole benchmark ends within this many seconds: each row's timeout is cut to what "
-                        f"is left (less {REPORT_SECONDS:.0f} s for the report), and a row is not started with less "
-                        f"than {full.min_row_seconds:.0f} s left (--quick: {quick.min_row_seconds:.0f} s; "
-                        "default: no limit)")
+                   help="the whole benchmark ends within this many seconds of its start: a row still running "
+                        f"when {REPORT_SECONDS:.0f} s are left (kept for ending it and writing the report) is cut "
+                        f"short, and none is started with less than {full.min_row_seconds:.0f} s left (--quick: "
+                        f"{quick.min_row_seconds:.0f} s; default: no limit)")
     g = parser.add_argument_group("ceiling and peak")
     g.add_argument("--compile-ceiling", action=argparse.BooleanOptionalAction, default=None,
                    help="also time the compiled ceilings (torch.compile, CUDA graphs) (default: on with CUDA)")
@@ -1347,14 +1351,42 @@ def describe_run(use_cuda: bool, gpus_used: int, gpus: int, argv) -> dict:
 
 
 def output_folders(args) -> str:
-    """Make --out and the folder of the launches' logs (--log-dir, default OUT/logs); returns the latter."""
+    """Make --out and the folder of the launches' logs (--log-dir, default OUT/logs), this run's
+    alone while it lives (lock_folder); returns the latter."""
     log_dir = os.path.abspath(args.log_dir or os.path.join(args.out, "logs"))
     try:
         os.makedirs(args.out, exist_ok=True)
         os.makedirs(log_dir, exist_ok=True)
     except OSError as exc:
         raise cli.UsageError(f"--out/--log-dir: cannot create {exc.filename} ({exc.strerror})") from None
+    lock_folder(args.out, "--out")
+    if args.log_dir and os.path.realpath(log_dir) != os.path.realpath(args.out):  # flock: one lock per folder
+        lock_folder(log_dir, "--log-dir")
     return log_dir
+
+
+_locks = []  # the locked folders' descriptors: a lock lasts as long as its descriptor is open
+
+
+def lock_folder(folder: str, flag: str):
+    """Refuse a second run on a folder in use (UsageError): two runs would delete and append each
+    other's logs/ROW.jsonl and report each other's figures. flock() on the folder itself, which the
+    kernel releases however the process ends, and which adds no file to it (the GPU check brings
+    --out back, at most 8 files); close-on-exec, so the rows' processes do not hold it."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        st, holder = os.stat(folder), "pid unknown"
+        with contextlib.suppress(OSError), open("/proc/locks") as f:  # "1: FLOCK ADVISORY WRITE PID MA:MI:INODE ..."
+            key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+            holder = next((f"pid {line.split()[4]}" for line in f if line.split()[5:6] == [key]), holder)
+        raise cli.UsageError(f"{flag} {folder} is in use by another run ({holder}): wait until it ends, "
+                             f"or give another {flag}") from None
+    except OSError:
+        pass  # a file system without locks (NFS without its lock daemon): run unguarded
+    _locks.append(fd)
 
 
 def finish(cut_short: bool, stopped: str, whole: str, failure: str):
@@ -1413,77 +1445,6 @@ class Report:
         return report
 
 
-def memory_report(args, argv):
-    """--memory: DDP and FSDP2 per rank at each world size, into memory.md and memory.json."""
-    use_cuda, gpus = visible_gpus(args)
-    if args.world_sizes:
-        try:
-            sizes = [int(n) for n in args.world_sizes.split(",") if n.strip()]
-        except ValueError:
-            sizes = []
-        if not sizes or min(sizes) < 1:
-            raise cli.UsageError(f"--world-sizes {args.world_sizes!r}: give process counts such as 1,2,4")
-        if use_cuda and max(sizes) > gpus:
-            raise cli.UsageError(f"--world-sizes {args.world_sizes}: only {gpus} GPU{'s' if gpus != 1 else ''} "
-                                 "visible (one process per GPU); --device cpu measures CPU processes")
-    else:
-        sizes = [2 ** k for k in range(8) if 2 ** k <= gpus] if use_cuda else [1, 2, 4]
-    model = args.model or DEFAULTS["full"].model
-    batch = args.memory_batch or (DEFAULTS["full"].per_device_batch if use_cuda else 32)
-    log_dir = output_folders(args)
-    header = describe_run(use_cuda, max(sizes) if use_cuda else 0, gpus, argv)
-    print(f"{header['hardware']}; PyTorch {header['torch']}")
-    print(f"memory per rank, {model}, {batch} images per process, world sizes {sizes}", flush=True)
-    timeout = args.row_timeout or DEFAULTS["full"].row_timeout
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    results, cut_short = [], False
-    install_stop_handlers()  # a stop signal ends the running launch and its workers, as for a row
-    try:
-        for size in sizes:
-            out = os.path.join(log_dir, f"memory-w{size}.json")
-            if os.path.exists(out):
-                os.remove(out)
-            spec = {"model": model, "num_classes": NUM_CLASSES, "batch": batch,
-                    "device": "cuda" if use_cuda else "cpu", "seed": 0, "out": out}
-            print(f"  {size} process{'es' if size > 1 else ''} (log: {log_dir}/memory-w{size}.log)", flush=True)
-            status, text = run_process(memory_table.worker_command(size, spec), env, timeout,
-                                       os.path.join(log_dir, f"memory-w{size}.log"))
-            if status is None:
-                results.append({"world_size": size, "error": f"timed out after {timeout:.0f} s"})
-            elif status != 0 or not os.path.exists(out):  # a str: why its processes were ended
-                why = status if isinstance(status, str) else f"exit status {status}"
-                results.append({"world_size": size, "error": f"{why}: {last_message(text)}"})
-            else:
-                with open(out) as f:
-                    results.append(json.load(f))
-        install_stop_handlers(_record_stop_signal)
-    except Interrupted as stop:
-        name, cut_short = signal.Signals(stop.signum).name, True
-        done = {r["world_size"] for r in results}
-        results += [{"world_size": size, "error": f"not measured: {name} ended the benchmark"}
-                    for size in sizes if size not in done]
-    parameters = sum(p.numel() for p in build_model(model, NUM_CLASSES).parameters())
-    report = {"header": header,
-              "settings": {"model": model, "parameters": parameters, "batch": batch, "world_sizes": sizes,
-                           "device": "cuda" if use_cuda else "cpu", "gpus": gpus},
-              "rows": memory_table.table_rows(results), "measurements": results}
-    paths = {ext: os.path.join(args.out, f"memory.{ext}") for ext in ("md", "json")}
-    memory_table.write_markdown(paths["md"], report)
-    write_atomically(paths["json"], json.dumps(report, indent=1) + "\n")
-    with open(paths["md"]) as f:
-        print(f.read())
-    print(f"wrote {paths['md']}, {paths['json']}")
-    failed = [r for r in report["rows"] if "error" in r or not r["matches_formula"]]
-    finish(cut_short, f"the memory table stopped; what it measured is in {paths['md']}",
-           "came after the last launch; the memory table is whole",
-           f"{len(failed)} row(s) failed or differ from the formula" if failed else "")
-
-
-# What the rows alone read: the memory table would take them without a word.
-ROWS_ONLY = ("rows", "quick", "nproc", "dataset", "data_dir", "batch_size", "steps", "epochs", "workers",
-             "time_budget", "compile_ceiling", "ceiling_warmup", "ceiling_steps", "ceiling_windows", "peak_tflops")
-
-
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -1491,15 +1452,6 @@ def main(argv=None):
         result = measure_ceiling(json.loads(args.measure_ceiling))
         write_atomically(args.out, json.dumps(result))
         return
-    if args.memory:
-        given = [name for name in ROWS_ONLY if getattr(args, name) != parser.get_default(name)]
-        if given:
-            flag = "--" + given[0].replace("_", "-")
-            raise cli.UsageError(f"{flag} sets up the benchmark's rows, which --memory does not run: leave it out "
-                                 "(the memory table takes --device, --model, --world-sizes, --memory-batch)")
-        return memory_report(args, argv)
-    if args.world_sizes or args.memory_batch:
-        raise cli.UsageError("--world-sizes and --memory-batch size the memory table: add --memory")
     plan = resolve_plan(args)
     plan.log_dir = output_folders(args)
     header = describe_run(plan.use_cuda, plan.procs, plan.gpus, argv)
@@ -1509,7 +1461,7 @@ def main(argv=None):
         peak = default_peak(header["gpu_name"])
     else:
         peak = None, "CPU: no peak figure; --peak-tflops gives one"
-    deadline = time.monotonic() + plan.time_budget if plan.time_budget else None
+    deadline = STARTED + plan.time_budget if plan.time_budget else None
     report = Report(args.out, plan, header, count_flops(plan.model), peak)
     print(f"{header['hardware']}; PyTorch {header['torch']}")
     if not plan.use_cuda and not args.quick:
@@ -1528,28 +1480,20 @@ def main(argv=None):
                   f"{plan.synthetic_files}", flush=True)
         for i, name in enumerate(plan.names, 1):
             row, current = by_name[name], name
-            timeout = plan.timeout
-            if deadline is not None:
-                left = deadline - time.monotonic() - REPORT_SECONDS
-                if left < plan.min_row_seconds:
-                    report.results[name] = dict(base_result(row, plan), status="not run",
-                                                reason=f"--time-budget {plan.time_budget:.0f} s used up")
-                    continue
-                timeout = min(timeout, left)
+            budget = None if deadline is None else deadline - time.monotonic() - REPORT_SECONDS
+            if budget is not None and budget < plan.min_row_seconds:
+                report.results[name] = dict(base_result(row, plan), status="not run",
+                                            reason=f"--time-budget {plan.time_budget:.0f} s used up")
+                continue
             print(f"[{i}/{len(plan.names)}] {name}: {short_command(row, plan)}", flush=True)
             run = run_ceiling if isinstance(row, Ceiling) else run_row
-            r = report.results[name] = run(row, plan, plan.log_dir, timeout)
-            if r.get("timed_out") and timeout < plan.timeout:
-                # Ended by the budget, not by its own --row-timeout: nothing is known to be wrong
-                # with the row (a first torch.compile alone can take minutes), so not a failure.
-                r.update(status="cut short", reason=f"--time-budget had {timeout:.0f} s left for it, and it "
-                                                    f"needed more; its processes were ended")
+            r = report.results[name] = run(row, plan, plan.log_dir, budget)
             current = None
             detail = r["reason"]
             if r["status"] == "ok":
-                detail = f"{fmt(r['median_images_per_second'], ',.0f')} img/s ({spread_text(r)})"
+                detail = f"{median_text(r)} img/s ({spread_text(r)})"
                 if r["median_whole_epoch_images_per_second"] is not None:
-                    detail += f", whole epoch {fmt(r['median_whole_epoch_images_per_second'], ',.0f')}"
+                    detail += f", whole epoch {median_text(r, 'whole_epoch_')}"
             if r.get("did_not_exit"):
                 detail += f"; {r['did_not_exit']}"
             print(f"    {r['status']}: {detail}" + (f" ({r['wall_seconds']:.0f} s)" if "wall_seconds" in r else ""),

@@ -4,7 +4,7 @@
 #
 #   1. the environment: GPU, driver, torch/CUDA/cuDNN/NCCL versions, /dev/shm, CPU, memory
 #   2. the GPU-marked tests (pytest -m gpu), with a per-test timeout and a junit report
-#   3. memory per rank under DDP and FSDP2 (benchmark.py --memory) at 1 process and at every GPU,
+#   3. memory per rank under DDP and FSDP2 (scripts/memory_table.py) at 1 process and at every GPU,
 #      at most 90 s on one GPU, 155 s on several
 #   4. a benchmark sized to what time is left, rows in order of importance
 #
@@ -41,7 +41,7 @@ BENCH_ROWS="ddp,ddp-bf16,fast-bf16-cudagraphs,fast-bf16-cudagraphs-ddp,ddp-nchw,
 BENCH_ROWS="$BENCH_ROWS,fast-bf16,ceiling-bf16-nchw,ceiling-bf16-channels-last,ceiling-bf16-cudagraphs"
 BENCH_ROWS="$BENCH_ROWS,fast-bf16-compile,fsdp2,fsdp2-bf16,ddp-1proc"
 # One memory-table launch (torchrun, every strategy at one world size) took 20 s with one process
-# on an H200. Two launches, 1 and N processes, not benchmark.py's 1, 2, 4, ..., N: on 8 GPUs those
+# on an H200. Two launches, 1 and N processes, not memory_table.py's 1, 2, 4, ..., N: on 8 GPUs those
 # four would not fit, and 1 against N shows the whole of what sharding saves.
 MEMORY_LAUNCH_SECONDS=65
 SECONDS=0
@@ -210,7 +210,7 @@ if [ "$memory_seconds" -lt 45 ]; then
 else
     mkdir -p "$WORK/benchmark-logs"
     # memory.md beside the other reports; its json travels in the logs' archive (8 files at most).
-    run_stage memory "$memory_seconds" TERM "$PYTHON" scripts/benchmark.py --memory "${memory_args[@]}" \
+    run_stage memory "$memory_seconds" TERM "$PYTHON" scripts/memory_table.py "${memory_args[@]}" \
         --row-timeout "$MEMORY_LAUNCH_SECONDS" --out "$WORK/benchmark-logs" --log-dir "$WORK/benchmark-logs"
     [ -f "$WORK/benchmark-logs/memory.md" ] && cp "$WORK/benchmark-logs/memory.md" "$OUT/memory.md"
     sed -n '/^| strategy/,/^$/p' "$WORK/memory.out" 2>/dev/null

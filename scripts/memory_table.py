@@ -1,6 +1,6 @@
 """What each rank holds under DDP and under FSDP2, measured, beside the formula it should follow.
 
-`python scripts/benchmark.py --memory` runs this: one torchrun launch per world size
+`python scripts/memory_table.py [--device cpu]`: one torchrun launch per world size
 (1, 2 and 4 processes by default), each measuring four strategies in turn on a fresh
 model: DDP as distributed.py wraps it (under torchrun, one process too), and FSDP2 as
 distributed_fsdp.py shards it, with and without --reshard-after-forward, and with
@@ -24,12 +24,18 @@ parameters, their gradients and SGD's momentum:
            d0 rows holds ceil(d0 / W) rows per rank (FSDP2 pads dim 0 to a multiple of W;
            the parameters and gradients live in padded storage, the momentum buffers
            hold the rank's rows only), about 12P / W in all.
+
+    python scripts/memory_table.py --device cpu --out /tmp/mem   # 1, 2 and 4 CPU processes
+    python scripts/memory_table.py                               # on GPUs: 1, 2, 4, ... up to all of them
+
+memory.md and memory.json go to --out (default results/); each launch's log to --log-dir.
 """
 import argparse
 import gc
 import json
 import math
 import os
+import signal
 import sys
 import time
 
@@ -266,7 +272,7 @@ def worker(spec: dict):
 
 def worker_command(world_size: int, spec: dict) -> list:
     """The torchrun launch that measures every strategy at `world_size` processes; rank 0
-    writes the figures to spec["out"]. scripts/benchmark.py runs it like a row (run_process)."""
+    writes the figures to spec["out"]. main() runs it as the benchmark runs a row (run_process)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
             os.path.abspath(__file__), "--worker", json.dumps(spec)]
 
@@ -304,7 +310,7 @@ def table_rows(results: list) -> list:
 # Measured at one process only, there is no sharding to see.
 ONE_PROCESS_NOTE = (
     "One process only: each FSDP2 shard is the whole model, so these rows show what FSDP2 adds (its "
-    "gathered copies), not what it saves. `python scripts/benchmark.py --memory --device cpu` measures "
+    "gathered copies), not what it saves. `python scripts/memory_table.py --device cpu` measures "
     "1, 2 and 4 processes.")
 ONE_GPU_NOTE = "(One GPU allows no more: NCCL takes one process per GPU.)"
 
@@ -350,11 +356,108 @@ def write_markdown(path: str, report: dict):
     os.replace(path + ".tmp", path)
 
 
+# --- the run ---------------------------------------------------------------------------
+
+def build_parser():
+    from models import MODEL_NAMES
+    from utils import cli
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.error = lambda message: parser.exit(2, f"{parser.prog}: error: {message} (see --help)\n")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="cpu: CPU processes even where GPUs are visible (default auto: GPUs when there are any)")
+    parser.add_argument("--model", choices=MODEL_NAMES, default=None, help="default: the benchmark's, resnet18")
+    parser.add_argument("--world-sizes", default=None, metavar="N,N,...",
+                        help="processes to measure at (default 1,2,4 on the CPU; on GPUs 1, 2, 4, ... up to the "
+                             "GPUs visible)")
+    parser.add_argument("--memory-batch", type=cli.positive_int, default=None, metavar="N",
+                        help="images per process in the measured steps (default 32 on the CPU; on GPUs the "
+                             "benchmark's, 512)")
+    parser.add_argument("--row-timeout", type=cli.positive_float, default=None, metavar="SECONDS",
+                        help="end a launch that runs longer (default: the benchmark's row timeout, 300)")
+    parser.add_argument("--out", default=os.path.join(ROOT, "results"),
+                        help="where memory.md and memory.json go (default: results/ in the repository)")
+    parser.add_argument("--log-dir", default=None,
+                        help="where each launch's output (memory-wN.log) is kept (default: OUT/logs)")
+    # One rank's measurement, under torchrun (worker_command): --worker SPEC
+    parser.add_argument("--worker", default=None, metavar="JSON", help=argparse.SUPPRESS)
+    return parser
+
+
+def sizes_to_measure(args, use_cuda: bool, gpus: int) -> list:
+    from utils import cli
+    if not args.world_sizes:
+        return [2 ** k for k in range(8) if 2 ** k <= gpus] if use_cuda else [1, 2, 4]
+    try:
+        sizes = [int(n) for n in args.world_sizes.split(",") if n.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise cli.UsageError(f"--world-sizes {args.world_sizes!r}: give process counts such as 1,2,4")
+    if use_cuda and max(sizes) > gpus:
+        raise cli.UsageError(f"--world-sizes {args.world_sizes}: only {gpus} GPU{'s' if gpus != 1 else ''} "
+                             "visible (one process per GPU); --device cpu measures CPU processes")
+    return sizes
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--worker", required=True, help="a JSON spec: one rank's measurement, under torchrun")
-    args = parser.parse_args(argv)
-    worker(json.loads(args.worker))
+    args = build_parser().parse_args(argv)
+    if args.worker:
+        return worker(json.loads(args.worker))
+    # The benchmark's machinery: its launch of a row (run_process: a session of its own, a timeout,
+    # every process ended with it), its stop signals, its output folders and its report's header.
+    import benchmark
+    from models import build_model
+    use_cuda, gpus = benchmark.visible_gpus(args)
+    sizes = sizes_to_measure(args, use_cuda, gpus)
+    model = args.model or benchmark.DEFAULTS["full"].model
+    batch = args.memory_batch or (benchmark.DEFAULTS["full"].per_device_batch if use_cuda else 32)
+    timeout = args.row_timeout or benchmark.DEFAULTS["full"].row_timeout
+    log_dir = benchmark.output_folders(args)
+    header = benchmark.describe_run(use_cuda, max(sizes) if use_cuda else 0, gpus, argv)
+    print(f"{header['hardware']}; PyTorch {header['torch']}")
+    print(f"memory per rank, {model}, {batch} images per process, world sizes {sizes}", flush=True)
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    results, cut_short = [], False
+    benchmark.install_stop_handlers()  # a stop signal ends the running launch and its workers, as for a row
+    try:
+        for size in sizes:
+            out = os.path.join(log_dir, f"memory-w{size}.json")
+            if os.path.exists(out):
+                os.remove(out)
+            spec = {"model": model, "num_classes": benchmark.NUM_CLASSES, "batch": batch,
+                    "device": "cuda" if use_cuda else "cpu", "seed": 0, "out": out}
+            print(f"  {size} process{'es' if size > 1 else ''} (log: {log_dir}/memory-w{size}.log)", flush=True)
+            status, text = benchmark.run_process(worker_command(size, spec), env, timeout,
+                                                 os.path.join(log_dir, f"memory-w{size}.log"))
+            if status is None:
+                results.append({"world_size": size, "error": f"timed out after {timeout:.0f} s"})
+            elif status != 0 or not os.path.exists(out):  # a str: why its processes were ended
+                why = status if isinstance(status, str) else f"exit status {status}"
+                results.append({"world_size": size, "error": f"{why}: {benchmark.last_message(text)}"})
+            else:
+                with open(out) as f:
+                    results.append(json.load(f))
+        benchmark.install_stop_handlers(benchmark._record_stop_signal)
+    except benchmark.Interrupted as stop:
+        name, cut_short = signal.Signals(stop.signum).name, True
+        done = {r["world_size"] for r in results}
+        results += [{"world_size": size, "error": f"not measured: {name} ended the benchmark"}
+                    for size in sizes if size not in done]
+    parameters = sum(p.numel() for p in build_model(model, benchmark.NUM_CLASSES).parameters())
+    report = {"header": header,
+              "settings": {"model": model, "parameters": parameters, "batch": batch, "world_sizes": sizes,
+                           "device": "cuda" if use_cuda else "cpu", "gpus": gpus},
+              "rows": table_rows(results), "measurements": results}
+    paths = {ext: os.path.join(args.out, f"memory.{ext}") for ext in ("md", "json")}
+    write_markdown(paths["md"], report)
+    benchmark.write_atomically(paths["json"], json.dumps(report, indent=1) + "\n")
+    with open(paths["md"]) as f:
+        print(f.read())
+    print(f"wrote {paths['md']}, {paths['json']}")
+    failed = [r for r in report["rows"] if "error" in r or not r["matches_formula"]]
+    benchmark.finish(cut_short, f"the memory table stopped; what it measured is in {paths['md']}",
+                     "came after the last launch; the memory table is whole",
+                     f"{len(failed)} row(s) failed or differ from the formula" if failed else "")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """scripts/benchmark.py: the quick mode end to end on the CPU (the real scripts through
 their real launchers), and the arithmetic behind every figure it writes."""
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import math
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from conftest import ROOT, gpu_subprocess_env, run_script, subprocess_env
 
 TOOL = ROOT / "scripts" / "benchmark.py"
+MEMORY_TOOL = ROOT / "scripts" / "memory_table.py"
 QUICK_SCRIPT_ROWS = ["ddp-1proc-noddp", "ddp-1proc", "ddp", "ddp-bf16", "fast-fp32"]
 QUICK_CEILINGS = ["ceiling-bf16-nchw", "ceiling-bf16-channels-last"]
 QUICK_GPU_ONLY = ["ceiling-bf16-cudagraphs"]  # in --quick's rows, skipped on the CPU
@@ -207,11 +209,13 @@ def test_markdown_table_has_every_row(quick_run):
         assert line is not None, f"no table line for {name}"
         row = rows[name]
         spread = f"{row['min_images_per_second']:,.0f}-{row['max_images_per_second']:,.0f}"
-        assert f"| {row['median_images_per_second']:,.0f} | {spread} |" in line, line
+        two = " (mean of 2)" if name in QUICK_SCRIPT_ROWS else ""  # 2 timed epochs; the ceilings time 3 windows
+        assert f"| {row['median_images_per_second']:,.0f}{two} | {spread} |" in line, line
     ddp = rows["ddp"]
-    whole = (f"| {ddp['median_whole_epoch_images_per_second']:,.0f} | {ddp['min_whole_epoch_images_per_second']:,.0f}"
-             f"-{ddp['max_whole_epoch_images_per_second']:,.0f} |")
-    assert f"| ddp | torchrun x2 distributed.py | fp32 | 2 | 32 | {ddp['median_images_per_second']:,.0f} |" in text
+    whole = (f"| {ddp['median_whole_epoch_images_per_second']:,.0f} (mean of 2) "
+             f"| {ddp['min_whole_epoch_images_per_second']:,.0f}-{ddp['max_whole_epoch_images_per_second']:,.0f} |")
+    assert (f"| ddp | torchrun x2 distributed.py | fp32 | 2 | 32 | {ddp['median_images_per_second']:,.0f} (mean of 2) |"
+            in text)
     assert f"{whole} 4 x 32 = 128 | {ddp['median_epoch_seconds']:.2f} |" in text
     assert f"| {ddp['min_images_per_second']:,.0f}-{ddp['max_images_per_second']:,.0f} | 2 x 3 | " in text
     assert "| ceiling-bf16-nchw |" in text and "| 3 x 4 |" in text  # 3 windows of 4 steps
@@ -360,11 +364,11 @@ def test_every_row_says_what_wraps_its_model(tool):
     under plain python in nothing. No `about` claims otherwise."""
     rows = {r.name: r for r in tool.ROWS}
     plan = gpu_plan(tool, procs=1)
-    assert tool.row_wrapper(rows["ddp-1proc-noddp"]) == "no wrapper, no process group (plain python)"
-    assert tool.row_wrapper(rows["fast-bf16-cudagraphs"]) == "no wrapper, no process group (plain python)"
-    assert tool.row_wrapper(rows["ddp-1proc"]) == tool.row_wrapper(rows["ddp-spawn"]) == "DDP"
-    assert tool.row_wrapper(rows["fsdp2-bf16"]) == "FSDP2 fully_shard"
-    assert tool.row_wrapper(rows["dp"]) == "nn.DataParallel"
+    assert tool.row_wrapper(rows["ddp-1proc-noddp"], plan) == "no wrapper, no process group (plain python)"
+    assert tool.row_wrapper(rows["fast-bf16-cudagraphs"], plan) == "no wrapper, no process group (plain python)"
+    assert tool.row_wrapper(rows["ddp-1proc"], plan) == tool.row_wrapper(rows["ddp-spawn"], plan) == "DDP"
+    assert tool.row_wrapper(rows["fsdp2-bf16"], plan) == "FSDP2 fully_shard"
+    assert tool.row_wrapper(rows["dp"], plan) == "nn.DataParallel"
     assert tool.base_result(rows["ddp-1proc"], plan)["wrapper"] == "DDP"
     assert "DDP's own cost" in rows["ddp-1proc"].about and "no DDP" in rows["ddp-1proc-noddp"].about
     plan.tf32 = True
@@ -382,10 +386,9 @@ def test_the_ceiling_rows_and_their_skips(tool):
     assert (channels_last.channels_last, channels_last.compile_mode) == (True, "")
     assert (graphs.channels_last, graphs.compile_mode) == (True, "reduce-overhead")
     assert {nchw.dtype, channels_last.dtype, graphs.dtype} == {"bf16"}
-    assert tool.ceiling_setup(graphs) == "channels_last, torch.compile reduce-overhead (CUDA graphs)"
+    assert graphs.about == "channels_last, torch.compile reduce-overhead (CUDA graphs)"
     gpu = gpu_plan(tool, procs=2)
-    cpu = tool.Plan(use_cuda=False, gpus=0, procs=2, global_batch=32, per_device_batch=16, steps=4, epochs=3,
-                    workers=0, model="resnet_tiny", dataset="synthetic", data_dir="./data", timeout=60, bf16=True)
+    cpu = cpu_plan(tool, epochs=3)
     assert [tool.skip_reason(c, gpu) for c in (nchw, channels_last, graphs)] == ["", "", ""]
     assert [tool.skip_reason(c, cpu) for c in (nchw, channels_last)] == ["", ""]
     assert tool.skip_reason(graphs, cpu) == "CUDA graphs need a GPU"
@@ -413,7 +416,7 @@ def test_a_cuda_graphed_row_that_ran_without_graphs_fails(tool, tmp_path, monkey
     monkeypatch.setenv("TORCH_LOGS", "-inductor")
     skipped = True
 
-    def measured(cmd, env, timeout, log_path, finished=None):
+    def measured(cmd, env, timeout, log_path, finished=None, budget=None):
         assert env["TORCH_LOGS"] == "-inductor,cudagraphs"
         out = cmd[cmd.index("--out" if "--measure-ceiling" in cmd else "--metrics") + 1]
         with open(out, "w") as f:
@@ -422,7 +425,8 @@ def test_a_cuda_graphed_row_that_ran_without_graphs_fails(tool, tmp_path, monkey
             else:
                 for epoch in (1, 2, 3):
                     f.write(json.dumps({"event": "epoch", "epoch": epoch, "step": 12 * epoch, "global_batch": 1024,
-                                        "images_per_second": 9e4, "epoch_seconds": 0.2}) + "\n")
+                                        "world_size": tool.row_shape(row, plan)[0], "images_per_second": 9e4,
+                                        "epoch_seconds": 0.2}) + "\n")
                 f.write(json.dumps({"event": "end", "epoch": 3}) + "\n")
         assert finished()
         return 0, "compiling\n" + (f"{SKIP_LINE}\n" if skipped else "") + "epoch 3/3\n"
@@ -465,9 +469,7 @@ def test_the_rows_read_the_synthetic_set_from_cifar_files(tool, monkeypatch, tmp
     from utils import data
     from utils.distributed import DistEnv
     monkeypatch.setattr(tool.tempfile, "tempdir", str(tmp_path))
-    plan = tool.Plan(use_cuda=False, gpus=0, procs=2, global_batch=32, per_device_batch=16, steps=2, epochs=2,
-                     workers=0, model="resnet_tiny", dataset="synthetic", data_dir="./data", timeout=60, bf16=True,
-                     names=["ceiling-bf16-nchw"])
+    plan = cpu_plan(tool, steps=2, names=["ceiling-bf16-nchw"])
     tool.write_synthetic_files(plan)
     assert plan.synthetic_files == "" and os.listdir(tmp_path) == []  # the step alone reads no data
     # A folder left by a run that was killed goes; one of a run still alive (this process) stays.
@@ -524,13 +526,12 @@ def test_a_process_that_outlives_its_launcher_is_reported(tool, tmp_path, monkey
         "with open(metrics, 'w') as f:\n"
         "    for epoch in (1, 2):\n"
         "        f.write(json.dumps({'event': 'epoch', 'epoch': epoch, 'step': 4 * epoch, 'global_batch': 16,\n"
-        "                            'images_per_second': 100.0, 'epoch_seconds': 0.64}) + '\\n')\n"
+        "                            'world_size': 1, 'images_per_second': 100.0, 'epoch_seconds': 0.64}) + '\\n')\n"
         "    f.write(json.dumps({'event': 'end', 'epoch': 2}) + '\\n')\n"
         f"child = subprocess.Popen([sys.executable, '-c', 'import sys, time; time.sleep(float(sys.argv[1]))', "
         f"sys.argv[sys.argv.index('--child-seconds') + 1]], start_new_session={new_session})\n"
         f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n")
-    plan = tool.Plan(use_cuda=False, gpus=0, procs=2, global_batch=32, per_device_batch=16, steps=4, epochs=2,
-                     workers=0, model="resnet_tiny", dataset="synthetic", data_dir="./data", timeout=60, bf16=True)
+    plan = cpu_plan(tool)
     result = tool.run_row(tool.Row("leaves-a-child", str(script), "python", False, ("--child-seconds", "120")),
                           plan, str(tmp_path))
     assert result["status"] == "ok" and result["median_images_per_second"] == 100.0, result
@@ -554,17 +555,76 @@ def test_a_group_of_zombies_is_ended_at_once(tool):
         os.killpg(pid, 0)  # the group is still there
         launcher = types.SimpleNamespace(pid=pid, poll=lambda: 0)  # the launcher, reaped
         started = time.monotonic()
-        tool.end_group(launcher, "no-such-row", grace=10)
-        assert time.monotonic() - started < 5
+        tool.end_group(launcher, "no-such-row")
+        assert time.monotonic() - started < tool.TERM_SECONDS / 2
     finally:
         os.waitpid(pid, 0)
 
 
+def test_the_dp_rows_on_the_cpu_say_what_they_train(tool):
+    """Without GPUs dataparallel.py trains the plain module on one device: the row says so and
+    trains one device's batch, as the other one-device rows do."""
+    plan = cpu_plan(tool)
+    for name in ("dp", "dp-bf16"):
+        result = tool.base_result(rows_by_name_of(tool)[name], plan)
+        assert result["wrapper"] == "no wrapper (CPU: nn.DataParallel needs GPUs)"
+        assert (result["processes"], result["global_batch"], result["devices"]) == (1, 16, 1)
+        assert result["about"] == rows_by_name_of(tool)[name].about  # the wrapper column says it, once
+    assert tool.base_result(rows_by_name_of(tool)["dp"], gpu_plan(tool, 2))["wrapper"] == "nn.DataParallel"
+
+
+@pytest.mark.parametrize("name, record, reason", [
+    ("ddp", {"world_size": 1}, "the row asks for world_size 2 but its script recorded 1"),
+    ("ddp-bf16", {"world_size": 2, "amp": "fp16"}, "the row asks for amp 'bf16' but its script recorded 'fp16'"),
+    ("fsdp2-bf16", {"world_size": 2, "mp_policy": "none"}, "the row asks for mp_policy 'bf16' but its script "
+                                                           "recorded 'none'"),
+    ("fsdp2-bf16", {"world_size": 2}, "the row asks for mp_policy 'bf16' but its script recorded None"),
+])
+def test_a_record_that_contradicts_its_row_fails_it(tool, tmp_path, monkeypatch, name, record, reason):
+    """What the script recorded it ran (its world size; its amp; FSDP2's mixed-precision policy)
+    must be what the row asked for; the row fails otherwise, with the claim that differs."""
+    plan = gpu_plan(tool, procs=2)
+
+    def measured(cmd, env, timeout, log_path, finished=None, budget=None):
+        with open(cmd[cmd.index("--metrics") + 1], "w") as f:
+            for epoch in (1, 2):
+                f.write(json.dumps({"event": "epoch", "epoch": epoch, "step": 4 * epoch, "global_batch": 1024,
+                                    "images_per_second": 9e4, "epoch_seconds": 0.2, **record}) + "\n")
+            f.write(json.dumps({"event": "end", "epoch": 2}) + "\n")
+        return 0, "done\n"
+
+    monkeypatch.setattr(tool, "run_process", measured)
+    result = tool.run_row(rows_by_name_of(tool)[name], plan, str(tmp_path))
+    assert (result["status"], result["reason"]) == ("failed", reason)
+    good = {"world_size": 2, **({"amp": "bf16"} if name == "ddp-bf16" else {}),
+            **({"mp_policy": "bf16"} if name == "fsdp2-bf16" else {})}
+    record = good  # what measured() writes from here on
+    assert tool.run_row(rows_by_name_of(tool)[name], plan, str(tmp_path))["status"] == "ok"
+
+
+def test_a_median_of_two_epochs_is_called_their_mean(tool):
+    """With two timed epochs their median is their mean: the table and the console say so; with
+    three it is a median and says nothing more."""
+    def row(epochs):
+        records = [{"event": "epoch", "epoch": n, "step": 4 * n, "global_batch": 16, "images_per_second": 100.0 * n,
+                    "epoch_seconds": 1.0} for n in range(1, epochs + 1)]
+        return {"name": "ddp", "short_command": "torchrun x2 distributed.py", "precision": "fp32", "processes": 2,
+                "global_batch": 16, "status": "ok", "share_of_peak": None, "vs_baseline": 1.0,
+                "steps_per_epoch": 4, **tool.summarize_epochs(records)}
+
+    two, three = (tool.summary_lines({"rows": [row(n)], "comparisons": []})[2] for n in (3, 4))
+    assert two.startswith("| ddp | torchrun x2 distributed.py | fp32 | 2 | 16 | 250 (mean of 2) | 200-300 | 2 x 3 "
+                          "| 64 (mean of 2) | 64-64 |"), two
+    assert "| 300 | 200-400 |" in three and "mean" not in three, three
+
+
 def test_an_epoch_is_the_whole_batches_of_cifar(tool):
-    assert tool.epoch_steps(512, 0) == 97 and 97 * 512 == 49_664
-    assert tool.epoch_steps(1024, 0) == 48
-    assert tool.epoch_steps(4096, 0) == 12
-    assert tool.epoch_steps(512, 5) == 5  # --steps wins
+    ddp = rows_by_name_of(tool)["ddp"]
+    steps = {procs: tool.row_shape(ddp, gpu_plan(tool, procs))[3] for procs in (1, 2, 8)}
+    assert steps == {1: 97, 2: 48, 8: 12} and 97 * 512 == 49_664
+    plan = gpu_plan(tool, 1)
+    plan.steps = 5
+    assert tool.row_shape(ddp, plan)[3] == 5  # --steps wins
 
 
 def test_row_shapes_on_a_gpu(tool):
@@ -657,7 +717,16 @@ def rows_by_name_of(tool):
 def gpu_plan(tool, procs):
     return tool.Plan(use_cuda=True, gpus=procs, procs=procs, global_batch=512 * procs, per_device_batch=512,
                      steps=0, epochs=4, workers=8, model="resnet18", dataset="synthetic", data_dir="./data",
-                     timeout=300, bf16=True)
+                     timeout=300, bf16=True, min_row_seconds=30, ceiling_warmup=20, ceiling_steps=50,
+                     ceiling_windows=5)
+
+
+def cpu_plan(tool, **changes):
+    """--quick's plan on the CPU: 2 processes of 16 images, 2 epochs of 4 steps."""
+    plan = tool.Plan(use_cuda=False, gpus=0, procs=2, global_batch=32, per_device_batch=16, steps=4, epochs=2,
+                     workers=0, model="resnet_tiny", dataset="synthetic", data_dir="./data", timeout=60, bf16=True,
+                     min_row_seconds=10, ceiling_warmup=2, ceiling_steps=4, ceiling_windows=3)
+    return dataclasses.replace(plan, **changes)
 
 
 def test_ratios_against_the_baseline_on_hand_made_rows(tool):
@@ -726,8 +795,7 @@ def test_bad_flag_is_one_line_and_exit_2(tool, capsys):
 
 
 def test_failed_row_is_recorded_and_timeouts_end_every_process(tool, tmp_path):
-    plan = tool.Plan(use_cuda=False, gpus=0, procs=2, global_batch=32, per_device_batch=16, steps=4, epochs=3,
-                     workers=0, model="resnet_tiny", dataset="synthetic", data_dir="./data", timeout=60, bf16=True)
+    plan = cpu_plan(tool, epochs=3)
     broken = tool.Row("broken", str(tmp_path / "no_such_script.py"), "python", False)
     result = tool.run_row(broken, plan, str(tmp_path))
     assert result["status"] == "failed"
@@ -744,6 +812,9 @@ def test_failed_row_is_recorded_and_timeouts_end_every_process(tool, tmp_path):
     plan.timeout = 3
     result = tool.run_row(tool.Row("hangs", str(hang), "python", False), plan, str(tmp_path))
     assert result["status"] == "failed" and result["reason"].startswith("timed out after 3 s")
+    # Where it hung is in its log, as for a row that hangs after its work.
+    log = (tmp_path / "hangs.log").read_text()
+    assert re.search(r'File ".*hang\.py", line 4 in <module>', log.split("the Python stacks of its processes")[-1]), log
     child = int(pid_file.read_text())
     deadline = time.time() + 10
     while is_running(child) and time.time() < deadline:
@@ -751,27 +822,69 @@ def test_failed_row_is_recorded_and_timeouts_end_every_process(tool, tmp_path):
     assert not is_running(child), "the hung row's child process outlived the timeout"
 
 
-@pytest.mark.parametrize("exit_seconds, timeout", [(5.0, 120), (600.0, 40)], ids=["exit-rule", "timeout-first"])
-def test_a_row_whose_processes_do_not_exit_keeps_its_figures_and_its_stacks(tool, tmp_path, monkeypatch,
-                                                                          exit_seconds, timeout):
+def end_record_then_sleep(tmp_path, seconds) -> str:
+    """A row's script that writes its figures and its end record at once, then takes `seconds` to exit."""
+    script = tmp_path / "slow_exit.py"
+    script.write_text(
+        "import json, sys, time\n"
+        "with open(sys.argv[sys.argv.index('--metrics') + 1], 'w') as f:\n"
+        "    for epoch in (1, 2):\n"
+        "        f.write(json.dumps({'event': 'epoch', 'epoch': epoch, 'step': 4 * epoch, 'global_batch': 16,\n"
+        "                            'world_size': 1, 'images_per_second': 100.0, 'epoch_seconds': 0.64}) + '\\n')\n"
+        "    f.write(json.dumps({'event': 'end', 'epoch': 2}) + '\\n')\n"
+        f"time.sleep({seconds})\n")
+    return str(script)
+
+
+def test_an_end_record_near_the_timeout_leaves_the_processes_their_exit_seconds(tool, tmp_path):
+    """The end record lands before the row's timeout and the processes exit 7 s later, after
+    it but well within EXIT_SECONDS: they had their time to exit, so no hang. With --time-budget
+    running out first, the row is cut short by the budget, not reported as hung."""
+    plan = cpu_plan(tool, timeout=5)
+    row = tool.Row("slow-exit", end_record_then_sleep(tmp_path, 7), "python", False)
+    result = tool.run_row(row, plan, str(tmp_path))
+    assert result["status"] == "ok" and "did_not_exit" not in result, result
+    assert result["median_images_per_second"] == 100.0 and result["wall_seconds"] > 6
+    plan.timeout = 60
+    result = tool.run_row(row, plan, str(tmp_path), budget=3)
+    assert result["status"] == "cut short" and "did_not_exit" not in result, result
+    assert result["reason"] == ("--time-budget had 3 s left for it, and it needed more; its end record was written, "
+                                "but its processes had not exited; its processes were ended")
+    assert "Python stacks" not in (tmp_path / "slow-exit.log").read_text()  # not a hang
+
+
+def test_ending_a_row_is_bounded(tool, tmp_path):
+    """A row that ignores SIGTERM (and SIGABRT, so that the stack dump does not end it either)
+    past its timeout of 2 s: its stacks, SIGTERM, then SIGKILL, all within ENDING_SECONDS, which
+    --time-budget keeps back (REPORT_SECONDS) with time to write the report."""
+    assert tool.ENDING_SECONDS + 5 <= tool.REPORT_SECONDS
+    stubborn = tmp_path / "stubborn.py"
+    stubborn.write_text("import signal, time\n"
+                        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                        "signal.signal(signal.SIGABRT, signal.SIG_IGN)\n"
+                        "time.sleep(600)\n")
+    started = time.monotonic()
+    status, _ = tool.run_process([sys.executable, str(stubborn)], subprocess_env(), 2, str(tmp_path / "s.log"))
+    took = time.monotonic() - started
+    assert status is None and took < 2 + 10 + 1.5, took  # 10: ENDING_SECONDS (the reviewer measured 17.1 s)
+    assert not row_commands(str(stubborn))
+
+
+def test_a_row_whose_processes_do_not_exit_keeps_its_figures_and_its_stacks(tool, tmp_path, monkeypatch):
     """torchrun, 2 processes; rank 1 never returns from the scripts' last call (cleanup(),
     where destroy_process_group runs), as a real job can hang after its work. The row is
-    measured all the same and ended EXIT_SECONDS after its end record, or at its timeout if
-    that comes first (a budget's cut): the stacks of the launcher and of the ranks still
-    running are in its log, one after the other, the hung rank's naming the call it is stuck
-    in; the result says so; nothing outlives the row."""
-    monkeypatch.setattr(tool, "EXIT_SECONDS", exit_seconds)  # 30 s by default: the same path, less waiting
+    measured all the same and ended EXIT_SECONDS after its end record: the stacks of the
+    launcher and of the ranks still running are in its log, one after the other, the hung
+    rank's naming the call it is stuck in; the result says so; nothing outlives the row."""
+    monkeypatch.setattr(tool, "EXIT_SECONDS", 5.0)  # 30 s by default: the same path, less waiting
     monkeypatch.setenv("FAULT_INJECTION", "--fault hang-at-exit --rank 1 -- distributed.py")
-    plan = tool.Plan(use_cuda=False, gpus=0, procs=2, global_batch=32, per_device_batch=16, steps=4, epochs=2,
-                     workers=1, model="resnet_tiny", dataset="synthetic", data_dir="./data", timeout=timeout,
-                     bf16=True)
+    plan = cpu_plan(tool, workers=1, timeout=120)
     row = tool.Row("ddp-hangs", "tests/fault_injection.py", "torchrun", True)
     result = tool.run_row(row, plan, str(tmp_path))
     log = (tmp_path / "ddp-hangs.log").read_text()
     assert result["status"] == "ok" and result["median_images_per_second"] > 0, (result, log)
     assert "hang-at-exit on rank 1" in log, log
-    if exit_seconds < timeout:
-        assert result["wall_seconds"] < 60, result  # ended by the exit rule, long before the timeout
+    assert result["wall_seconds"] < 60, result  # ended by the exit rule, long before the timeout
     assert re.fullmatch(r"wrote its figures, but its processes had not exited \d+ s after its end record: they were "
                         r"ended; their stacks are in its log", result["did_not_exit"]), result
     stacks = log.split("the Python stacks of its processes follow (SIGABRT) ---", 1)[1]
@@ -799,13 +912,13 @@ def is_running(pid) -> bool:
 
 # --- cut short: a time budget, a stop signal -------------------------------------------------
 
-# The benchmark with its `ddp-1proc` row run through tests/fault_injection.py (FAULT_INJECTION
-# names the fault and the script): the same command line, rows and budget as the user's.
+# The benchmark with one row's script replaced: by tests/fault_injection.py (FAULT_INJECTION names
+# the fault and the script), or by a test's own; the same command line, rows and budget as the user's.
 WITH_FAULTY_ROW = """
 import dataclasses, sys
 sys.path.insert(0, {scripts!r})
 import benchmark
-benchmark.ROWS = [dataclasses.replace(row, script="tests/fault_injection.py") if row.name == {row!r} else row
+benchmark.ROWS = [dataclasses.replace(row, script={script!r}) if row.name == {row!r} else row
                   for row in benchmark.ROWS]
 sys.argv[0] = benchmark.__file__
 benchmark.lifecycle.run_main(benchmark.main)
@@ -828,7 +941,7 @@ def test_the_time_budget_cuts_a_row_short_and_leaves_the_rest_not_run(tmp_path, 
     row_share = max(30, math.ceil(2 * rows_by_name(quick)["ddp-1proc"]["wall_seconds"]))
     budget = int(tool.REPORT_SECONDS) + row_share
     logs = tmp_path / "logs"
-    code = WITH_FAULTY_ROW.format(scripts=str(ROOT / "scripts"), row="ddp-1proc")
+    code = WITH_FAULTY_ROW.format(scripts=str(ROOT / "scripts"), row="ddp-1proc", script="tests/fault_injection.py")
     env = subprocess_env(FAULT_INJECTION=f"--fault pause --rank 0 --step 1 --pause-seconds 600 "
                                          f"--marker {tmp_path / 'paused'} -- distributed.py")
     proc = run_script(["-c", code, "--quick", "--device", "cpu", "--rows", "ddp-1proc,ceiling-fp32",
@@ -886,6 +999,83 @@ def test_sigterm_mid_row_keeps_finished_rows_and_ends_the_running_one(tmp_path):
     assert "| ddp | torchrun x2 distributed.py | fp32 | 2 | 32 | interrupted |" in md
     assert (logs / "ceiling-fp32.log").stat().st_size > 0
     assert_no_process_outlives(logs, "the interrupted row")
+
+
+PAUSED_ROW = "import time\nopen({marker!r}, 'w').close()\ntime.sleep(600)\n"
+STUBBORN_ROW = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nopen({marker!r}, 'w').close()\n" \
+               "time.sleep(600)\n"
+LEAVES_A_STUBBORN_CHILD = (
+    "import subprocess, sys\n"
+    "code = 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)'\n"
+    "subprocess.Popen([sys.executable, '-c', code, {marker!r}], start_new_session=True)\n"
+    "open({marker!r}, 'w').close()\n")
+
+
+def with_own_row(tmp_path, text: str) -> list:
+    """The benchmark's argv (before its flags) with ddp-1proc-noddp's script replaced by `text`, a
+    script that writes tmp_path/started when it runs."""
+    script = tmp_path / "own_row.py"
+    script.write_text(text.format(marker=str(tmp_path / "started")))
+    return ["-c", WITH_FAULTY_ROW.format(scripts=str(ROOT / "scripts"), row="ddp-1proc-noddp", script=str(script))]
+
+
+@pytest.mark.parametrize("text", [STUBBORN_ROW, LEAVES_A_STUBBORN_CHILD], ids=["hangs", "leaves-a-child"])
+def test_the_time_budget_bounds_the_benchmark(tmp_path, text):
+    """--time-budget 36 with a row that ignores SIGTERM and never ends, or whose launcher exits 0
+    leaving such a process: the benchmark ends within the 36 s, counted from its start (the
+    row is cut short, not a failure), and nothing outlives it."""
+    started = time.monotonic()
+    proc = run_script([*with_own_row(tmp_path, text), "--quick", "--device", "cpu", "--rows", "ddp-1proc-noddp",
+                       "--time-budget", "36", "--out", tmp_path / "out"], timeout=120, check=False)
+    took = time.monotonic() - started
+    report = json.loads((tmp_path / "out" / "benchmark.json").read_text())
+    assert took <= 36, (took, proc.stdout, proc.stderr)
+    assert proc.returncode == 0 and rows_by_name(report)["ddp-1proc-noddp"]["status"] == "cut short", report
+    assert_no_process_outlives(str(tmp_path), "the row cut short")
+
+
+def test_a_second_run_on_the_same_out_is_refused(tmp_path):
+    """Two runs on one --out would delete and append each other's logs: the second is refused in
+    one line, exit status 2, while the first runs; the first is not disturbed."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, *with_own_row(tmp_path, PAUSED_ROW), "--quick", "--device", "cpu", "--rows",
+           "ddp-1proc-noddp", "--out", str(out)]
+    with benchmark_process(cmd) as first:
+        deadline = time.time() + 120
+        while not (tmp_path / "started").exists():
+            assert first.poll() is None and time.time() < deadline, first.communicate()
+            time.sleep(0.2)
+        second = run_script([TOOL, "--quick", "--device", "cpu", "--rows", "ceiling-fp32", "--ceiling-steps", "1",
+                             "--ceiling-windows", "1", "--out", out], timeout=120, check=False)
+        assert second.returncode == 2, second.stdout + second.stderr
+        line = second.stderr.strip()
+        assert line == (f"benchmark.py: error: --out {out} is in use by another run (pid {first.pid}): wait until "
+                        "it ends, or give another --out"), line
+        assert first.poll() is None and not (out / "logs" / "ceiling-fp32.log").exists()
+        assert sorted(os.listdir(out)) == ["logs"]  # the lock adds no file to --out
+
+
+def test_a_second_stop_signal_kills_the_row_at_once(tmp_path):
+    """Ctrl-C, then Ctrl-C again while the row (which ignores SIGTERM) is being ended: the second
+    kills its processes (SIGKILL) and the benchmark exits at once, 128 + SIGINT, in one line."""
+    cmd = [sys.executable, *with_own_row(tmp_path, STUBBORN_ROW), "--quick", "--device", "cpu", "--rows",
+           "ddp-1proc-noddp", "--out", str(tmp_path / "out")]
+    with benchmark_process(cmd) as proc:
+        deadline = time.time() + 120
+        while not (tmp_path / "started").exists():
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(1)  # the row is being ended: SIGTERM sent, which it ignores
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGINT)
+        started = time.monotonic()
+        stdout, stderr = proc.communicate(timeout=60)
+        took = time.monotonic() - started
+    assert took < 3 and proc.returncode == 128 + signal.SIGINT, (took, proc.returncode, stdout + stderr)
+    assert "SIGINT again: stopped at once, the running row's processes killed (SIGKILL)" in stderr, stderr
+    assert "Traceback" not in stderr, stderr
+    assert_no_process_outlives(str(tmp_path), "the killed row", within=2)
 
 
 @contextlib.contextmanager
@@ -965,10 +1155,10 @@ def test_a_stop_signal_after_the_last_row_leaves_the_report_whole(tmp_path, monk
 
 
 def test_sigterm_during_the_memory_table_ends_its_launch_and_writes_what_it_has(tmp_path):
-    """--memory launches torchrun like a row: SIGTERM to the benchmark ends the launch and its
-    workers (their command line holds the log directory) and leaves a report that says so."""
+    """memory_table.py launches torchrun as the benchmark launches a row: SIGTERM to it ends the launch
+    and its workers (their command line holds the log directory) and leaves a report that says so."""
     out, logs = tmp_path / "out", tmp_path / "logs"
-    cmd = [sys.executable, str(TOOL), "--memory", "--device", "cpu", "--model", "resnet_tiny",
+    cmd = [sys.executable, str(MEMORY_TOOL), "--device", "cpu", "--model", "resnet_tiny",
            "--world-sizes", "2", "--out", str(out), "--log-dir", str(logs)]
     with benchmark_process(cmd) as proc:
         deadline = time.time() + 120
@@ -989,17 +1179,20 @@ def test_a_stop_signal_after_the_last_memory_launch_leaves_the_table_whole(tmp_p
     """SIGTERM once every world size is measured (sent from inside the table's arithmetic, so
     that it lands there every time): the table is written whole, with its one line; exit
     status 128 + SIGTERM."""
-    tool = load_tool()
-    real_rows = tool.memory_table.table_rows
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import benchmark
+    import memory_table
+    monkeypatch.setattr(benchmark, "_stopping", [])  # the signal this run sees, not an earlier one's
+    real_rows = memory_table.table_rows
 
     def rows_under_a_signal(results):
         os.kill(os.getpid(), signal.SIGTERM)  # the handler runs at once, in this thread
         return real_rows(results)
 
-    monkeypatch.setattr(tool.memory_table, "table_rows", rows_under_a_signal)
+    monkeypatch.setattr(memory_table, "table_rows", rows_under_a_signal)
     out = tmp_path / "out"
-    status = exit_status_of_main(tool, ["--memory", "--device", "cpu", "--model", "resnet_tiny", "--world-sizes",
-                                        "1", "--out", str(out), "--log-dir", str(tmp_path / "logs")])
+    status = exit_status_of_main(memory_table, ["--device", "cpu", "--model", "resnet_tiny", "--world-sizes", "1",
+                                                "--out", str(out), "--log-dir", str(tmp_path / "logs")])
     stderr = capsys.readouterr().err
     assert status == 128 + signal.SIGTERM, stderr
     assert "SIGTERM came after the last launch; the memory table is whole" in stderr, stderr

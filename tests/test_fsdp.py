@@ -593,7 +593,7 @@ def test_evaluation_batches_let_their_loader_go_with_the_last_reference(monkeypa
         gc.enable()
 
 
-# --- memory per rank: scripts/benchmark.py --memory ---------------------------------------------
+# --- memory per rank: scripts/memory_table.py ---------------------------------------------------
 
 @pytest.mark.parametrize("rows", [1, 3, 7, 8, 9, 64, 100])
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -616,7 +616,7 @@ def test_memory_table_measures_what_each_rank_holds(tmp_path):
     import json
     import math
     from models import build_model
-    proc = run_script(["scripts/benchmark.py", "--memory", "--device", "cpu", "--model", "resnet_tiny",
+    proc = run_script(["scripts/memory_table.py", "--device", "cpu", "--model", "resnet_tiny",
                        "--world-sizes", "3", "--memory-batch", "4", "--out", tmp_path], timeout=240)
     assert "| fsdp2 | 3 |" in proc.stdout
     report = json.loads((tmp_path / "memory.json").read_text())
@@ -689,20 +689,13 @@ def test_memory_table_measures_what_each_rank_holds(tmp_path):
     (["--world-sizes", "0,2"], "give process counts"),
     (["--world-sizes", "two"], "give process counts"),
     (["--device", "cuda"], "no CUDA GPU is visible"),
-    (["--quick"], "--quick sets up the benchmark's rows, which --memory does not run"),  # it took them silently
-    (["--batch-size", "6"], "--batch-size sets up the benchmark's rows"),
+    (["--quick"], "unrecognized arguments: --quick"),  # the benchmark's rows, which the table does not run
+    (["--batch-size", "6"], "unrecognized arguments: --batch-size 6"),
 ])
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 def test_memory_table_bad_input_is_one_line(argv, fragment, tmp_path, run_in_process, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # run_in_process imports the script by name
-    assert_refused(run_in_process("benchmark.py", ["--memory", *argv, "--out", tmp_path]), fragment)
-
-
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
-def test_memory_table_flags_without_memory_are_one_line(tmp_path, run_in_process, monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    assert_refused(run_in_process("benchmark.py", ["--world-sizes", "1", "--device", "cpu", "--out", tmp_path]),
-                   "add --memory")
+    assert_refused(run_in_process("memory_table.py", [*argv, "--out", tmp_path]), fragment)
 
 
 @pytest.mark.gpu
@@ -711,7 +704,7 @@ def test_memory_table_on_a_gpu_reads_the_peak(tmp_path, record_property):
     rank holds between steps (parameters, gradients, momentum), plus the activations."""
     import json
     from conftest import gpu_subprocess_env
-    run_script(["scripts/benchmark.py", "--memory", "--world-sizes", "1", "--memory-batch", "64",
+    run_script(["scripts/memory_table.py", "--world-sizes", "1", "--memory-batch", "64",
                 "--out", tmp_path], timeout=240, env=gpu_subprocess_env())
     rows = json.loads((tmp_path / "memory.json").read_text())["rows"]
     assert {r["strategy"] for r in rows} == {"ddp", "fsdp2", "fsdp2-zero2", "fsdp2-bf16"}

@@ -137,7 +137,7 @@ exit 0
 
 @pytest.mark.parametrize("gpus, memory_args, seconds", [(8, "--world-sizes 1,8 ", 155), (1, "", 90)])
 def test_the_memory_stage_measures_1_and_every_gpu_within_its_time(tmp_path, gpus, memory_args, seconds):
-    """On N GPUs benchmark.py --memory alone would launch 1, 2, 4, ..., N processes (4 launches on
+    """On N GPUs memory_table.py alone would launch 1, 2, 4, ..., N processes (4 launches on
     8 GPUs, 20 s each for one process on an H200): the stage measures 1 and N, two launches of at
     most 65 s each, and the whole check still leaves the benchmark a minute when the tests take
     all of theirs. Every command is a recording stand-in for python here."""
@@ -150,9 +150,9 @@ def test_the_memory_stage_measures_1_and_every_gpu_within_its_time(tmp_path, gpu
                                              FAKE_CALLS=str(calls)))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     log = (out / "gpu_check.log").read_text()
-    assert (f"== memory: at most {seconds} s: {fake} scripts/benchmark.py --memory {memory_args}--row-timeout 65 "
+    assert (f"== memory: at most {seconds} s: {fake} scripts/memory_table.py {memory_args}--row-timeout 65 "
             in log), log
-    assert f"scripts/benchmark.py --memory {memory_args}--row-timeout 65 " in calls.read_text()
+    assert f"scripts/memory_table.py {memory_args}--row-timeout 65 " in calls.read_text()
     stages = dict(re.findall(r"== (\w+): at most (\d+) s", log))
     total, kept = 510, 25 + 20  # GPU_CHECK_SECONDS, and the end's and the last kill grace's
     assert total - kept - int(stages["pytest"]) - int(stages["memory"]) >= 60  # the benchmark's least
