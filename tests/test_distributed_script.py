@@ -193,12 +193,32 @@ def test_bad_input_under_torchrun_is_the_first_line_and_the_root_cause():
     assert proc.stdout == ""
 
 
-def test_a_checkpoint_dir_that_not_every_node_sees_is_refused_at_the_start(tmp_path):
+ELSEWHERE = """
+import time
+from utils import distributed, run
+sys.argv[sys.argv.index("--checkpoint-dir") + 1] += "-elsewhere"
+agreed = run.all_ranks_ok
+
+def slow(ok, call):  # a loaded node: its next call to the agreements' store comes 3 s after an agreement
+    answer = agreed(ok, call)
+    time.sleep(3)
+    distributed._store.add("late", 1)
+    return answer
+if {slow}:
+    run.all_ranks_ok = slow
+"""
+
+
+# Slow: rank 0 has its answer, and refuses, while rank 1 still uses the store that rank 0 serves under torchrun's
+# own (which would die with torchrun): it must answer until rank 0's process ends, not stop at its cleanup.
+@pytest.mark.parametrize("slow", [False, True], ids=["", "rank 1 slow after each agreement"])
+def test_a_checkpoint_dir_that_not_every_node_sees_is_refused_at_the_start(tmp_path, slow):
     # As on two nodes that each have a folder of that name on their own disk: the saves would succeed,
     # and the resume fail (rank 1 would not find the checkpoint). Rank 1 looks for half of --dist-timeout
     # (60 s at most), then refuses.
     ck = tmp_path / "ck"
-    runner = on_rank_1(tmp_path, "distributed.py", 'sys.argv[sys.argv.index("--checkpoint-dir") + 1] += "-elsewhere"')
+    (tmp_path / "elsewhere.py").write_text(ELSEWHERE.format(slow=slow))
+    runner = on_rank_1(tmp_path, "distributed.py", f"exec(open({str(tmp_path / 'elsewhere.py')!r}).read())")
     workers_on = with_flag(SMALL, "--workers", 1)  # as users run it: loader workers forked before the check
     proc = torchrun(2, runner, [*workers_on, "--checkpoint-dir", ck, "--dist-timeout", "40"], check=False, timeout=180)
     lines = [text for text in proc.stderr.splitlines() if text.strip()]

@@ -178,6 +178,7 @@ def pick_device(local_rank: int, local_world_size: int, choice: str = "auto",
 JOIN_GRACE_S = 10.0
 _store = None  # the job's store for the agreements (setup); its timeout is --dist-timeout
 _agreements = 0  # how many agreements this rank has made: the same count on every rank
+_served = None  # rank 0's store for them, where torchrun's would die with torchrun (_rank_0s_store)
 
 
 def setup(job: DistEnv, device: torch.device, timeout_s: float = 1800.0) -> DistEnv:
@@ -214,10 +215,11 @@ def _rank_0s_store(job: DistEnv, shared, key: str, timeout):
     torchrun's agent and dies with it, and the agreements, the stop's among them, must outlive a launcher that dies.
     (On several nodes no address of rank 0 is known to reach it from every other: there, set
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as the launchers do, and rank 0 serves the job's store.)"""
-    if job.rank == 0:  # a free port
-        own = dist.TCPStore("127.0.0.1", 0, None, True, timeout, wait_for_workers=False)
-        shared.set(key, str(own.port))
-        return own
+    global _served
+    if job.rank == 0:  # a free port; served until this process ends, not until cleanup: a slower rank may still ask
+        _served = dist.TCPStore("127.0.0.1", 0, None, True, timeout, wait_for_workers=False)
+        shared.set(key, str(_served.port))
+        return _served
     return dist.TCPStore("127.0.0.1", int(shared.get(key)), None, False, timeout)
 
 
