@@ -7,8 +7,9 @@ It is torchrun itself (torch.distributed.run, in this process), plus, with a c10
 (--rdzv-backend=c10d --rdzv-endpoint=HOST:PORT), what this node decides before it starts:
 
 - whether it hosts the rendezvous store, where torchrun's own guess is wrong: --rdzv-conf
-  is_host=1 on the node that HOST names (0 on another). torchrun recognises itself by its host
-  name: where that name resolves to 127.0.1.1 (the default of Debian's and Ubuntu's installers),
+  is_host=1 on the node that HOST names (0 on another). torchrun takes HOST for itself when it is
+  this host's name, or an address that this host's name resolves to: where HOST is the node's
+  address and its name resolves to 127.0.1.1 (the default of Debian's and Ubuntu's installers),
   no node would host the store, and every node would fail 1.5 to 3 minutes later. Where the
   guess is right it is left alone: it lets a second agent of the job on the same machine join as
   a client. An is_host given already is kept.
@@ -37,8 +38,10 @@ client, after a wait times out, asks the store to cancel the wait and then reads
 with no timeout (TCPStore::doWait, PyTorch 2.11 to 2.14), so the call returns only when the
 kernel gives up on the connection: about 15 minutes with Linux's default tcp_retries2. While
 it waits, it cannot restart its workers anyway. The grace covers a restart (torchrun
---max-restarts, or an elastic job's new rendezvous after a node left: torchrun's last call,
-30 s by default, and a lost node's heartbeats, 15 s).
+--max-restarts, or an elastic job's new rendezvous after a node left, while --nnodes MIN nodes
+remain: torchrun's last call, 30 s by default, and a lost node's heartbeats, 15 s). It does not
+cover an elastic job that waits below MIN nodes for a new one (torchrun's join timeout, 600 s by
+default): give such a job a TORCHRUN_GRACE as long as the wait it allows.
 
 With --check-args among the training script's arguments it starts no torchrun: it runs the
 script's check of its arguments once, as this node's first process would run it, in the
@@ -48,6 +51,7 @@ scripts/launch_multi_node.sh and scripts/slurm.sbatch start torchrun through thi
 """
 import errno
 import os
+import socket
 import sys
 import threading
 import time
@@ -57,7 +61,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from utils.cli import print_line  # noqa: E402  (one write per line: torchrun's own lines may come at once)
 
-GRACE_S = float(os.environ.get("TORCHRUN_GRACE", "90"))
 POLL_S = 1.0
 
 _last_state = None  # what torchrun's agent last found its workers doing
@@ -74,7 +77,6 @@ class Rendezvous(NamedTuple):
 def node_settings(argv: list) -> tuple:
     """(argv with is_host and --local_addr added, what was decided, the Rendezvous, or None where there is
     nothing to decide); GLOO_SOCKET_IFNAME, where decided, is set in os.environ."""
-    import socket
     from torch.distributed.run import get_args_parser
     args = get_args_parser().parse_args(argv)
     if args.rdzv_backend != "c10d" or not args.rdzv_endpoint or args.standalone:
@@ -144,7 +146,6 @@ def wait_for_the_store(rendezvous: Rendezvous):
     """On a node that does not host the store: wait until the endpoint takes a connection, twice --rdzv-conf
     read_timeout (torchrun's own client gave up after 121 s with its default, 60 s), then say so in one line
     (exit status 1) in place of torchrun's C++ stack traces: nothing listens there yet, or a firewall."""
-    import socket
     host, port, waited = rendezvous.host, rendezvous.port, 2 * rendezvous.read_timeout
     until = time.monotonic() + waited
     while True:
@@ -192,13 +193,8 @@ def _record_states():
     """Note the state of the workers each time the agent checks them (HEALTHY, FAILED,
     SUCCEEDED...): a node whose workers all succeeded is waiting for the others to finish,
     which is not for us to cut short."""
-    try:
-        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-    except ImportError:
-        return
-    monitor = getattr(LocalElasticAgent, "_monitor_workers", None)
-    if monitor is None:
-        return
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    monitor = LocalElasticAgent._monitor_workers
 
     def monitored(self, worker_group):
         global _last_state
@@ -235,7 +231,7 @@ def live_children(pid: int) -> list:
     return alive
 
 
-def _watch(pid: int):
+def _watch(pid: int, grace: float):
     had_workers, since = False, None
     while True:
         time.sleep(POLL_S)
@@ -245,8 +241,8 @@ def _watch(pid: int):
         if not had_workers or _last_state == "SUCCEEDED":
             continue
         since = since or time.monotonic()
-        if time.monotonic() - since >= GRACE_S:
-            print_line(f"torchrun_bounded.py: error: no training process has run on this node for {GRACE_S:g} s "
+        if time.monotonic() - since >= grace:
+            print_line(f"torchrun_bounded.py: error: no training process has run on this node for {grace:g} s "
                        "and torchrun is still waiting, most likely for a node it cannot reach (a network partition, "
                        "or a node lost): ending it. Check the links between the nodes, then start the job again "
                        "with --resume")
@@ -283,6 +279,14 @@ def check_args(args, rendezvous):
 
 def main():
     from torch.distributed.run import get_args_parser
+    try:
+        grace = float(os.environ.get("TORCHRUN_GRACE", "90"))
+    except ValueError:
+        grace = -1.0
+    if not 0 < grace < float("inf"):  # nan fails this too
+        print_line(f"torchrun_bounded.py: error: TORCHRUN_GRACE={os.environ['TORCHRUN_GRACE']}: give the seconds, "
+                   "a number above 0 (90 by default)")
+        sys.exit(2)
     argv, decided, rendezvous = node_settings(sys.argv[1:])
     args = get_args_parser().parse_args(argv)
     several_nodes = rendezvous is not None and str(args.nnodes).split(":")[-1] != "1"
@@ -294,7 +298,6 @@ def main():
     if checking:
         sys.exit(0)
     if decided:
-        import socket
         print_line(f"torchrun_bounded.py on {socket.gethostname()}: {decided}")
     if several_nodes and not rendezvous.hosts_store:
         wait_for_the_store(rendezvous)
@@ -302,7 +305,7 @@ def main():
     sys.argv = ["torchrun", *argv]
     if sys.platform.startswith("linux"):  # /proc: the watch is Linux's; elsewhere plain torchrun
         _record_states()
-        threading.Thread(target=_watch, args=(os.getpid(),), name="torchrun-bounded", daemon=True).start()
+        threading.Thread(target=_watch, args=(os.getpid(), grace), name="torchrun-bounded", daemon=True).start()
     torchrun()
 
 

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, assert_one_line_error, read_metrics, run_script, subprocess_env
+from conftest import ROOT, assert_one_line_error, free_port, read_metrics, run_script, subprocess_env
 from test_distributed_mp import two_nodes_here
 from test_fault_tolerance import Proc, expect
 
@@ -244,6 +244,33 @@ def test_a_check_of_the_arguments_refuses_a_checkpoint_folder_in_use(tmp_path):
         holder.kill()
         holder.wait()
     assert run_script(command, check=False, timeout=120).returncode == 0  # the lock died with its process
+
+
+@pytest.mark.parametrize("grace", ["90s", "0", "nan"])
+def test_torchrun_bounded_refuses_a_grace_that_is_not_seconds_in_one_line(grace):
+    proc = run_script(["scripts/torchrun_bounded.py", "--nnodes=1", "distributed.py", "--device", "cpu"],
+                      check=False, timeout=60, env=subprocess_env(TORCHRUN_GRACE=grace))
+    assert_one_line_error(proc, f"TORCHRUN_GRACE={grace}: give the seconds")
+
+
+def test_torchrun_bounded_does_not_end_a_node_whose_workers_succeeded(tmp_path):
+    """Two nodes on this host (a static rendezvous): node 0's worker runs 3 s (seen by the watch, which looks
+    every second), node 1's 10 s more. Node 0's torchrun waits for node 1 with no training process of its own,
+    5 times its grace: a finished node, which the watch leaves alone. Both end well, without the watch's line."""
+    worker = tmp_path / "worker.py"
+    worker.write_text("import os, time\ntime.sleep(3 + 10 * int(os.environ['GROUP_RANK']))\n")
+    port = free_port()
+    nodes = [subprocess.Popen([sys.executable, "scripts/torchrun_bounded.py", "--nnodes=2", f"--node-rank={rank}",
+                               "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}", str(worker)],
+                              cwd=ROOT, env=subprocess_env(TORCHRUN_GRACE="2"), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    try:
+        outputs = [node.communicate(timeout=120)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    assert not any("no training process has run" in output for output in outputs), outputs
 
 
 @pytest.mark.parametrize("nproc, processes", [("8", "16 processes"), ("cpu", "")])  # cpu: as torchrun counts
