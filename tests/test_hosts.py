@@ -81,7 +81,7 @@ class Job:
 
 
 def torchrun_across(hosts, nproc, *, endpoint=None, rdzv=(), launcher=("-m", "torch.distributed.run")):
-    """README's two-node command on each host, for `hosts.popen`: c10d at node 0's address."""
+    """Lesson 06's two-node torchrun command on each host, for `hosts.popen`: c10d at node 0's address."""
     endpoint = endpoint or f"{hosts.address(hosts.names[0])}:{PORT}"
     return [*launcher, f"--nnodes={len(hosts.names)}", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
             f"--rdzv-endpoint={endpoint}", "--rdzv-id=hosts-test", *rdzv]
@@ -436,7 +436,7 @@ def the_error_line(log: str) -> str:
 
 @pytest.mark.parametrize("form", LOOPBACK_FORMS)
 def test_a_host_name_on_a_loopback_line_is_refused_on_every_host_within_seconds(make_hosts, tmp_path, form):
-    """README's two-node command (bare torchrun, its shared store), CPU (gloo), --dist-timeout
+    """Lesson 06's two-node command (bare torchrun, its shared store), CPU (gloo), --dist-timeout
     300: every host refuses by itself within REFUSED_WITHIN seconds, node 0's too, in one line
     with the cause and the fix. (Node A is given --rdzv-conf is_host=1: past torchrun's own
     trap, which preflight names and scripts/torchrun_bounded.py avoids, below.)
