@@ -351,11 +351,6 @@ def ring_all_reduce(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
     return flat.view_as(tensor), bytes_sent
 
 
-def ring_theoretical_bytes(numel: int, element_size: int, world_size: int) -> float:
-    """Bytes each rank sends in a ring all-reduce: 2(N-1)/N x tensor bytes."""
-    return 2 * (world_size - 1) / world_size * numel * element_size
-
-
 def ring_input(rank: int, numel: int) -> torch.Tensor:
     """Rank r's input: random but reproducible, so any rank can rebuild any other's."""
     generator = torch.Generator().manual_seed(1000 + rank)
@@ -380,7 +375,7 @@ def demo_ring_all_reduce(rank: int, world_size: int) -> None:
     max_difference = (ring_result - library_result).abs().max().item()
 
     tensor_bytes = numel * my_input.element_size()
-    theory = ring_theoretical_bytes(numel, my_input.element_size(), world_size)
+    theory = 2 * (world_size - 1) / world_size * tensor_bytes  # what each rank sends in a ring all-reduce
     print0(f"\n--- ring all-reduce from isend/irecv: {numel} float32 ({tensor_bytes} bytes) over {world_size} ranks")
     print0(f"  {world_size - 1} scatter-reduce steps + {world_size - 1} all-gather steps "
            f"= {2 * (world_size - 1)} steps")
@@ -444,18 +439,8 @@ def train_hand_rolled(model: nn.Module, inputs, targets, steps: int, lr: float) 
         optimizer.step()
 
 
-def train_with_ddp(ddp_model: nn.parallel.DistributedDataParallel, inputs, targets, steps: int, lr: float) -> None:
-    rank = dist.get_rank()
-    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
-    for _ in range(steps):
-        optimizer.zero_grad()
-        loss = nn.functional.mse_loss(ddp_model(my_shard(inputs, rank)), my_shard(targets, rank))
-        loss.backward()  # DDP all-reduces (averages) the gradients during this call
-        optimizer.step()
-
-
-def train_single_process(model: nn.Module, inputs, targets, steps: int, lr: float) -> None:
-    """The whole batch in one process: what data parallelism must reproduce."""
+def train(model: nn.Module, inputs, targets, steps: int, lr: float) -> None:
+    """Plain SGD steps on `inputs`."""
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     for _ in range(steps):
         optimizer.zero_grad()
@@ -481,11 +466,12 @@ def compare_hand_rolled_with_ddp(steps: int = 3, lr: float = 0.1) -> dict[str, t
         make_model(seed=rank).to(device), device_ids=[device.index] if device.type == "cuda" else None
     )
     after_ddp_init = flat_parameters(ddp_model.module)  # the constructor broadcast rank 0's weights
-    train_with_ddp(ddp_model, inputs, targets, steps, lr)
+    # Each rank on its shard; every backward() all-reduces (averages) the gradients: all ranks must take part.
+    train(ddp_model, my_shard(inputs, rank), my_shard(targets, rank), steps, lr)
 
     reference = make_model(seed=0).to(device)  # rank 0's initial weights
     initial = flat_parameters(reference)
-    train_single_process(reference, inputs, targets, steps, lr)
+    train(reference, inputs, targets, steps, lr)  # the whole batch in one process: what DDP must reproduce
 
     return {
         "initial": initial,
@@ -528,8 +514,6 @@ def run_tour(rank: int, world_size: int) -> None:
 
     Raises CheckFailed (on every rank) if any value is wrong.
     """
-    if (rank, world_size) != (dist.get_rank(), dist.get_world_size()):
-        raise ValueError("run_tour: rank/world_size disagree with the process group")
     print0(f"Collective communication tour: {world_size} ranks, backend {dist.get_backend()}, "
            f"device {current_device().type}, torch {torch.__version__}")
     print0("Rank r starts from [r+1, 10(r+1)] unless said otherwise; every result below is checked.")

@@ -13,10 +13,12 @@ NCCL would take, and does the endpoint answer:
 
     python scripts/preflight.py --rdzv-endpoint HOST_OF_NODE_0:29500
 
-then launch it exactly as the training job will be launched (same rendezvous, same
-environment), so that it crosses the same network:
+then launch it as the training job will be launched (same rendezvous, same environment), so
+that it crosses the same network: through scripts/torchrun_bounded.py, as scripts/launch_multi_node.sh
+and scripts/slurm.sbatch start the job, which settles each node's is_host, --local_addr and
+GLOO_SOCKET_IFNAME (bare torchrun needs them by hand: tutorials/06-beyond-one-machine.md):
 
-    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \
+    python scripts/torchrun_bounded.py --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \
         --rdzv-endpoint=HOST_OF_NODE_0:29500 --rdzv-id=preflight scripts/preflight.py --workers 8
 
 It reports Python, PyTorch, CUDA, cuDNN and NCCL versions; the devices and their
@@ -41,6 +43,7 @@ import math
 import multiprocessing
 import os
 import platform
+import signal
 import socket
 import sys
 import threading
@@ -64,7 +67,9 @@ DEFAULT_PORT = 29500      # torchrun's --master-port and the launch scripts' def
 STORE_PORT_FIX = ("let the nodes reach each other on every TCP port: torchrun's c10d rendezvous serves the ranks' "
                   "store at a port it picks on node 0, not the endpoint's, and gloo and NCCL pick ports of their own")
 ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_GLOO_")
+NVIDIA_DRIVER = "/proc/driver/nvidia/version"  # present where NVIDIA's kernel driver is loaded
 GiB = 2**30
+PREFETCH = 2  # batches each loader worker keeps ready: the training scripts' loaders keep DataLoader's default
 
 
 # --- arguments ------------------------------------------------------------------------
@@ -112,8 +117,6 @@ def build_parser():
                         "on each node, min(4, cores per process))")
     g.add_argument("--batch-size", type=cli.positive_int, default=128,
                    help="GLOBAL batch, as in the training scripts: each process loads batch-size / processes")
-    g.add_argument("--prefetch-factor", type=cli.positive_int, default=2,
-                   help="batches each loader worker keeps ready (DataLoader's prefetch_factor)")
     g.add_argument("--sample-shape", type=sample_shape, default="3,32,32", metavar="C,H,W",
                    help="shape of one training sample as the loader yields it (CIFAR's by default)")
     g.add_argument("--sample-dtype", choices=sorted(VALUE_BYTES), default="uint8",
@@ -148,12 +151,6 @@ class Role:
     node: int              # node rank (torchrun's GROUP_RANK)
     launcher: str          # "python" or "torchrun"
     nodes: int = 1         # nodes in the job (torchrun's GROUP_WORLD_SIZE)
-
-
-def role_from(job: dist_utils.DistEnv) -> Role:
-    """A process started by torchrun (or by hand with its variables), as utils.distributed read it."""
-    node, nodes = dist_utils._env_int("GROUP_RANK", 0), dist_utils._env_int("GROUP_WORLD_SIZE", 1)
-    return Role(job.rank, job.world_size, job.local_rank, job.local_world_size, node, "torchrun", nodes)
 
 
 def local_devices() -> tuple:
@@ -208,9 +205,17 @@ def host_memory() -> tuple:
     return info.get("MemAvailable"), info.get("MemTotal")
 
 
-def device_memory(device) -> tuple:
-    """(free, total) bytes of this rank's device, seen by all processes on it; host RAM for the CPU."""
-    return host_memory() if device.type == "cpu" else torch.accelerator.get_memory_info(device.index)
+def nvidia_driver():
+    """The loaded NVIDIA driver's version line, unless CUDA_VISIBLE_DEVICES hides its GPUs on purpose
+    (empty, or -1); else None. Asked where PyTorch finds no GPU: a driver older than PyTorch's CUDA,
+    a container without the GPUs, or a PyTorch without CUDA, each of which would train on the CPU."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1"):
+        return None
+    try:
+        with open(NVIDIA_DRIVER) as f:
+            return f.readline().strip()
+    except OSError:
+        return None
 
 
 def cpu_model() -> str:
@@ -250,11 +255,6 @@ def shm_facts(path) -> dict:
     except OSError:
         pass
     return out
-
-
-def cpu_facts() -> dict:
-    affinity, quota = cpu_limits()  # the cores the training scripts count
-    return {"affinity": affinity, "quota": quota, "cores": min(affinity, quota) if quota else affinity}
 
 
 def port_facts(port) -> dict:
@@ -302,18 +302,19 @@ def network_facts(role: Role, args, device) -> dict:
     peer, flag, findings = None, "MASTER_ADDR", []
     if role.launcher == "python" and args.rdzv_endpoint is not None:
         (peer, port), flag = args.rdzv_endpoint, "the rendezvous endpoint"
-        out["endpoint"] = {"host": peer, "port": port, "here": network.own_address(peer) is not None}
-        if not out["endpoint"]["here"] and network.resolve(peer):
-            out["endpoint"]["answers"] = endpoint_answers(peer, port)
         findings += endpoint_findings(peer)
     elif role.launcher == "torchrun" and role.world_size > role.local_world_size:
         peer = os.environ.get("MASTER_ADDR")
     if peer is not None:
-        out["peer"] = peer
-        out["peer_addresses"] = network.resolve(peer)  # how this node resolves it (the others may differ)
-        out["peer_is_here"] = network.own_address(peer) is not None
-        out["toward"] = list(network.route_toward(peer, known))
+        here = network.own_address(peer) is not None
+        # peer_addresses: how this node resolves it (the others may differ)
+        out.update(peer=peer, peer_addresses=network.resolve(peer), peer_is_here=here,
+                   toward=list(network.route_toward(peer, known)))
         findings += network.findings(peer, uses_gloo=device.type == "cpu", flag=flag)  # accelerators: NCCL, no gloo
+        if role.launcher == "python":  # --rdzv-endpoint
+            out["endpoint"] = {"host": peer, "port": port, "here": here}
+            if not here and out["peer_addresses"]:
+                out["endpoint"]["answers"] = endpoint_answers(peer, port)
     out["findings"] = [{"certain": f.certain, "what": f.what, "fix": f.fix} for f in findings]
     return out
 
@@ -350,15 +351,19 @@ def rank_facts(role: Role, args, device) -> dict:
     facts = {"rank": role.rank, "node": role.node, "host": socket.gethostname(), **versions(),
              "device": str(device), "device_name": cpu_model() if device.type == "cpu" else
              dist_utils.device_name(device)}
-    facts["mem_free"], facts["mem_total"] = device_memory(device)
+    # (free, total) bytes of this rank's device, seen by all processes on it; host RAM for the CPU
+    facts["mem_free"], facts["mem_total"] = (host_memory() if device.type == "cpu" else
+                                             torch.accelerator.get_memory_info(device.index))
     if role.local_rank == 0:  # the node's own facts, once per node
         kind, count = local_devices()
+        affinity, quota = cpu_limits()  # the cores the training scripts count
         facts["node_facts"] = {
             "local_world_size": role.local_world_size,
             "devices": [dist_utils.device_name(torch.device(kind, i)) for i in range(count)],
             "peer_access": peer_access(kind, count),
+            "nvidia_driver": None if count else nvidia_driver(),
             "shm": shm_facts(args.shm_dir),
-            "cpus": cpu_facts(),
+            "cpus": {"affinity": affinity, "quota": quota, "cores": min(affinity, quota) if quota else affinity},
             # --workers, or the training scripts' own default here (they count the cores as this process does)
             "workers": loader_workers(argparse.Namespace(workers=args.workers), role),
             "ram": host_memory(),
@@ -631,11 +636,18 @@ class Report:
 
     def devices(self):
         print("\ndevices")
-        for node, _, nf in self.each_node():
+        for node, f, nf in self.each_node():
             names = nf["devices"]
             listed = ", ".join(f"{i}: {n}" for i, n in enumerate(names))
             print(f"  node {node}: " + (f"{len(names)} device{'s' if len(names) != 1 else ''}: {listed}" if names
                                         else "no accelerator: the CPU, with gloo"))
+            if nf["nvidia_driver"]:
+                self.problem(f"node {node}: the NVIDIA driver is loaded ({nf['nvidia_driver']}), but PyTorch "
+                             f"{f['torch']} finds no GPU: the job would run on the CPU",
+                             f"nvidia-smi shows the newest CUDA the driver runs: it must be {f['cuda']} or newer "
+                             "(else update the driver, or install a PyTorch built for that CUDA); in a container, "
+                             "give it the GPUs (docker run --gpus all)" if f["cuda"] else
+                             "install a PyTorch built for CUDA: this one is not")
         for rank, f in sorted(self.present.items()):
             free, total = f["mem_free"], f["mem_total"]
             print(f"  rank {rank} (node {f['node']}): {f['device']} {f['device_name']}, {size(free)} "
@@ -695,11 +707,9 @@ class Report:
                 print(f"  node {node}: {net['peer']} is reached through "
                       + (f"{interface} ({address})" if interface else "no interface found"))
             endpoint = net.get("endpoint")
-            if endpoint:
+            if endpoint and not endpoint["here"]:  # here: said above
                 where = f"{endpoint['host']}:{endpoint['port']}"
-                if endpoint["here"]:
-                    pass  # said above
-                elif endpoint.get("answers") in ("refused", "listening"):
+                if endpoint.get("answers") in ("refused", "listening"):
                     print(f"  node {node}: the rendezvous endpoint {where} answers ("
                           + ("nothing listens yet, as before the job starts)" if endpoint["answers"] == "refused"
                              else "something listens already: the job's node 0, or one left running)"))
@@ -717,14 +727,15 @@ class Report:
     def network_findings(self) -> dict:
         """{node: utils/network.py's findings there, after what the other nodes' facts say of it}."""
         nets = {node: nf["network"] for node, _, nf in self.each_node()}
-        return {node: self.seen_by_the_others(node, net, nets) + net["findings"] for node, net in nets.items()}
+        return {node: self.seen_by_the_others(node, net, nets, self.backend) + net["findings"]
+                for node, net in nets.items()}
 
     @staticmethod
-    def seen_by_the_others(node, net, nets) -> list:
+    def seen_by_the_others(node, net, nets, backend) -> list:
         """On the node that MASTER_ADDR names (node 0 under torchrun, by its own name), the
         interface the others reach it by is the one holding the address they resolve that
-        name to; gloo there must listen on it too."""
-        if not net.get("peer_is_here") or net["gloo"]["address"] is None:
+        name to; gloo there must listen on it too. Only gloo: NCCL chooses its own interface."""
+        if backend != "gloo" or not net.get("peer_is_here") or net["gloo"]["address"] is None:
             return []
         theirs = {other_net["peer_addresses"][0] for other, other_net in nets.items()
                   if other != node and other_net.get("peer_addresses")}
@@ -814,8 +825,8 @@ class Report:
         # nodes, peer-to-peer between GPUs, then gloo's choice of address on one node.
         if self.bad_interface_variables():
             fix = "correct the *_SOCKET_IFNAME variable named below"
-        elif network_fix and self.network_fixes():
-            fix = self.network_fixes()
+        elif network_fix and (fixes := self.network_fixes()):
+            fix = fixes
         elif network_fix:
             fix = network_fix + " (NCCL_DEBUG=INFO shows which interface it took)"
         elif any(nf["peer_access"] for _, _, nf in self.each_node()):
@@ -845,11 +856,11 @@ class Report:
                          "(the training scripts refuse it)", f"--batch-size {multiple} (a multiple of {world})")
         for node, _, nf in self.each_node():
             shm, local, workers = nf["shm"], nf["local_world_size"], nf["workers"]
-            per_process = workers * args.prefetch_factor * (per_process_batch + eval_batch) * sample_bytes
+            per_process = workers * PREFETCH * (per_process_batch + eval_batch) * sample_bytes
             need = per_process * local
             formula = ("what the loader workers need, and whether --batch-size divides, is checked under torchrun "
                        "across the nodes" if alone else
-                       f"{workers} workers x {args.prefetch_factor} x ({per_process_batch} training + "
+                       f"{workers} workers x {PREFETCH} x ({per_process_batch} training + "
                        f"{eval_batch} evaluation samples) x {sample_bytes:,} B = {size(per_process)} per process, "
                        f"{size(need)} for {local} on the node")
             if not shm["exists"]:
@@ -859,7 +870,7 @@ class Report:
                   f"{size(shm['total'])}; {formula}")
             if workers and not alone and need > shm["free"]:
                 ram = nf["ram"][1]
-                lower = "lower --workers, --prefetch-factor or --batch-size"
+                lower = "lower --workers or --batch-size"
                 if ram and need * 1.5 > ram:
                     fix = f"{lower}: {size(need)} is more than this node's memory can hold ({size(ram)} RAM)"
                 else:
@@ -910,7 +921,7 @@ class Report:
                      f"torchrun --master-port {port['suggest']} / --rdzv-endpoint HOST:{port['suggest']}")
 
     def environment(self):
-        print("\nenvironment (NCCL_*, GLOO_*, TORCH_NCCL_*)")
+        print(f"\nenvironment ({', '.join(prefix + '*' for prefix in ENV_PREFIXES)})")
         envs = {node: nf["env"] for node, _, nf in self.each_node()}
         for node, env in envs.items():
             print(f"  node {node}: " + (" ".join(f"{k}={v}" for k, v in env.items()) or "none set"))
@@ -923,7 +934,7 @@ class Report:
 
 # --- launching ------------------------------------------------------------------------
 
-def connect_store(addr, port, rank, world_size, timeout, host_it=False):
+def connect_store(addr, port, world_size, timeout, host_it=False):
     global STORE
     store = dist.TCPStore(addr, port, world_size if host_it else None, host_it,
                           timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
@@ -931,9 +942,11 @@ def connect_store(addr, port, rank, world_size, timeout, host_it=False):
     STORE = dist.PrefixStore(f"preflight/{attempt}", store)  # apart from the launcher's own keys
 
 
-def spawned(role: Role, args, store_port):
-    """A process started by this script under plain python."""
-    connect_store("127.0.0.1", store_port, role.rank, role.world_size, args.timeout)
+def spawned(role: Role, args, port):
+    """A process started by this script under plain python; `port`: where the store's port comes from."""
+    if not port.poll(args.timeout):  # the process that started this one is gone
+        sys.exit(1)
+    connect_store("127.0.0.1", port.recv(), role.world_size, args.timeout)
     code = check_this_rank(role, args)
     sys.stdout.flush()
     sys.exit(code)
@@ -943,27 +956,31 @@ def start_local(args) -> int:
     """Plain python: start one process per local device (2 on a CPU) and wait for rank 0's verdict."""
     _, count = local_devices()
     nproc = args.nproc or count or 2
-    # This process hosts the rendezvous store on a port the system picks: the check needs no
-    # port of its own, and --port is only examined, never taken.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        store_port = s.getsockname()[1]
     # Without a device, fork: the processes start at once instead of importing torch again.
     # A GPU needs spawn (CUDA cannot be used in a process forked from one that touched it).
     method = "fork" if count == 0 and "fork" in multiprocessing.get_all_start_methods() else "spawn"
     context = multiprocessing.get_context(method)
-    processes = [context.Process(target=spawned, args=(Role(r, nproc, r, nproc, 0, "python"), args, store_port))
+    # A pipe each (a queue's semaphore would be reported as leaked if this process were killed outright).
+    ports = [context.Pipe(duplex=False) for _ in range(nproc)]
+    processes = [context.Process(target=spawned, args=(Role(r, nproc, r, nproc, 0, "python"), args, ports[r][0]))
                  for r in range(nproc)]
-    for p in processes:
-        p.start()
     # Start-up (importing torch in every process) is not bounded by --timeout; this is the last resort.
     limit = 120 + 4 * args.timeout
     deadline = time.monotonic() + limit
+    # Ctrl-C reaches the whole process group: this process answers it (exit status 130) and ends the others
+    # (finally, below), which ignore it: they inherit SIG_IGN, which a spawned Python keeps (no KeyboardInterrupt).
+    interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        # Hosted after the processes started, so that no fork copies its server thread;
-        # they retry the connection until it is up.
-        store = dist.TCPStore("127.0.0.1", store_port, None, True,
+        for p in processes:
+            p.start()
+        signal.signal(signal.SIGINT, interrupt)
+        # This process hosts the rendezvous store, after the processes started (so that no fork copies its
+        # server thread), on a port the system picks and hands them: --port is only examined, never taken,
+        # and no other program can take the store's port between its choice and its use.
+        store = dist.TCPStore("127.0.0.1", 0, None, True,
                               timeout=datetime.timedelta(seconds=args.timeout), wait_for_workers=False)
+        for _, to_process in ports:
+            to_process.send(store.port)
         while processes[0].exitcode is None and time.monotonic() < deadline:
             processes[0].join(0.2)
         code = processes[0].exitcode
@@ -992,14 +1009,15 @@ def main(argv=None):
         sys.exit(start_local(args))
     if not {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():
         raise UsageError("WORLD_SIZE is set but MASTER_ADDR or MASTER_PORT is not: the launcher (torchrun) sets them")
-    role = role_from(job)
+    role = Role(job.rank, job.world_size, job.local_rank, job.local_world_size, dist_utils._env_int("GROUP_RANK", 0),
+                "torchrun", dist_utils._env_int("GROUP_WORLD_SIZE", 1))
     # Under torchrun the agent hosts the rendezvous store (TORCHELASTIC_USE_AGENT_STORE);
     # with a launcher that does not, rank 0 hosts it, as env:// initialisation would.
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # as torch reads it (rendezvous.py)
     where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     try:
-        connect_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), role.rank, role.world_size,
-                      args.timeout, host_it=role.rank == 0 and not agent)
+        connect_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), role.world_size, args.timeout,
+                      host_it=role.rank == 0 and not agent)
     except RuntimeError as err:  # torch's DistNetworkError: no report can come from this rank
         if role.local_rank == 0:
             print(f"preflight: rank {role.rank} ({socket.gethostname()}) cannot reach the ranks' store at {where} "

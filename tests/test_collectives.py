@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_one_line_error
+from conftest import assert_one_line_error, subprocess_env
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = REPO_ROOT / "scripts" / "collectives.py"
@@ -45,11 +45,9 @@ PRIMITIVE_SECTIONS = [
 
 def run_bounded(command: list[str], timeout: float = SUBPROCESS_TIMEOUT_S) -> subprocess.CompletedProcess:
     """Run `command`; on timeout kill its whole process group (spawned workers too) and fail."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(variable, None)  # never inherit a launcher's identity: the script starts its own processes
+    # subprocess_env: no launcher's identity, and no GPU (on a box with several, the tour would pick nccl)
     process = subprocess.Popen(
-        command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        command, cwd=REPO_ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
     )
     try:

@@ -256,6 +256,8 @@ def script_invocations(tokens):
                 if k + 1 < len(rest) and rest[k + 1] == "torch.distributed.run":
                     return "torchrun", None, rest[k + 2:], env
                 return None  # pytest and other modules: not a project script
+            if k < len(rest) and rest[k].endswith("torchrun_bounded.py"):  # torchrun, with torchrun's flags
+                return "torchrun", None, rest[k + 1:], env
             if k < len(rest) and rest[k].endswith(".py"):
                 return "python", rest[k], rest[k + 1:], env
             return None

@@ -3,10 +3,13 @@ a machine with problems (shared memory too small, port taken, a rank that never
 reaches the all-reduce), bad arguments; the report's GPU and multi-node branches
 from recorded facts."""
 import argparse
+import contextlib
 import errno
 import os
 import re
+import signal
 import socket
+import subprocess
 import sys
 import textwrap
 import time
@@ -93,13 +96,79 @@ def test_problems_are_listed_with_their_fixes_and_a_stuck_rank_times_out(tmp_pat
     assert "rank 1: all-reduce timed out: did not finish within 4 s" in out
     assert "the all-reduce over 2 processes did not finish within 4 s" in out
     assert f"{shm} has" in out and "the loader workers would hold" in out
-    assert "fix: lower --workers, --prefetch-factor or --batch-size" in out
+    assert "fix: lower --workers or --batch-size" in out
     assert f"port {port} is already in use" in out and f"ss -ltnp 'sport = :{port}'" in out
     assert "--workers 10000 per process, with " in out
     count = int(re.search(r"^(\d+) problems:$", out, re.M).group(1))
     assert count >= 4 and len(re.findall(r"^     fix: \S", out, re.M)) == count, out
     assert elapsed < 200
     assert_one_report(out)
+
+
+def test_ctrl_c_to_the_process_group_ends_the_check_without_a_traceback(tmp_path):
+    """Ctrl-C from a terminal reaches every process of its group: the check's own processes too, here while
+    they wait in the all-reduce. The process that started them answers it (exit status 130) and ends them:
+    no traceback from any of them, none left running."""
+    waiting = tmp_path / "waiting"
+    waiting.mkdir()
+    entry = tmp_path / "interrupted.py"
+    entry.write_text(textwrap.dedent(f"""
+        import pathlib, signal, sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        from scripts import preflight
+        from utils import lifecycle
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job ignores it)
+        def wait(numel, device, role, iters):
+            pathlib.Path({str(waiting)!r}, str(role.rank)).touch()
+            time.sleep(3600)
+        preflight.time_all_reduce = wait
+        lifecycle.run_main(preflight.main, sys.argv[1:])
+    """))
+    proc = subprocess.Popen([sys.executable, str(entry), "--workers", "0", "--port", str(free_port()), "--timeout",
+                             "120", "--model", "resnet_tiny"], cwd=ROOT, env=subprocess_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 200
+        while len(os.listdir(waiting)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(os.listdir(waiting)) == 2, "the processes never reached the all-reduce"
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+    assert proc.returncode == 130, out + err
+    assert "Traceback" not in out + err, err
+    with pytest.raises(ProcessLookupError):  # every process of the group has ended
+        os.killpg(proc.pid, 0)
+
+
+def test_the_stores_port_cannot_be_taken_between_its_choice_and_its_use(tmp_path):
+    """A port that a process lets go of may go to another program at once (an outgoing connection takes any
+    free port of the kernel's ephemeral range). Here every port this check's first process lets go of is taken
+    at once: the store listens on a port the system gave it, never on one chosen before, so the check passes."""
+    entry = tmp_path / "ports_taken.py"
+    entry.write_text(textwrap.dedent(f"""
+        import os, socket, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from scripts import preflight
+        from utils import lifecycle
+        first, close, taken = os.getpid(), socket.socket.close, []
+        def close_and_take(self):
+            address = self.getsockname() if self.family == socket.AF_INET and self.fileno() >= 0 else ("", 0)
+            close(self)
+            if address[1] and os.getpid() == first:
+                other = socket.socket()
+                other.bind(address)
+                other.listen()
+                taken.append(other)
+        socket.socket.close = close_and_take
+        lifecycle.run_main(preflight.main, sys.argv[1:])
+    """))
+    proc = run_script([entry, "--workers", "0", "--port", free_port(), "--iters", "1", "--model", "resnet_tiny"],
+                      check=False, timeout=240)
+    assert proc.returncode == 0 and proc.stdout.rstrip().endswith("all checks passed"), proc.stdout + proc.stderr
 
 
 def test_a_bad_flag_is_one_line_and_exit_2():
@@ -255,7 +324,7 @@ def test_a_loopback_endpoint_is_named_as_the_user_gave_it():
 
 def node_facts(devices, peer_access, shm_free, env=None, cores=16, ram=64 * 2**30, network=None, workers=4):
     return {"local_world_size": max(len(devices), 1), "devices": devices, "peer_access": peer_access,
-            "workers": workers,
+            "workers": workers, "nvidia_driver": None,
             "shm": {"path": "/dev/shm", "exists": True, "free": shm_free, "total": shm_free, "fstype": "tmpfs"},
             "cpus": {"affinity": cores, "quota": None, "cores": cores}, "ram": [ram, ram],
             "env": env or {}, "interfaces": ["eth0", "lo"], "network": network or network_facts()}
@@ -280,7 +349,7 @@ def rank_facts(rank, node, torch_version="2.11.0", local=None, gpu=True):
 
 
 def args_for(**overrides):
-    values = dict(workers=4, batch_size=256, prefetch_factor=2, sample_shape=(3, 224, 224), sample_dtype="float32",
+    values = dict(workers=4, batch_size=256, sample_shape=(3, 224, 224), sample_dtype="float32",
                   model="resnet18", timeout=30.0, iters=10, port=None, nproc=None, shm_dir="/dev/shm",
                   rdzv_endpoint=None)
     values.update(overrides)
@@ -333,6 +402,8 @@ def test_report_two_nodes_with_different_versions_and_variables(capsys):
     assert "NCCL_SOCKET_IFNAME=ib does not match its interfaces" in whats
     assert "different NCCL_*/GLOO_* variables" in whats
     assert len(problems) == 3, problems
+    # The heading names every kind of variable listed under it.
+    assert f"environment ({', '.join(prefix + '*' for prefix in preflight.ENV_PREFIXES)})" in out, out
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "python"])
@@ -400,6 +471,34 @@ def test_a_gloo_interface_without_an_address_is_one_problem_with_one_fix(capsys,
     assert len(problems) == len(nodes) + 1, problems
 
 
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_where_gloo_listens_on_the_node_the_others_meet_at_is_asked_of_gloo_only(capsys, backend):
+    """Node 0 is MASTER_ADDR: its name resolves to eth0's address there, to eth1's on node 1, and gloo there
+    listens on eth0. With gloo, GLOO_SOCKET_IFNAME=eth1 is the fix for an all-reduce that hangs; NCCL never
+    reads that variable (it chooses its own interface): its fix is the general one."""
+    gpu = backend == "nccl"
+    role = preflight.Role(0, 2, 0, 1, 0, "torchrun", nodes=2)
+    node0 = network_facts(peer="host0", peer_addresses=["10.0.0.1"], peer_is_here=True, toward=[None, None])
+    node0["interfaces"]["eth1"] = "10.1.0.1"
+    node1 = network_facts(gloo="10.1.0.2", peer="host0", peer_addresses=["10.1.0.1"], peer_is_here=False,
+                          toward=["eth1", "10.1.0.2"])
+    facts = {rank: rank_facts(rank, rank, gpu=gpu, local=node_facts(["H100"] if gpu else [], None, 2**40, network=net))
+             for rank, net in enumerate([node0, node1])}
+    for f in facts.values():
+        f["device"] = "cuda:0" if gpu else "cpu"
+    facts[0]["rendezvous"] = "host0:29400"
+    timed_out = {"status": "timed out", "error": "did not finish within 30 s"}
+    results = {r: {"backend": backend, "join": {"status": "ok", "value": None}, "all_reduce": timed_out}
+               for r in (0, 1)}
+    [(what, fix)] = preflight.report(facts, results, args_for(sample_shape=(3, 32, 32)), role)
+    out = capsys.readouterr().out
+    assert what == "the all-reduce over 2 processes did not finish within 30 s", what
+    if gpu:
+        assert fix.startswith("set NCCL_SOCKET_IFNAME") and "GLOO_SOCKET_IFNAME=" not in out + fix, out + fix
+    else:
+        assert fix == "node 0 (host): export GLOO_SOCKET_IFNAME=eth1", fix
+
+
 def test_a_node_of_another_accelerator_is_named_by_its_kind(capsys):
     """Two Intel GPUs: peer access is queried on CUDA and ROCm GPUs only, which is not 'no GPUs'."""
     role = preflight.Role(0, 2, 0, 2, 0, "python")
@@ -410,6 +509,27 @@ def test_a_node_of_another_accelerator_is_named_by_its_kind(capsys):
     assert preflight.report(facts, passed([0, 1], backend="xccl"), args_for(sample_shape=(3, 32, 32)), role) == []
     out = capsys.readouterr().out
     assert "node 0: 2 xpu devices: checked on CUDA and ROCm GPUs only" in out and "GPUs:" not in out, out
+
+
+def test_a_gpu_node_whose_gpus_pytorch_cannot_use_is_a_problem(tmp_path, monkeypatch, capsys):
+    """An NVIDIA driver older than PyTorch's CUDA: torch.cuda.is_available() is False, and the job would train
+    on the CPU. The node's facts name the driver; the report names it with the CUDA this PyTorch needs. GPUs
+    hidden on purpose (CUDA_VISIBLE_DEVICES empty, as the tests run) are no problem."""
+    driver = tmp_path / "version"
+    driver.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  470.256.02  Thu May  2 14:37:44 UTC 2024\n"
+                      "GCC version:  gcc version 9.4.0 (Ubuntu 9.4.0-1ubuntu1~20.04.2)\n")
+    monkeypatch.setattr(preflight, "NVIDIA_DRIVER", str(driver))
+    monkeypatch.setattr(preflight, "local_devices", lambda: ("cpu", 0))  # what PyTorch finds there
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    role, args = preflight.Role(0, 1, 0, 1, 0, "python"), args_for(port=free_port(), sample_shape=(3, 32, 32))
+    facts = {0: preflight.rank_facts(role, args, torch.device("cpu"))}
+    problems = preflight.report(facts, {0: {"backend": "gloo"}}, args, role)
+    assert "no accelerator: the CPU, with gloo" in capsys.readouterr().out
+    [(what, fix)] = [(what, fix) for what, fix in problems if "NVIDIA" in what]
+    assert "(NVRM version: NVIDIA UNIX x86_64 Kernel Module  470.256.02" in what and "finds no GPU" in what, what
+    assert (f"it must be {torch.version.cuda} or newer" if torch.version.cuda else "PyTorch built for CUDA") in fix
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert preflight.rank_facts(role, args, torch.device("cpu"))["node_facts"]["nvidia_driver"] is None
 
 
 # The loaders are built, never iterated: their 4 workers per loader never start on this small CPU.
