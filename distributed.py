@@ -10,7 +10,8 @@ that overlaps the backward pass. Without GPUs the processes run on the CPU (gloo
     # one node, all its GPUs (4 here)
     torchrun --standalone --nproc_per_node=4 distributed.py --batch-size 512
 
-    # two nodes with 8 GPUs each: the same command on both (c10d assigns the node ranks)
+    # two nodes with 8 GPUs each: the same command on both (c10d assigns the node ranks);
+    # scripts/launch_multi_node.sh adds the settings that real hosts often need (lesson 06)
     torchrun --nnodes=2 --nproc_per_node=8 \
         --rdzv-backend=c10d --rdzv-endpoint=HOST_OF_NODE_0:29500 distributed.py --batch-size 1024
 

@@ -13,7 +13,8 @@ the extra all-gathers. Without GPUs the processes run on the CPU (gloo).
     # one node, all its GPUs (4 here)
     torchrun --standalone --nproc_per_node=4 distributed_fsdp.py --batch-size 512
 
-    # two nodes with 8 GPUs each: the same command on both (c10d assigns the node ranks)
+    # two nodes with 8 GPUs each: the same command on both (c10d assigns the node ranks);
+    # scripts/launch_multi_node.sh adds the settings that real hosts often need (lesson 06)
     torchrun --nnodes=2 --nproc_per_node=8 \
         --rdzv-backend=c10d --rdzv-endpoint=HOST_OF_NODE_0:29500 distributed_fsdp.py --batch-size 1024
 
@@ -67,7 +68,7 @@ def main(argv=None):
                    help="bf16: compute in bfloat16 (parameters gathered in bf16), reduce gradients "
                         "and keep the sharded weights in fp32")
     args = cli.parse_args(parser, argv)
-    plan = validated(args, check, sharded=True)  # every refusal before anything starts; --check-args ends here
+    plan = validated(args, check, ShardedState)  # every refusal before anything starts; --check-args ends here
 
     # --- distributed setup ------------------------------------------------------------
     # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT: the processes meet

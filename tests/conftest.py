@@ -124,6 +124,15 @@ def free_port() -> int:
     return spawn.free_port("127.0.0.1")
 
 
+def normalized(pixels):
+    """What the scripts' normalised values must be: uint8 images (..., 3, H, W) by the formula, on the CPU
+    (utils/data.py's Normalize looks them up in a table, bitwise these on any device)."""
+    import torch
+    from utils import data
+    mean, std = (torch.tensor(stats).view(3, 1, 1) for stats in (data.CIFAR100_MEAN, data.CIFAR100_STD))
+    return (pixels.float() / 255 - mean) / std
+
+
 def subprocess_env(**extra) -> dict:
     env = dict(os.environ)
     # Never inherit a launcher's identity from the test runner's environment.
@@ -240,8 +249,12 @@ def samples_by_index(train_set, args, world_size, global_batch, epoch=1) -> dict
 
 
 def read_metrics(path) -> list:
+    """The --metrics file's records, read as strict JSON: NaN or Infinity, which Python's json writes
+    by default and other readers refuse, fail the test."""
+    def refuse(constant):
+        raise ValueError(f"{path}: {constant} is not JSON")
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [json.loads(line, parse_constant=refuse) for line in f if line.strip()]
 
 
 def assert_one_line_error(proc, *fragments):

@@ -224,6 +224,22 @@ def test_a_crafted_cifar_file_is_refused_and_runs_nothing(run_in_process, tmp_pa
     assert not marker.exists()
 
 
+def test_cifar100_without_torchvision_says_so(tmp_path):
+    """torchvision is optional for the template's copy, but reads CIFAR-100: without it, the line says to
+    install it, not that the files (there) are missing."""
+    rng = np.random.default_rng(3)
+    write_cifar100(tmp_path, rng.integers(0, 256, (6, 3, 32, 32), dtype=np.uint8), rng.integers(0, 100, 6),
+                   rng.integers(0, 256, (3, 3, 32, 32), dtype=np.uint8), rng.integers(0, 100, 3))
+    hidden = tmp_path / "hidden" / "torchvision"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError('No module named torchvision (hidden by the test)')\n")
+    proc = run_script(["distributed.py", "--dataset", "cifar100", "--data-dir", tmp_path, "--model", "resnet_tiny",
+                       "--workers", "0", "--epochs", "1", "--batch-size", "4"], check=False,
+                      env=subprocess_env(PYTHONPATH=f"{hidden.parent}:{ROOT}"))
+    assert_one_line_error(proc, "--dataset cifar100 needs torchvision (ImportError: No module named torchvision",
+                          "pip install torchvision, or use --dataset synthetic")
+
+
 def test_a_re_pickled_subset_with_plain_types_still_loads(tmp_path):
     # Protocol 4 and protocol 2 (bytes through _codecs.encode) copies, as people make them.
     rng = np.random.default_rng(1)

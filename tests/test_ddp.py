@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
-from conftest import free_port, group_norm
+from conftest import free_port, group_norm, normalized
 from models import build_model
 from utils import compat, data, metrics
 from utils import distributed as dist_utils
@@ -104,7 +104,7 @@ def test_ddp_two_processes_equal_one_process_on_the_global_batch(tmp_path):
 def exemplar_classifier(test_set) -> nn.Module:
     """A linear classifier whose row c is the test image of class c for c < 50: about
     half the test set is classified right, so accuracy equality is not 0 == 0."""
-    images = torch.stack([data._normalize(test_set[i][0]) for i in range(50)]).flatten(1)
+    images = torch.stack([normalized(test_set[i][0]) for i in range(50)]).flatten(1)
     linear = nn.Linear(images.shape[1], 100)
     with torch.no_grad():
         linear.weight.zero_()

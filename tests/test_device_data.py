@@ -5,7 +5,7 @@ import argparse
 import pytest
 import torch
 
-from conftest import SMALL, expect_ok
+from conftest import SMALL, expect_ok, normalized
 from models import build_model
 from utils import data, device_data, metrics
 from utils.distributed import DistEnv
@@ -45,7 +45,7 @@ def test_data_on_device_trains_bitwise_like_the_loader(tmp_path, run_in_process)
         assert torch.equal(tensor, b["model"][name]), name
 
 
-# --- normalisation by table: the values of _normalize, in the layout and dtype the model wants ----
+# --- normalisation by table: the values of conftest.normalized, in the layout and dtype the model wants ----
 
 def small_sets(train=96, test=10):
     args = argparse.Namespace(dataset="synthetic", train_samples=train, test_samples=test, seed=3, workers=0,
@@ -57,12 +57,12 @@ def small_sets(train=96, test=10):
 
 def test_table_holds_the_normalised_value_of_every_byte():
     every_byte = torch.arange(256, dtype=torch.uint8).view(1, 16, 16).expand(3, 16, 16)
-    expected = data._normalize(every_byte).reshape(-1)
+    expected = normalized(every_byte).reshape(-1)
     assert torch.equal(data.Normalize("cpu").table, expected)
-    # The lookup gives bitwise _normalize's image, in either layout; bf16 is the float32
+    # The lookup gives bitwise normalized's image, in either layout; bf16 is the float32
     # value rounded once, which is what autocast's cast at the first convolution gives.
     pixels = torch.randint(0, 256, (4, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
-    per_image = torch.stack([data._normalize(p) for p in pixels])
+    per_image = torch.stack([normalized(p) for p in pixels])
     plain = data.Normalize("cpu")(pixels)
     assert plain.dtype == torch.float32 and plain.is_contiguous() and torch.equal(plain, per_image)
     nhwc = data.Normalize("cpu", memory_format=torch.channels_last)(pixels)
@@ -83,8 +83,8 @@ def test_the_loader_hands_over_bytes_and_the_model_gets_normalised_images(worker
         keys = list(loader.sampler)
         images, targets = next(iter(loader))
         assert images.dtype == torch.uint8 and images[0].nbytes + targets[0].nbytes == 3 * 32 * 32 + 8
-        # What the model sees: each sample's crop and flip, normalised as _normalize defines it.
-        expected = torch.stack([data._normalize(dataset[key][0]) for key in keys[:len(images)]])
+        # What the model sees: each sample's crop and flip, normalised as conftest.normalized defines it.
+        expected = torch.stack([normalized(dataset[key][0]) for key in keys[:len(images)]])
         for memory_format in (torch.contiguous_format, torch.channels_last):
             model_input = data.model_inputs(dataset, env.device, memory_format)(images)
             assert model_input.dtype == torch.float32 and torch.equal(model_input, expected)

@@ -299,12 +299,15 @@ def test_checkpoints_refuse_what_does_not_fit(run_in_process, one_process, tmp_p
     # Flags that would change the run are refused as for the other scripts.
     assert_refused(run_in_process("distributed_fsdp.py", [*SMALL, "--lr", "0.2", "--resume", fsdp_checkpoint]),
                    "--lr 0.1", "resume with the same value")
-    # A shard folder whose save never finished (no metadata) is not read.
+    # A shard folder whose save never finished (no metadata) is not read, and --check-args says so too.
     copy = tmp_path / "copy"
     shutil.copytree(fsdp_checkpoint.parent, copy)
     os.unlink(shards(copy) / ".metadata")
     with pytest.raises(Exception, match="is missing"):
         sharded.load_full(str(copy / "checkpoint.pt"))
+    for check in ([], ["--check-args"]):
+        assert_refused(run_in_process("distributed_fsdp.py", [*SMALL, "--resume", copy / "checkpoint.pt", *check]),
+                       f"no sharded checkpoint at {shards(copy)} (its .metadata is missing")
 
 
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured

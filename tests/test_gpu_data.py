@@ -12,6 +12,7 @@ import argparse
 import pytest
 import torch
 
+from conftest import normalized
 from models import build_model
 from utils import data, device_data, metrics
 from utils.distributed import DistEnv
@@ -31,7 +32,7 @@ def cuda_env(rank=0, world_size=1):
 
 def test_lookup_on_the_gpu_gives_the_cpu_formula(record_property):
     every_byte = torch.arange(256, dtype=torch.uint8).view(1, 1, 16, 16).expand(1, 3, 16, 16)
-    cpu = data._normalize(every_byte[0]).unsqueeze(0)
+    cpu = normalized(every_byte[0]).unsqueeze(0)
     looked_up = data.Normalize(torch.device("cuda"))(every_byte)  # copied to the GPU, looked up there
     assert torch.equal(looked_up.cpu(), cpu)
     # What the formula itself gives on the GPU, for the record (CUDA divides by a constant

@@ -14,8 +14,13 @@ from utils import observe
 from utils.distributed import DistEnv
 
 # The ProfilerStep#N spans a complete window holds: the profiler numbers the steps from 0.
-WINDOW_NAMES = {f"ProfilerStep#{n}" for n in range(observe.WAIT_STEPS + observe.WARMUP_STEPS,
-                                                    observe.STEPS_TO_PROFILE)}
+WINDOW_NUMBERS = range(observe.WAIT_STEPS + observe.WARMUP_STEPS, observe.STEPS_TO_PROFILE)
+WINDOW_NAMES = {f"ProfilerStep#{n}" for n in WINDOW_NUMBERS}
+
+
+def profiled_steps(start_step: int) -> range:
+    """The global steps (from 1) that the trace should record, for a run that starts after start_step."""
+    return range(start_step + 1 + WINDOW_NUMBERS[0], start_step + 1 + WINDOW_NUMBERS[-1] + 1)
 
 
 def small(**changes):
@@ -105,9 +110,7 @@ def test_run_too_short_to_profile_says_so(tmp_path, run_in_process):
 
 def test_resumed_run_profiles_after_its_own_warmup(tmp_path, capsys):
     start = 100  # the run resumed at global step 100: its warm-up is steps 101 to 107
-    window = observe.profiled_steps(start)
-    assert list(window) == list(range(start + observe.WAIT_STEPS + observe.WARMUP_STEPS + 1,
-                                      start + observe.STEPS_TO_PROFILE + 1))
+    window = profiled_steps(start)
     observers = observe.Observers(SimpleNamespace(profile=str(tmp_path), tensorboard=None), cpu_env(),
                                   start_step=start)
     trace = tmp_path / "trace-rank0.json"
@@ -118,7 +121,9 @@ def test_resumed_run_profiles_after_its_own_warmup(tmp_path, capsys):
     some_work()
     observers.step(start + observe.STEPS_TO_PROFILE)
     assert set(steps_of(load_trace(trace))) == WINDOW_NAMES
-    assert f"traced steps {window[0]} to {window[-1]} in" in capsys.readouterr().out
+    # The steps as the run counts them, and as the trace names them (from 0 at the resume).
+    assert f"traced steps {window[0]} to {window[-1]} (ProfilerStep#{min(WINDOW_NUMBERS)} to " \
+           f"#{max(WINDOW_NUMBERS)}) in" in capsys.readouterr().out
     trace.unlink()
     for step in range(start + observe.STEPS_TO_PROFILE + 1, start + 3 * observe.STEPS_TO_PROFILE):
         some_work()
@@ -131,7 +136,7 @@ def test_resumed_run_profiles_after_its_own_warmup(tmp_path, capsys):
 
 def test_run_ending_inside_the_window_writes_what_it_recorded(tmp_path, capsys):
     observers = observe.Observers(SimpleNamespace(profile=str(tmp_path), tensorboard=None), cpu_env())
-    last = observe.profiled_steps(0)[1]  # two steps into the window
+    last = profiled_steps(0)[1]  # two steps into the window
     for step in range(1, last + 1):
         some_work()
         observers.step(step)
@@ -139,7 +144,8 @@ def test_run_ending_inside_the_window_writes_what_it_recorded(tmp_path, capsys):
     recorded = steps_of(load_trace(tmp_path / "trace-rank0.json"))
     assert WINDOW_NAMES > set(recorded) and len(recorded) >= 2
     out = capsys.readouterr().out
-    assert f"traced steps {observe.profiled_steps(0)[0]} to {last} (the run ended inside the window)" in out
+    assert f"traced steps {profiled_steps(0)[0]} to {last} (ProfilerStep#{min(WINDOW_NUMBERS)} to #{last - 1}) " \
+           "(the run ended inside the window)" in out
 
 
 def test_without_the_flags_nothing_runs(monkeypatch, tmp_path):

@@ -202,7 +202,8 @@ class WholeState:
     def __init__(self, model, optimizer):
         self.model, self.optimizer = model, optimizer
 
-    def check(self, state: dict, path: str, patience: float = 0.0):
+    @staticmethod
+    def check(state: dict, path: str, patience: float = 0.0):
         check_kind(state, path, sharded=False)
 
     def load(self, state: dict, path: str, own: bool = False):

@@ -156,7 +156,10 @@ def _load_cifar100(args):
         return splits
     if error is None:  # each node may have a --data-dir of its own: rank 0's may be fine
         raise UsageError("CIFAR-100 could not be loaded on another rank (its node says why)")
-    if not isinstance(error, UsageError):  # a UsageError: the files are there but cannot be read, it says which
+    if isinstance(error, ImportError):  # torchvision, which reads (and downloads) CIFAR-100, is not installed
+        error = UsageError(f"--dataset cifar100 needs torchvision ({first_line(error, typed=True)}): pip install "
+                           "torchvision, or use --dataset synthetic")
+    elif not isinstance(error, UsageError):  # a UsageError: the files are there but cannot be read, it says which
         error = UsageError(f"CIFAR-100 is not in --data-dir {args.data_dir} and could not be downloaded "
                            f"({first_line(error, typed=True)}); put "
                            "cifar-100-python/ there or use --dataset synthetic for an offline run")
@@ -213,23 +216,19 @@ def num_classes(dataset) -> int:
     return len(dataset.classes)
 
 
-def _normalize(pixels: torch.Tensor) -> torch.Tensor:
-    """What our normalised values are, computed on the CPU (Normalize looks them up)."""
-    mean, std = (torch.tensor(stats).view(3, 1, 1) for stats in (CIFAR100_MEAN, CIFAR100_STD))
-    return (pixels.float() / 255 - mean) / std
-
-
 class Normalize:
-    """uint8 N x 3 x H x W images -> on `device`, normalised by table lookup: bitwise _normalize's values
-    on any device (on a GPU the formula is not: CUDA divides by a constant as a multiply by its
-    reciprocal, one ulp off for about half the bytes). In `dtype` (autocast's, rounded once as its cast
-    at the first convolution would; None: float32) and `memory_format`: the lookup is laid out like
-    its index, made dense in that layout from bytes, so the model's input needs no copy afterwards."""
+    """uint8 N x 3 x H x W images -> on `device`, normalised by table lookup: bitwise the CPU's
+    (pixels / 255 - mean) / std on any device (on a GPU the formula is not: CUDA divides by a constant
+    as a multiply by its reciprocal, one ulp off for about half the bytes). In `dtype` (autocast's,
+    rounded once as its cast at the first convolution would; None: float32) and `memory_format`: the
+    lookup is laid out like its index, made dense in that layout from bytes, so the model's input
+    needs no copy afterwards."""
 
     def __init__(self, device, dtype=None, memory_format=torch.contiguous_format):
         self.device, self.memory_format = torch.device(device), memory_format
         every_byte = torch.arange(256, dtype=torch.uint8).expand(3, 1, 256)  # channel c's values at c * 256 on
-        self.table = _normalize(every_byte).reshape(-1).to(self.device, dtype or torch.float32)
+        mean, std = (torch.tensor(stats).view(3, 1, 1) for stats in (CIFAR100_MEAN, CIFAR100_STD))
+        self.table = ((every_byte.float() / 255 - mean) / std).reshape(-1).to(self.device, dtype or torch.float32)
         self.offsets = torch.arange(3, device=self.device).view(1, 3, 1, 1) * 256  # channel c's start
 
     def __call__(self, pixels: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Meters, exact distributed evaluation and the JSON-lines metrics file. Meters keep running sums as tensors
+"""Meters, exact distributed evaluation, timing and peak memory. Meters keep running sums as tensors
 on the device, read once per epoch (or --log-every steps): an .item() every step makes the CPU wait for the GPU."""
 import contextlib
 import time
@@ -14,12 +14,6 @@ from .distributed import all_reduce_sum, meeting
 PAD_TARGET = -100
 # What an epoch records when --eval-every skips its evaluation.
 NOT_EVALUATED = {"test_loss": float("nan"), "test_acc1": float("nan"), "test_acc5": float("nan"), "test_samples": 0}
-
-
-def correct_topk(logits: torch.Tensor, targets: torch.Tensor, ks=(1, 5)) -> torch.Tensor:
-    """Number of samples whose target is among the k highest logits, for each k (at most all: topk would raise)."""
-    hits = logits.topk(min(max(ks), logits.shape[1]), dim=1).indices.eq(targets.unsqueeze(1))
-    return torch.stack([hits[:, :k].any(dim=1).sum() for k in ks])
 
 
 def sum_dtype(device) -> torch.dtype:
@@ -100,7 +94,10 @@ def evaluate(model: torch.nn.Module, loader, device, autocast=None, inputs=None)
         classes = logits.shape[1]
         loss = F.cross_entropy(logits.float(), targets, reduction="sum", ignore_index=PAD_TARGET)
         sums[0] += loss.to(sums.dtype)
-        sums[1:3] += correct_topk(logits, targets)  # a PAD_TARGET is never among the top k
+        # Whether the target is the top logit, and among the top 5 (or all: topk would raise); never a PAD_TARGET.
+        hits = logits.topk(min(5, classes), dim=1).indices.eq(targets.unsqueeze(1))
+        sums[1] += hits[:, 0].sum()
+        sums[2] += hits.any(dim=1).sum()
         sums[3] += targets.ne(PAD_TARGET).sum()
     loss_sum, top1, top5, count = all_reduce_sum(sums, "metrics.evaluate() (the sums)").tolist()
     model.train(was_training)

@@ -1,5 +1,6 @@
 """--profile DIR: a torch.profiler trace of a few optimizer steps once the run is warm, in DIR/trace-rank{rank}.json
-(each ProfilerStep#N is one optimizer step); a run ending inside the window writes what it recorded.
+(each ProfilerStep#N is one optimizer step, numbered from 0 at the run's start or resume); a run ending inside the
+window writes what it recorded.
 --tensorboard DIR: rank 0 writes each epoch record's scalars at its global step, flushed for a live `tensorboard
 --logdir DIR`. TrainingRun (utils/run.py) makes every call on every rank; none communicates."""
 import math
@@ -25,16 +26,12 @@ SCALAR_TAGS = {"train_loss": "train/loss", "train_acc1": "train/acc1", "grad_nor
                "lr": "lr", "peak_memory_mb": "memory/peak_mb", "peak_reserved_mb": "memory/peak_reserved_mb"}
 
 
-def profiled_steps(start_step: int) -> range:
-    """The global steps that the trace records, for a run that starts at start_step."""
-    return range(start_step + WAIT_STEPS + WARMUP_STEPS + 1, start_step + STEPS_TO_PROFILE + 1)
-
-
 class Observers:
     def __init__(self, args, env, start_step: int = 0):
         self.env, self.profile_dir = env, getattr(args, "profile", None)
         self._profiler = self._writer = self._traced_up_to = None  # _traced_up_to: the last step in the trace
-        self._step, self._window = start_step, profiled_steps(start_step)
+        self._step, self._window = start_step, range(start_step + WAIT_STEPS + WARMUP_STEPS + 1,
+                                                     start_step + STEPS_TO_PROFILE + 1)  # the traced global steps
         if self.profile_dir:
             own = getattr(ProfilerActivity, env.device.type.upper(), None)  # CUDA (ROCm's too), XPU, HPU, MTIA
             recordable = own not in (None, ProfilerActivity.CPU) and own in torch.profiler.supported_activities()
@@ -54,7 +51,9 @@ class Observers:
         profiler.export_chrome_trace(os.path.join(self.profile_dir, f"trace-rank{self.env.rank}.json"))
         self._traced_up_to = self._step
         partial = "" if self._step == self._window[-1] else " (the run ended inside the window)"
-        print0(f"--profile: traced steps {self._window[0]} to {self._step}{partial} in "
+        first = self._window[0] - WAIT_STEPS - WARMUP_STEPS  # the step the profiler calls ProfilerStep#0
+        print0(f"--profile: traced steps {self._window[0]} to {self._step} (ProfilerStep#{self._window[0] - first} to "
+               f"#{self._step - first}){partial} in "
                f"{os.path.join(self.profile_dir, 'trace-rank*.json')}: open one in "
                "https://ui.perfetto.dev or chrome://tracing")
 

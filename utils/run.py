@@ -52,14 +52,15 @@ def _same_file(a: str, b: str) -> bool:
         return os.path.realpath(a) == os.path.realpath(b)
 
 
-def validated(args, check, sharded: bool = False) -> Plan:
+def validated(args, check, state=checkpoint.WholeState) -> Plan:
     """check(args) -> Plan, or a UsageError: the run's every refusal that needs no process group, data or model
     (a batch that does not split, a device this machine lacks, a network on which the groups cannot form,
     contradicting flags). --check-args (what scripts/slurm.sbatch runs before srun) adds the refusals of
-    --checkpoint-dir and --resume (_check_checkpoints; `sharded`: the script's checkpoints are), then stops."""
+    --checkpoint-dir and --resume (`state`: the kind of the script's checkpoints), then stops. Not checked: what
+    needs the data or the optimizer (the data's size, a flag that the script's optimizer lacks)."""
     plan = check(args)
     if args.check_args:
-        _check_checkpoints(args, sharded)
+        _check_checkpoints(args, state)
         n = plan.world_size
         print(f"arguments OK for {n} process{'es' if n != 1 else ''}" + (f" ({plan.read})" if plan.read else ""),
               flush=True)
@@ -67,14 +68,14 @@ def validated(args, check, sharded: bool = False) -> Plan:
     return plan
 
 
-def _check_checkpoints(args, sharded: bool):
+def _check_checkpoints(args, kind):
     """--check-args: the run's refusals of --checkpoint-dir and --resume, as a new launch's: a folder another run
-    holds, a checkpoint it would overwrite or of another kind, a changed recipe (not the data's size, nor shards)."""
+    holds, a checkpoint it would overwrite, of another kind or incomplete, a changed recipe."""
     if args.checkpoint_dir and checkpoint.lock_directory(args.checkpoint_dir, take=False):
         return  # its own job holds it: the job's checkpoint, which the run checks
     saved = os.path.join(args.checkpoint_dir, checkpoint.FILENAME) if args.checkpoint_dir else None
     if path := _resume_choice(args, bool(saved) and os.path.isfile(saved), restarts=False)[0]:
-        checkpoint.check_kind(state := checkpoint.load(path), path, sharded)
+        kind.check(state := checkpoint.load(path), path)
         _check_recipe(args, state, path)
 
 
@@ -223,6 +224,9 @@ class TrainingRun:
                 print0(f"torchrun restart: resuming from {path}")
             self.state.check(state, path, self._patience)
             _check_recipe(self.args, state, path)
+            if missing := [key for key in (*self.state.needed, *self._NEEDED) if key not in state]:
+                raise UsageError(f"checkpoint {path} lacks {', '.join(missing)}: it is not a complete "
+                                 "checkpoint of these scripts")
             # Your own data that gained or lost samples: each epoch's order is a permutation of the set's size, so
             # the resumed position would name other samples, and the schedule other steps.
             if state.get("train_size", self.train_size) != self.train_size:
@@ -234,9 +238,6 @@ class TrainingRun:
         # A file that some ranks cannot read, or data of another size on one node, stops every rank, not only those.
         if not all_ranks_ok(error is None, "TrainingRun(...), agreeing that every rank resumed"):
             raise error or UsageError(f"checkpoint {path} could not be read, or does not fit, on another rank")
-        if missing := [key for key in (*self.state.needed, *self._NEEDED) if key not in state]:
-            raise UsageError(f"checkpoint {path} lacks {', '.join(missing)}: it is not a complete "
-                             "checkpoint of these scripts")
         try:
             self.state.load(state, path, own=_same_file(path, self.checkpoint_path or ""))
             self.scheduler.load_state_dict(state["scheduler"])
@@ -259,8 +260,7 @@ class TrainingRun:
             return
         with meeting(f"the checkpoint of step {self.global_step} (in run.step_done() or run.end_epoch())"):
             model_and_optimizer = self.state.save(self.global_step, self.checkpoint_path)
-            if sums is None:
-                sums = self.meter.global_sums() if self.meter is not None else [0.0, 0.0, 0.0]
+            sums = self.meter.global_sums() if sums is None else sums
         if not self.env.is_main:
             return
         state = {"format": checkpoint.FORMAT, **model_and_optimizer, "scheduler": self.scheduler.state_dict(),
@@ -383,8 +383,8 @@ class TrainingRun:
 
     def record(self, record: dict):
         if self.args.metrics and self.env.is_main:
-            with open(self.args.metrics, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            with open(self.args.metrics, "a") as f:  # NaN (no evaluation, no top-5) as null: JSON has no NaN
+                f.write(json.dumps({key: None if value != value else value for key, value in record.items()}) + "\n")
 
     def finish(self):
         """The end-of-run record (rank 0), with the last evaluation."""

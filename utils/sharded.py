@@ -34,24 +34,24 @@ class ShardedState:
     def __init__(self, model, optimizer):
         self.model, self.optimizer = model, optimizer
         self.folder = self.param_groups = self.token = None  # the folder this run's checkpoint.pt names
-        self.metadata = None  # DCP's metadata of the folder to load, as check read it
         self.previous = None  # the folder it named before the last save
 
-    def check(self, state: dict, path: str, patience: float = 0.0):
-        """Before the collective load. `patience`: how long to look again for the folder's .metadata, which
-        rank 0 wrote before checkpoint.pt named the folder (every rank looked that name up, missing, as DCP's
-        save began: a node on NFS may answer from that view)."""
+    @staticmethod
+    def check(state: dict, path: str, patience: float = 0.0):
+        """Before the collective load, and by --check-args. `patience`: how long to look again for the folder's
+        .metadata, which rank 0 wrote before checkpoint.pt named the folder (every rank looked that name up,
+        missing, as DCP's save began: a node on NFS may answer from that view)."""
         check_kind(state, path, sharded=True)
         folder = sharded_folder(path, state["sharded"]["folder"])
         look_again(lambda: os.path.isfile(os.path.join(folder, _DCP_METADATA)), True, patience)
-        self.metadata = check_sharded_folder(folder)
+        check_sharded_folder(folder)
 
     def load(self, state: dict, path: str, own: bool = False):
         """A collective: the whole run fails alike if the shards do not fit. own: `path` is this
         run's own checkpoint.pt, whose folder a later save replaces."""
         shards = state["sharded"]
         folder = sharded_folder(path, shards["folder"])
-        load_sharded(self.model, self.optimizer, folder, shards["param_groups"], self.metadata)
+        load_sharded(self.model, self.optimizer, folder, shards["param_groups"], check_sharded_folder(folder))
         if own:
             self.folder, self.param_groups = shards["folder"], shards["param_groups"]
 
@@ -77,13 +77,25 @@ class ShardedState:
         self.previous = None
 
     def tidy(self, path: str):
-        """At the start (rank 0): the folders of saves that never became a checkpoint (a crash)."""
-        remove_unreferenced_shards(_directory(path), keep=self.kept(path))
+        """At the start (rank 0, in the folder it has locked): the folders of saves that never became a
+        checkpoint (a crash during a save, finished or not)."""
+        keep, directory = self.kept(path), _directory(path)
+        for entry in os.listdir(directory):
+            if entry.startswith(SHARDED_PREFIX) and entry not in keep:
+                shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
 
     def kept(self, path: str) -> set:
         """The folders beside checkpoint.pt (`path`) that stay: the one it names, and those that another
         checkpoint there names (a copy, or one renamed: best.pt, checkpoint.pt.bak; the one resumed from)."""
-        return named_folders(_directory(path)) | {self.folder}
+        names = {self.folder}
+        for entry in os.scandir(_directory(path)):
+            # Not .lock: closing a file that this process holds a lock on would release the lock.
+            if entry.name != LOCKNAME and entry.is_file():
+                with contextlib.suppress(Exception):  # not a checkpoint of ours
+                    # mmap: what a large file holds is not read (this runs at every save).
+                    state = torch.load(entry.path, map_location="cpu", weights_only=True, mmap=True)
+                    names.add(state["sharded"]["folder"])
+        return names
 
 
 def _directory(path: str) -> str:
@@ -303,24 +315,3 @@ def load_full(path: str) -> dict:
         start += len(group["params"])
     model = {key[len("model."):]: value for key, value in tensors.items() if key.startswith("model.")}
     return dict(state, model=model, optimizer={"state": optim_state, "param_groups": numbered})
-
-
-def named_folders(directory: str) -> set:
-    """The shard folders that the checkpoints in `directory` (its files, whatever their names) name."""
-    names = set()
-    for entry in os.scandir(directory):
-        # Not .lock: closing a file that this process holds a lock on would release the lock.
-        if entry.name != LOCKNAME and entry.is_file():
-            with contextlib.suppress(Exception):  # not a checkpoint of ours
-                # mmap: what a large file holds is not read (this runs at every save).
-                names.add(torch.load(entry.path, map_location="cpu", weights_only=True, mmap=True)["sharded"]["folder"])
-    return names
-
-
-def remove_unreferenced_shards(directory: str, keep=()):
-    """Delete the shard folders in `directory` but those in `keep`: what a crash during a sharded
-    save left behind, finished or not."""
-    if os.path.isdir(directory):
-        for entry in os.listdir(directory):
-            if entry.startswith(SHARDED_PREFIX) and entry not in keep:
-                shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
