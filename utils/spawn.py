@@ -177,9 +177,15 @@ class Supervisor:
         # nothing (a folder would stay; a multiprocessing queue's semaphores are reported as leaked).
         self.errors = os.path.join(tempfile.gettempdir(), f"distributed_mp-{os.getpid()}-{secrets.token_hex(6)}")
         self.args, self.workers, n = args, None, args.nproc_per_node
+        # As torchrun does: each process would take every core for its CPU work (OpenMP's default), and several
+        # on one node would slow each other down, on the CPU by tens of times. The workers read it as they start.
+        threads = n > 1 and "OMP_NUM_THREADS" not in os.environ
+        if threads:
+            os.environ["OMP_NUM_THREADS"] = "1"
         if args.node_rank == 0:
             print(f"starting {n} process{'es' if n > 1 else ''} on node 0 of {args.nodes} (world size "
-                  f"{args.nodes * n}), rendezvous at {args.init_method}", flush=True)
+                  f"{args.nodes * n}), rendezvous at {args.init_method}"
+                  + ("; OMP_NUM_THREADS=1 in each, as torchrun sets it" if threads else ""), flush=True)
         # From here on a refusal is a worker's, told by that worker (worker_exit), which exit_like raises here
         # again: told once more, after every worker is gone, it would hold the job's port for a store of its
         # own (a corrected rerun: "port in use") or leave a file:// refusal that would end the next run.
