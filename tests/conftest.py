@@ -312,6 +312,17 @@ PYTHON_DEFAULT_WARNINGS = [("default", DeprecationWarning, "__main__"), ("ignore
                            ("ignore", ResourceWarning, "")]
 
 
+def lock_descriptors() -> set:
+    """This process's open descriptors of a checkpoint folder's .lock (utils/checkpoint.py's lock_directory keeps
+    its own open, with its lock, until the process ends)."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{fd}").endswith("/.lock"):
+                found.add(int(fd))
+    return found
+
+
 def script_runner(monkeypatch, capture):
     """run(script, argv, **env) -> (exit status, stdout, stderr): the script's main behind
     lifecycle.run_main, in this process, as `python SCRIPT ARGV` runs it with the launcher's
@@ -322,7 +333,7 @@ def script_runner(monkeypatch, capture):
     import signal
 
     import torch
-    from utils import checkpoint, cli, lifecycle
+    from utils import cli, lifecycle
     freeze_the_imports()
     keep_on_cpu(monkeypatch)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -338,7 +349,7 @@ def script_runner(monkeypatch, capture):
             monkeypatch.setenv(key, str(value))
         monkeypatch.setattr(sys, "argv", [script])
         module = importlib.import_module(script[:-3])
-        code, threads, locks = 0, torch.get_num_threads(), len(checkpoint._held_locks)
+        code, threads, locks = 0, torch.get_num_threads(), lock_descriptors()
         torch.set_num_threads(1)  # as in the scripts' subprocesses (OMP_NUM_THREADS=1): the same sums
         with capture() as printed, warnings.catch_warnings():
             # Warnings printed on stderr, as `python SCRIPT` shows them (Python's default
@@ -359,8 +370,8 @@ def script_runner(monkeypatch, capture):
                 torch.set_num_threads(threads)
                 for sig, handler in saved.items():  # a run installs its stop handlers
                     signal.signal(sig, handler)
-                while len(checkpoint._held_locks) > locks:  # released as the program's exit releases them
-                    os.close(checkpoint._held_locks.pop())
+                for fd in lock_descriptors() - locks:  # released as the program's exit releases them
+                    os.close(fd)
         return (code, *printed())
     return run
 

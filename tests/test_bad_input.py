@@ -77,12 +77,26 @@ def test_collectives_tour_bad_input_exits_2(env):
 
 # --- outputs that cannot be written: refused before the first step --------------------------
 
-def test_unwritable_metrics_path_is_refused_before_training(run_in_process, tmp_path):
-    blocker = tmp_path / "a-file"
-    blocker.write_text("")
-    outcome = run_in_process("distributed.py", [*SMALL, "--metrics", blocker / "m.jsonl"])
-    assert_refused(outcome, "cannot write --metrics")
-    assert "epoch 1" not in outcome[1]  # nothing trained
+@pytest.mark.parametrize("flag, path", [
+    ("--metrics", "a-file/m.jsonl"), ("--metrics", "a-folder"), ("--tensorboard", "a-file/sub/tb"),
+    ("--profile", "a-file/trace"), ("--checkpoint-dir", "a-file"), ("--checkpoint-dir", "a-file/sub/ck"),
+    ("--checkpoint-dir", "/proc/self/ck")])
+def test_an_output_that_cannot_be_written_is_refused_before_training_and_by_check_args(run_in_process, tmp_path,
+                                                                                     flag, path):
+    """The run and --check-args (which makes nothing) refuse it in the same line, which names the file in the
+    way (not the path under it), or the folder that cannot be written."""
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "a-folder").mkdir()
+    target = tmp_path / path
+    why = {"a-file": f"{tmp_path / 'a-file'} is a file, not a directory", "a-folder": "Is a directory",
+           "/proc": "/proc/self is not writable"}[path.split("/")[0] or "/proc"]
+    lines = []
+    for check in (["--check-args"], []):
+        outcome = run_in_process("distributed.py", [*SMALL, flag, target, *check])
+        lines.append(assert_refused(outcome, f"cannot write {flag} {target}: {why}"))
+        assert "epoch 1" not in outcome[1]  # nothing trained
+    assert lines[0] == lines[1]
+    assert sorted(os.listdir(tmp_path)) == ["a-file", "a-folder"]  # nothing made
 
 
 @pytest.mark.parametrize("flag", ["--tensorboard", "--profile"])
@@ -92,22 +106,13 @@ def test_an_unwritable_observer_folder_under_torchrun_is_one_line_and_exit_2(tmp
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     proc = torchrun(2, "distributed.py", [*SMALL, flag, blocker / "out"], check=False, timeout=120)
-    line = f"distributed.py: error: cannot write {flag} {blocker / 'out'}: Not a directory"
+    line = f"distributed.py: error: cannot write {flag} {blocker / 'out'}: {blocker} is a file, not a directory"
     lines = [text for text in proc.stderr.splitlines() if text.strip()]
     assert lines[0] == line and sum(text == line for text in lines) == 1, proc.stderr  # one node: said once
     # torchrun's summary names a refusal (2), and no rank failed otherwise (1: a peer lost mid-collective).
     assert "exitcode  : 2" in proc.stderr and "exitcode  : 1" not in proc.stderr, proc.stderr
     assert "Connection closed" not in proc.stderr, proc.stderr
     assert "epoch 1" not in proc.stdout
-
-
-@pytest.mark.parametrize("make, fragment", [
-    (lambda p: (p.write_text(""), p)[1], "is a file, not a directory"),
-    (lambda p: "/proc/self/ck", "cannot create --checkpoint-dir"),  # unwritable even for root
-])
-def test_bad_checkpoint_dir_is_refused_before_training(run_in_process, tmp_path, make, fragment):
-    target = make(tmp_path / "ck")
-    assert_refused(run_in_process("distributed.py", [*SMALL, "--checkpoint-dir", target]), fragment)
 
 
 def test_unwritable_checkpoint_dir_is_refused_before_training(run_in_process, tmp_path):
@@ -196,8 +201,9 @@ def test_checkpoint_without_the_keys_a_run_needs_is_one_line(run_in_process, fin
     state = checkpoint.load(finished_run / "checkpoint.pt")
     del state["rng"], state["train_sums"]
     checkpoint.atomic_save(state, str(tmp_path / "partial.pt"))
-    assert_refused(run_in_process("distributed.py", [*SMALL, "--resume", tmp_path / "partial.pt"]),
-                   "lacks train_sums, rng")
+    for check in ([], ["--check-args"]):  # the same line from the check that a batch script runs first
+        assert_refused(run_in_process("distributed.py", [*SMALL, "--resume", tmp_path / "partial.pt", *check]),
+                       "lacks train_sums, rng")
 
 
 # --- data files are data --------------------------------------------------------------------

@@ -26,8 +26,8 @@ import uuid
 import pytest
 import torch
 
-from conftest import (ROOT, assert_one_line_error, assert_refused, assert_same_state, expect_ok, free_port, left_in,
-                      patched_on_import, private_tmpdir, read_metrics, run_script, subprocess_env)
+from conftest import (ROOT, SMALL, assert_one_line_error, assert_refused, assert_same_state, expect_ok, free_port,
+                      left_in, patched_on_import, private_tmpdir, read_metrics, run_script, subprocess_env)
 from utils import checkpoint, lifecycle
 from utils.run import StopSignal
 
@@ -784,6 +784,29 @@ def test_workers_stop_when_the_mp_spawn_parent_is_killed_while_they_start(tmp_pa
     assert not (tmp_path / "ck" / "checkpoint.pt").exists()
 
 
+def test_a_rank_started_by_hand_outlives_its_shell(tmp_path):
+    """A rank started by hand with the launcher's variables, `nohup python distributed.py ... &`, in a shell that
+    then exits: its parent was never a launcher, whose death would stop it (torchrun's agent, the mp.spawn
+    parent). It trains to its end."""
+    log, lock, tag = tmp_path / "log", tmp_path / "ck" / ".lock", uuid.uuid4().hex
+    by_hand = dict(RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, LOCAL_WORLD_SIZE=1, MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=free_port(), **{TAG: tag})
+    # The shell exits once the rank holds its checkpoint folder: past its setup, where a launcher is watched.
+    shell = subprocess.run(["bash", "-c", f"nohup {sys.executable} distributed.py {' '.join(TINY)} "
+                            f"--train-samples 8192 --checkpoint-dir {lock.parent} > {log} 2>&1 & "
+                            f"until [ -e {lock} ] || ! kill -0 $!; do sleep 0.1; done"],
+                           cwd=ROOT, env=subprocess_env(**by_hand), capture_output=True, text=True, timeout=120)
+    assert shell.returncode == 0 and lock.exists(), (shell, log.read_text())
+    try:
+        deadline = time.monotonic() + 240
+        while tagged_pids(tag) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        output = log.read_text()
+        assert "done: 256 steps" in output and "stopping" not in output, output
+    finally:
+        _kill_tagged(tag)
+
+
 def _watch_then_exit():
     from utils import lifecycle
     lifecycle.watch_launcher(poll_s=0.05)
@@ -846,6 +869,19 @@ def test_a_group_of_one_agrees_on_a_stop_without_a_collective(monkeypatch):
             stop.close()
     finally:
         dist.destroy_process_group()
+
+
+def test_a_rank_whose_peer_never_comes_on_one_node_says_so_in_one_line():
+    """Rank 0 of two on one node, the other never started: the store's own wait ends at --dist-timeout with a
+    DistStoreError, said in one line with the cause, status 1, not a traceback through init_process_group."""
+    env = subprocess_env(RANK=0, LOCAL_RANK=0, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2, MASTER_ADDR="127.0.0.1",
+                         MASTER_PORT=free_port())
+    proc = run_script(["distributed.py", *SMALL, "--dist-timeout", "3"], check=False, timeout=120, env=env)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith("distributed.py: error: rank 0 could not join the gloo process group (DistStoreError: ")
+    assert lines[0].endswith("another rank did not come in time (it failed or was slow to start): "
+                             "scripts/preflight.py checks each node's network"), lines[0]
 
 
 def test_a_rank_that_could_not_join_exits_once_its_store_watcher_is_back(monkeypatch, capsys):

@@ -19,7 +19,6 @@ FORMAT = "multi-gpu-training-checkpoint/1"
 FILENAME = "checkpoint.pt"
 LOCKNAME = ".lock"
 RUN_TAG = ", torchrun run {}"  # how a lock line ends under torchrun: --check-args tells this job from another by it
-_held_locks = []  # open descriptors of the locks this process holds, until it exits
 
 
 def atomic_save(obj, path: str):
@@ -119,6 +118,25 @@ def load(path: str) -> dict:
     return state
 
 
+def writable(flag: str, path: str, make: bool = True, file: bool = False):
+    """`path` (a folder, or with `file` a file in one) made where this process can write, or a UsageError naming
+    why (the first of its parents that is a file, one it cannot write). make=False (--check-args): nothing made."""
+    existing = folder = os.path.dirname(os.path.abspath(path)) if file else os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    why = (f"{existing} is a file, not a directory" if not os.path.isdir(existing) else
+           f"{existing} is not writable" if not os.access(existing, os.W_OK | os.X_OK) else None)
+    try:
+        if make and not why:
+            os.makedirs(folder, exist_ok=True)
+        if file and not why and (make or os.path.exists(path)):
+            open(path, "a").close()  # nothing written: an empty file made, or one there opened
+    except OSError as exc:
+        why = exc.strerror
+    if why:
+        raise UsageError(f"cannot write {flag} {path}: {why}")
+
+
 def lock_directory(directory: str, take: bool = True):
     """`directory` this run's alone while this process lives (UsageError for a second run, or a folder that cannot
     be made or written; a warning where its file system has no locks): a POSIX record lock (fcntl.lockf) on
@@ -127,17 +145,10 @@ def lock_directory(directory: str, take: bool = True):
     the holder, named in a refusal and compared by the other nodes. take=False, a check before the run: nothing
     made or written, a .lock tested with a shared lock (checks on several nodes pass each other): None, or the
     line of this torchrun job (its run id ends it: a node that joins the job, or comes back), which passes."""
+    writable("--checkpoint-dir", directory, make=take)
     if not take and not os.path.isfile(os.path.join(directory, LOCKNAME)):
-        return None  # no run has held it (the run makes the folder, and says why it cannot)
+        return None  # no run has held it
     try:
-        os.makedirs(directory, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise UsageError(f"--checkpoint-dir {directory} is a file, not a directory") from None
-    except OSError as exc:
-        raise UsageError(f"cannot create --checkpoint-dir {directory}: {exc.strerror}") from None
-    try:
-        if not os.access(directory, os.W_OK | os.X_OK):
-            raise PermissionError(errno.EACCES, "Permission denied")
         fd = os.open(os.path.join(directory, LOCKNAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
     except OSError as exc:
         raise UsageError(f"--checkpoint-dir {directory} is not writable: {exc.strerror}") from None
@@ -166,7 +177,6 @@ def lock_directory(directory: str, take: bool = True):
     os.pwrite(fd, f"{line}\n".encode(), 0)
     with contextlib.suppress(OSError):  # a file system without fsync (some FUSE mounts)
         os.fsync(fd)
-    _held_locks.append(fd)
     return line
 
 
@@ -186,10 +196,16 @@ def look_again(look, want, patience: float):
 
 
 def check_kind(state: dict, path: str, sharded: bool):
-    """A checkpoint resumes in the kind of script that wrote it: sharded across ranks (FSDP), or whole."""
+    """A complete checkpoint of these scripts, resumed by the kind of script that wrote it: sharded across ranks
+    (FSDP), or whole."""
     if ("sharded" in state) != sharded:
         raise UsageError(f"checkpoint {path} is {'not ' * sharded}sharded: resume it with the script that wrote it "
                          f"({state.get('strategy', 'unknown')})")
+    needed = ("sharded",) if sharded else ("model", "optimizer")
+    if missing := [key for key in (*needed, "scheduler", "epoch", "step_in_epoch", "global_step", "train_sums",
+                                   "rng") if key not in state]:
+        raise UsageError(f"checkpoint {path} lacks {', '.join(missing)}: it is not a complete checkpoint of these "
+                         "scripts")
 
 
 class WholeState:
@@ -197,7 +213,6 @@ class WholeState:
     state_dicts in checkpoint.pt (utils/sharded.py: sharded across ranks). TrainingRun calls check(state,
     path) before the ranks agree to resume, load() after, save(step, path) on every rank (rank 0's result
     is written), saved(path) once checkpoint.pt names it, and tidy(path) when the run starts (rank 0)."""
-    needed = ("model", "optimizer")
 
     def __init__(self, model, optimizer):
         self.model, self.optimizer = model, optimizer

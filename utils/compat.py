@@ -21,9 +21,8 @@ def buffers_synced_once(model: torch.nn.Module) -> dict:
     it on every rank, just before DDP(...): before 2.13 it is a collective."""
     if _DDP_HAS_FORWARD_SYNC_BUFFERS:
         return {"forward_sync_buffers": False}
-    if dist.is_available() and dist.is_initialized():
-        for buffer in model.buffers():
-            dist.broadcast(buffer.data, src=0)  # all ranks meet here, as in DDP's constructor
+    for buffer in model.buffers():
+        dist.broadcast(buffer.data, src=0)  # all ranks meet here, as in DDP's constructor
     return {"broadcast_buffers": False}
 
 

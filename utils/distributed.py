@@ -271,13 +271,13 @@ def joining(job: DistEnv, timeout_s: float, backend: str):
                 raise SystemExit(1)
             yield
     except RuntimeError as err:  # torch's DistError and its kinds are RuntimeErrors
-        if not job.several_nodes:
-            raise
-        # Under torchrun the ranks' store is at a port it picks on node 0, and gloo and NCCL listen on
-        # ports of their own: a firewall that lets only the endpoint's port through stops here.
+        # The store's and the backend's own waits end at --dist-timeout, before the deadline above: a rank that
+        # did not come. Several nodes: under torchrun the ranks' store is at a port it picks on node 0, and gloo
+        # and NCCL listen on ports of their own: a firewall that lets only the endpoint's port through stops here.
+        why = ("the nodes must reach each other on every TCP port, not only the rendezvous endpoint's" if
+               job.several_nodes else "another rank did not come in time (it failed or was slow to start)")
         print_line(error_line(f"rank {job.rank} could not join the {backend} process group ({type(err).__name__}: "
-                              f"{first_line(err)}); the nodes must reach each other on every TCP port, not only "
-                              "the rendezvous endpoint's: scripts/preflight.py checks each node's network"))
+                              f"{first_line(err)}); {why}: scripts/preflight.py checks each node's network"))
         raise SystemExit(1) from None
     finally:
         # Stopped first: a watcher in a store call at exit meets a finalizing interpreter: SIGABRT (seen once).

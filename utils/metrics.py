@@ -45,10 +45,6 @@ class TrainMeter:
         self.norms[0] += torch.where(finite, norm.to(self.norms.dtype), 0.0)
         self.norms[1] += finite
 
-    def local_loss(self) -> float:
-        loss_sum, _, n = self.sums.tolist()
-        return loss_sum / max(n, 1)
-
     def global_sums(self) -> list:
         """[loss x samples, correct, samples] over all ranks (an all-reduce the caller names), then this rank's
         [norm sum, count]: not summed, DDP's averaged gradient has the same norm on every rank."""

@@ -55,12 +55,20 @@ def _same_file(a: str, b: str) -> bool:
 def validated(args, check, state=checkpoint.WholeState) -> Plan:
     """check(args) -> Plan, or a UsageError: the run's every refusal that needs no process group, data or model
     (a batch that does not split, a device this machine lacks, a network on which the groups cannot form,
-    contradicting flags). --check-args (what scripts/slurm.sbatch runs before srun) adds the refusals of
-    --checkpoint-dir and --resume (`state`: the kind of the script's checkpoints), then stops. Not checked: what
-    needs the data or the optimizer (the data's size, a flag that the script's optimizer lacks)."""
+    contradicting flags). --check-args (what scripts/slurm.sbatch runs before srun) adds, as a new launch's, the
+    refusals of the outputs, --checkpoint-dir and --resume (a path it cannot write, a folder another run holds, a
+    checkpoint it would overwrite, of another kind (`state`) or incomplete, a changed recipe), then stops. Not
+    checked: what needs the data or the optimizer (the data's size, a flag that the script's optimizer lacks)."""
     plan = check(args)
     if args.check_args:
-        _check_checkpoints(args, state)
+        for flag, path, file in _outputs(args):
+            checkpoint.writable(flag, path, make=False, file=file)
+        saved = os.path.join(args.checkpoint_dir, checkpoint.FILENAME) if args.checkpoint_dir else None
+        # A folder that its own job holds (a node that joins it, or comes back): the run checks the job's checkpoint.
+        if not (args.checkpoint_dir and checkpoint.lock_directory(args.checkpoint_dir, take=False)) and \
+                (path := _resume_choice(args, bool(saved) and os.path.isfile(saved), restarts=False)[0]):
+            state.check(loaded := checkpoint.load(path), path)
+            _check_recipe(args, loaded, path)
         n = plan.world_size
         print(f"arguments OK for {n} process{'es' if n != 1 else ''}" + (f" ({plan.read})" if plan.read else ""),
               flush=True)
@@ -68,15 +76,12 @@ def validated(args, check, state=checkpoint.WholeState) -> Plan:
     return plan
 
 
-def _check_checkpoints(args, kind):
-    """--check-args: the run's refusals of --checkpoint-dir and --resume, as a new launch's: a folder another run
-    holds, a checkpoint it would overwrite, of another kind or incomplete, a changed recipe."""
-    if args.checkpoint_dir and checkpoint.lock_directory(args.checkpoint_dir, take=False):
-        return  # its own job holds it: the job's checkpoint, which the run checks
-    saved = os.path.join(args.checkpoint_dir, checkpoint.FILENAME) if args.checkpoint_dir else None
-    if path := _resume_choice(args, bool(saved) and os.path.isfile(saved), restarts=False)[0]:
-        kind.check(state := checkpoint.load(path), path)
-        _check_recipe(args, state, path)
+def _outputs(args, main: bool = True) -> list:
+    """(flag, path, whether a file) of the outputs given but --checkpoint-dir: --profile's, which every rank
+    writes (nodes may not share it), and rank 0's (`main`)."""
+    given = [("--profile", getattr(args, "profile", None)), ("--metrics", main and args.metrics),
+             ("--tensorboard", main and getattr(args, "tensorboard", None))]
+    return [(flag, path, flag == "--metrics") for flag, path in given if path]
 
 
 def _resume_choice(args, exists: bool, restarts: bool):
@@ -164,20 +169,11 @@ class TrainingRun:
         makes sure that it, --metrics and --tensorboard can be written, every rank its --profile folder (nodes
         may not share it); every rank learns the outcome: all stop together, the failing node saying why."""
         args, error, line = self.args, None, None
-        outputs = [("--profile", getattr(args, "profile", None), None)]
-        if self.env.is_main:
-            outputs += [("--metrics", args.metrics and os.path.dirname(os.path.abspath(args.metrics)), args.metrics),
-                        ("--tensorboard", getattr(args, "tensorboard", None), None)]
         try:
             if self.env.is_main and args.checkpoint_dir:
                 line = checkpoint.lock_directory(args.checkpoint_dir)
-            for flag, folder, file in (output for output in outputs if output[1]):  # the flags given
-                try:
-                    os.makedirs(folder, exist_ok=True)
-                    if file:
-                        open(file, "a").close()
-                except OSError as exc:
-                    raise UsageError(f"cannot write {flag} {file or folder}: {exc.strerror or exc}") from None
+            for flag, path, file in _outputs(args, self.env.is_main):
+                checkpoint.writable(flag, path, file=file)
         except UsageError as exc:
             error = exc
             error.met_by = "node"
@@ -212,8 +208,6 @@ class TrainingRun:
 
     # --- resume -------------------------------------------------------------------
 
-    _NEEDED = ("scheduler", "epoch", "step_in_epoch", "global_step", "train_sums", "rng")
-
     def _resume(self, path):
         error = state = None
         try:
@@ -224,9 +218,6 @@ class TrainingRun:
                 print0(f"torchrun restart: resuming from {path}")
             self.state.check(state, path, self._patience)
             _check_recipe(self.args, state, path)
-            if missing := [key for key in (*self.state.needed, *self._NEEDED) if key not in state]:
-                raise UsageError(f"checkpoint {path} lacks {', '.join(missing)}: it is not a complete "
-                                 "checkpoint of these scripts")
             # Your own data that gained or lost samples: each epoch's order is a permutation of the set's size, so
             # the resumed position would name other samples, and the schedule other steps.
             if state.get("train_size", self.train_size) != self.train_size:
@@ -328,7 +319,8 @@ class TrainingRun:
             # Training ends here: stop the clock before the script's evaluation, so images/s measures training.
             self._timing = self.timer.stop()
         if self._bar is not None and self.global_step % self.args.log_every == 0:
-            self._bar.set_postfix(loss=f"{self.meter.local_loss():.3f}")  # one device sync
+            loss_sum, _, n = self.meter.sums.tolist()  # this rank's: one device sync
+            self._bar.set_postfix(loss=f"{loss_sum / max(n, 1):.3f}")
         # Where the epoch ends, end_epoch checkpoints: once a step, the step's file is written.
         saved = bool(self.args.checkpoint_every) and self.global_step % self.args.checkpoint_every == 0 and not ends
         if saved:

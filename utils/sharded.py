@@ -29,8 +29,6 @@ class ShardedState:
     """checkpoint.WholeState's kind for a model and optimizer sharded across ranks (FSDP): the
     shards in a folder of their own beside checkpoint.pt, which names it."""
 
-    needed = ("sharded",)
-
     def __init__(self, model, optimizer):
         self.model, self.optimizer = model, optimizer
         self.folder = self.param_groups = self.token = None  # the folder this run's checkpoint.pt names
