@@ -22,6 +22,7 @@ autocast inside each GPU's thread. What it shares with them (data, evaluation,
 checkpoints, metrics) is the same code in utils/.
 """
 import argparse
+import os
 
 import torch
 import torch.nn as nn
@@ -74,9 +75,11 @@ def check(args) -> cli.Plan:
     runs exactly this."""
     device_ids = pick_gpus(args.gpus, args.device)
     device_type = "cuda" if device_ids else "cpu"
-    if args.local_rank is not None:
-        raise cli.UsageError(f"--local-rank {args.local_rank}: this script is one process that no launcher "
-                             "starts; run it with plain python")
+    # Started by torchrun (WORLD_SIZE: a launcher's, as the other scripts read it) or torch.distributed.launch
+    # (--local-rank), N copies would each train the whole run on every GPU, into the same files.
+    if args.local_rank is not None or "WORLD_SIZE" in os.environ:
+        raise cli.UsageError("this script is one process that no launcher starts (it drives every GPU itself): "
+                             "run it with plain python, without torchrun or --local-rank")
     if cli.given(args, "dist_timeout"):
         raise cli.UsageError("--dist-timeout bounds a wait for another process; this script is one process "
                              "and joins no process group: leave it out")
@@ -133,8 +136,6 @@ def train(args, env, per_process_batch, device_ids, amp_dtype):
     run = TrainingRun(args, env, model, optimizer, scheduler, train_size=len(train_set),
                       strategy="dataparallel", scaler=scaler,  # resumes here with --resume
                       extra_record={"gpus": len(device_ids), "amp": args.amp or "fp32"})
-    # Evaluation runs the unwrapped model in this thread: autocast is entered here.
-    eval_autocast = (lambda: torch.amp.autocast(env.device.type, dtype=amp_dtype)) if amp_dtype else None
 
     # --- training loop ----------------------------------------------------------------
     for epoch in run.epochs():
@@ -158,8 +159,9 @@ def train(args, env, per_process_batch, device_ids, amp_dtype):
             run.meter.update(loss.detach(), logits.detach(), targets)
             if run.step_done():  # counts the step, checkpoints when due; True when training ends
                 break
-        # Evaluate the unwrapped model on the first GPU: exact, see metrics.evaluate.
-        run.end_epoch(metrics.evaluate(model, test_loader, env.device, autocast=eval_autocast, inputs=to_model))
+        # Evaluate forward_model (with --amp, under autocast), not DataParallel, on the first GPU: exact, see
+        # metrics.evaluate.
+        run.end_epoch(metrics.evaluate(forward_model, test_loader, env.device, inputs=to_model))
     run.finish()
 
 

@@ -92,10 +92,10 @@ def train(args, env, per_device_batch, precision):
     if env.device.type == "cuda":
         # What autocast leaves in float32 (and all of an O0 run) may use TF32 tensor cores
         # on Ampere and later: float32 range, 10-bit mantissa in the multiply, float32 sums.
+        # Convolutions do by default (torch.backends.cudnn.allow_tf32); matrix multiplies from here.
         # (The newer spelling is fp32_precision = "tf32"; set TF32 one way only: reading
         # allow_tf32 after setting fp32_precision raises.)
         torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
 
     # --- data -------------------------------------------------------------------------
     train_set, test_set = data.build_datasets(args, env)

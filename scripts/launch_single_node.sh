@@ -24,10 +24,10 @@ SCRIPT_ARGS=(--batch-size 128 --epochs 200 --checkpoint-dir checkpoints/single_n
 # The repository's virtual environment (make venv) when there is one.
 PYTHON=${PYTHON:-$(test -x .venv/bin/python && echo .venv/bin/python || echo python3)}
 
-# The one training flag this script reads itself: --device cpu (among the extra flags) trains
-# on the CPU even where there are GPUs, so auto counts CPU processes then, not GPUs.
+# The one training flag this script reads itself: --device cpu (in SCRIPT_ARGS or the extra flags)
+# trains on the CPU even where there are GPUs, so auto counts CPU processes then, not GPUs.
 device=auto
-args=("$@")
+args=("${SCRIPT_ARGS[@]}" "$@")
 for ((i = 0; i < ${#args[@]}; i++)); do
   case "${args[i]}" in
     --device=*) device=${args[i]#--device=} ;;

@@ -34,5 +34,6 @@ fi
 rm -rf runs/quickstart runs/quickstart.jsonl
 mkdir -p runs
 set -x
-$PY -m torch.distributed.run --standalone --nproc_per_node="$nproc" distributed.py \
+# exec: a stop signal to this script (make passes SIGTERM to it) reaches torchrun, which stops its workers.
+exec $PY -m torch.distributed.run --standalone --nproc_per_node="$nproc" distributed.py \
   "${dataset[@]}" "${budget[@]}" --metrics runs/quickstart.jsonl --checkpoint-dir runs/quickstart

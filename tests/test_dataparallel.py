@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dataparallel
-from conftest import SMALL, assert_refused, expect_ok, read_metrics, run_script, subprocess_env
+from conftest import SMALL, assert_refused, expect_ok, read_metrics, run_script, subprocess_env, torchrun
 from models import build_model
 from test_distributed_script import assert_same_training_state, with_flag
 
@@ -135,6 +135,20 @@ def test_resume_continues_with_the_exact_next_batch(tmp_path):
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 def test_gpus_without_gpus_is_one_line_and_exit_2(run_in_process):
     assert_refused(run_in_process("dataparallel.py", [*SMALL, "--gpus", "0,1"]), "--gpus 0,1", "none is visible")
+
+
+def test_under_torchrun_it_refuses_in_one_line_and_trains_nothing(tmp_path):
+    """torchrun sets WORLD_SIZE and passes no flag: 2 copies would each train the whole run, into one --metrics
+    file and one --checkpoint-dir."""
+    metrics = tmp_path / "metrics.jsonl"
+    proc = torchrun(2, "dataparallel.py", [*SMALL, "--metrics", metrics, "--checkpoint-dir", tmp_path / "ck"],
+                    check=False, timeout=120)
+    line = ("dataparallel.py: error: this script is one process that no launcher starts (it drives every GPU "
+            "itself): run it with plain python, without torchrun or --local-rank")
+    lines = [text for text in proc.stderr.splitlines() if text.strip()]
+    assert lines[0] == line and lines.count(line) == 1, proc.stderr  # rank 0's line; then torchrun's summary
+    assert "exitcode  : 2" in proc.stderr and "exitcode  : 1" not in proc.stderr, proc.stderr
+    assert not metrics.exists() and not (tmp_path / "ck").exists()
 
 
 def test_gpu_list_rejects_duplicates_and_unknown_ids(monkeypatch):

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -64,6 +65,44 @@ def test_single_node_launcher_uses_every_gpu(tmp_path):
     expect(proc.wait(600))
     final = read_metrics(metrics)[-1]
     assert final["world_size"] == gpus and final["device"] != "cpu"
+
+
+def _running(pid) -> bool:
+    """Whether process `pid` is alive: not gone, and not a zombie that nobody has reaped yet."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_quickstart_stopped_stops_its_workers(tmp_path):
+    """`make train` runs bash scripts/quickstart.sh, and a SIGTERM to make goes on to that process alone. It must
+    be torchrun by then, which stops its workers: a shell would die and leave them training. A copy in tmp_path
+    (it empties its runs/), whose .venv/bin/python answers the GPU count (none) and the download (failed) without
+    torch or the network, and whose distributed.py waits."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts/quickstart.sh", tmp_path / "scripts")
+    python = tmp_path / ".venv/bin/python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/bash\ncase "$*" in *device_count*) echo 0; exit ;; *torchvision*) exit 1 ;; esac\n'
+                      f'exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    (tmp_path / "distributed.py").write_text("import os, time\nopen(f'worker.{os.getpid()}', 'w').close()\n"
+                                             "time.sleep(120)\n")
+    proc = Proc([tmp_path / "scripts/quickstart.sh"], program=["bash"])
+    try:
+        deadline = time.time() + 60
+        while len(workers := [int(p.suffix[1:]) for p in tmp_path.glob("worker.*")]) < 2 and time.time() < deadline:
+            time.sleep(0.1)
+        assert len(workers) == 2, proc.output()
+        proc.popen.send_signal(signal.SIGTERM)  # what make does
+        deadline = time.time() + 20  # torchrun passes it on at once
+        while any(map(_running, workers)) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not any(map(_running, workers)), proc.output()
+    finally:
+        proc.kill()  # whatever it left behind
 
 
 # --- stand-ins for the commands of other machines -----------------------------------------
@@ -372,16 +411,24 @@ def test_slurm_without_a_venv_says_how_to_make_one(stubs, tmp_path):
     assert calls() == []
 
 
-@pytest.mark.parametrize("checkpoints, given", [(True, "env"), (True, "flag"), (True, "flag="), (False, "env")])
+@pytest.mark.parametrize("checkpoints, given", [(True, "env"), (True, "flag"), (True, "flag="), (False, "env"),
+                                                (True, "SCRIPT_ARGS")])
 def test_slurm_time_limit_signal_checkpoints_then_requeues(stubs, tmp_path, checkpoints, given):
-    """The checkpoint folder named by CHECKPOINT_DIR, or by a --checkpoint-dir among the extra
-    flags (which the training takes, being the last): the batch script watches that folder."""
+    """The checkpoint folder named by CHECKPOINT_DIR, by a --checkpoint-dir among the extra flags
+    (which the training takes, being the last), or by one edited into SCRIPT_ARGS: the batch script
+    watches that folder. Run in tmp_path: the default folder is checkpoints/4242 there."""
     env, calls = stubs
     mode = "until-signalled-then-checkpoint" if checkpoints else "until-signalled"
     folder = tmp_path / "ck"
-    extra = {"env": [], "flag": ["--checkpoint-dir", str(folder)], "flag=": [f"--checkpoint-dir={folder}"]}[given]
+    extra = {"flag": ["--checkpoint-dir", str(folder)], "flag=": [f"--checkpoint-dir={folder}"]}.get(given, [])
     env = dict(env, STUB_SRUN=mode, **SLURM_ENV, **({"CHECKPOINT_DIR": str(folder)} if given == "env" else {}))
-    batch = subprocess.Popen(["bash", "scripts/slurm.sbatch", *extra], cwd=ROOT, env=env,
+    script = ROOT / "scripts/slurm.sbatch"
+    if given == "SCRIPT_ARGS":  # as a user edits the block that the header invites them to
+        text = script.read_text()
+        assert text.count('--checkpoint-dir "$CHECKPOINT_DIR"') == 1
+        script = tmp_path / "slurm.sbatch"
+        script.write_text(text.replace('--checkpoint-dir "$CHECKPOINT_DIR"', f"--checkpoint-dir {folder}"))
+    batch = subprocess.Popen(["bash", script, *extra], cwd=tmp_path, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         pid_file = env["STUB_LOG"] + ".srun_pid"
@@ -401,7 +448,7 @@ def test_slurm_time_limit_signal_checkpoints_then_requeues(stubs, tmp_path, chec
         assert batch.returncode == 0, output
         assert [(c["cmd"], c["argv"]) for c in calls()][3:] == [*stop, ("scontrol", ["requeue", "4242"])]
         assert (folder / "checkpoint.pt").exists() and not (folder / ".stop-requested").exists()
-        assert not (ROOT / "checkpoints" / "4242").exists()  # nothing looked for (or left) in the default
+        assert not (tmp_path / "checkpoints").exists()  # nothing looked for (or left) in the default
     else:
         assert batch.returncode == 1 and "did not write its stop checkpoint" in output, output
         assert [(c["cmd"], c["argv"]) for c in calls()][3:] == stop
@@ -418,11 +465,16 @@ def test_slurm_refuses_a_resume_path(stubs, tmp_path, resume):
     assert calls() == []  # nothing started
 
 
-def test_single_node_launcher_counts_cpu_processes_for_device_cpu(stubs):
+def test_single_node_launcher_counts_cpu_processes_for_device_cpu(stubs, tmp_path):
     env, calls = stubs
-    for args, gpus, nproc in ((["--epochs", "3"], "4", "4"), (["--device", "cpu"], "4", "2"),
-                              (["--device=cpu"], "4", "2"), ([], "0", "2")):
-        proc = launch("scripts/launch_single_node.sh", dict(env, STUB_GPUS=gpus), *args)
+    # In SCRIPT_ARGS too: a copy (in tmp_path/scripts) with --device cpu edited into that block, as a user would.
+    (tmp_path / "scripts").mkdir()
+    text = (ROOT / "scripts/launch_single_node.sh").read_text()
+    assert text.count("SCRIPT_ARGS=(") == 1
+    (tmp_path / "scripts/launch_single_node.sh").write_text(text.replace("SCRIPT_ARGS=(", "SCRIPT_ARGS=(--device cpu "))
+    for root, args, gpus, nproc in ((ROOT, ["--epochs", "3"], "4", "4"), (ROOT, ["--device", "cpu"], "4", "2"),
+                                    (ROOT, ["--device=cpu"], "4", "2"), (ROOT, [], "0", "2"), (tmp_path, [], "4", "2")):
+        proc = launch(str(root / "scripts/launch_single_node.sh"), dict(env, STUB_GPUS=gpus), *args)
         assert proc.returncode == 0, proc.stderr
         launcher, script, script_args = script_and_args(calls()[-1]["argv"])
         assert f"--nproc_per_node={nproc}" in launcher, (args, launcher)

@@ -77,7 +77,7 @@ class DeviceEvalLoader:
 
     The last batch is filled up with zero images whose target is PAD_TARGET, which
     metrics.evaluate leaves out of every sum: each sample is still counted once, and
-    cudnn's algorithm choice (or a compiled graph) never meets a second batch shape.
+    cudnn's algorithm choice never meets a second batch shape.
     """
 
     def __init__(self, test_set: data.TestImages, batch_size: int, env):

@@ -31,7 +31,8 @@ def cpu_autocast_works(dtype: torch.dtype) -> bool:
 
 
 def cuda_bf16_native(device=None) -> bool:
-    """Whether the GPU computes bfloat16 in hardware (Ampere or newer).
+    """Whether the GPU computes bfloat16 in hardware: NVIDIA's from Ampere on. Under ROCm the capability
+    is the gfx architecture (9.4: gfx942), so every AMD GPU passes, as torch.cuda.is_bf16_supported() has it.
 
     torch.cuda.is_bf16_supported() also answers True on older GPUs (Volta, Turing),
     where bfloat16 is emulated in float32 arithmetic: it runs, but slower than float16
@@ -39,14 +40,6 @@ def cuda_bf16_native(device=None) -> bool:
     if not torch.cuda.is_available():
         return False
     return torch.cuda.get_device_capability(device) >= BF16_MIN_CAPABILITY
-
-
-def default_amp(device_type: str) -> str:
-    """--amp when none is given: bf16 where it is native (no GradScaler, float32's range),
-    fp16 on older GPUs, bf16 on the CPU."""
-    if device_type == "cuda" and not cuda_bf16_native():
-        return "fp16"
-    return "bf16"
 
 
 def autocast_dtype(name: str, device_type: str) -> torch.dtype:
@@ -103,9 +96,9 @@ def choose_precision(args, device_type: str) -> Precision:
         raise UsageError("--opt-level O3 (pure float16, no float32 master weights) has no torch.amp "
                          "equivalent: use O1 or O2 (autocast + GradScaler), or an apex with apex.amp")
     if name is None and args.opt_level != "O0":  # O0: float32 throughout, no autocast
-        # apex's O1/O2 are float16 levels; with neither flag, bf16 where the hardware has it
-        # (no loss scaling needed), fp16 on older GPUs.
-        name = "fp16" if args.opt_level else default_amp(device_type)
+        # apex's O1/O2 are float16 levels; with neither flag, bf16 (no loss scaling needed) on
+        # the CPU and where the GPU has it in hardware, fp16 on older GPUs.
+        name = "fp16" if args.opt_level or device_type == "cuda" and not cuda_bf16_native() else "bf16"
         if not args.opt_level:
             print0(f"no --amp given: using {name} on the {'CPU' if device_type == 'cpu' else 'GPU'}")
     dtype = autocast_dtype(name, device_type) if name else None
