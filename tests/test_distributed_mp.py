@@ -324,8 +324,8 @@ def test_a_refusal_then_the_corrected_command_run_again_and_again(tmp_path, meet
     runs = [start_two_nodes(iface, *meet_flags)]  # at once, as node 0 may still be ending
     code_0, _, err_0 = ended(node_0)
     assert (code_0, code_1) == (2, 2), err_0 + err_1
-    assert err_0.splitlines() == [f"distributed_mp.py: error: --checkpoint-dir {not_a_folder} is a file, "
-                                  "not a directory"], err_0
+    assert err_0.splitlines() == [f"distributed_mp.py: error: cannot write --checkpoint-dir {not_a_folder}: it is a "
+                                  "file, not a directory"], err_0
     assert len(err_1.splitlines()) == 1, err_1  # that rank 0 refused, once
     for run in range(2 if meet == "file" else 1):
         if run:

@@ -124,8 +124,9 @@ def writable(flag: str, path: str, make: bool = True, file: bool = False):
     existing = folder = os.path.dirname(os.path.abspath(path)) if file else os.path.abspath(path)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
-    why = (f"{existing} is a file, not a directory" if not os.path.isdir(existing) else
-           f"{existing} is not writable" if not os.access(existing, os.W_OK | os.X_OK) else None)
+    where = "it" if existing == os.path.abspath(path) else existing  # the path itself, or a folder above it
+    why = (f"{where} is a file, not a directory" if not os.path.isdir(existing) else
+           f"{where} is not writable" if not os.access(existing, os.W_OK | os.X_OK) else None)
     try:
         if make and not why:
             os.makedirs(folder, exist_ok=True)

@@ -53,9 +53,8 @@ class Observers:
         partial = "" if self._step == self._window[-1] else " (the run ended inside the window)"
         first = self._window[0] - WAIT_STEPS - WARMUP_STEPS  # the step the profiler calls ProfilerStep#0
         print0(f"--profile: traced steps {self._window[0]} to {self._step} (ProfilerStep#{self._window[0] - first} to "
-               f"#{self._step - first}){partial} in "
-               f"{os.path.join(self.profile_dir, 'trace-rank*.json')}: open one in "
-               "https://ui.perfetto.dev or chrome://tracing")
+               f"#{self._step - first}){partial} in {os.path.join(self.profile_dir, 'trace-rank*.json')}: open one "
+               "in https://ui.perfetto.dev or chrome://tracing")
 
     def step(self, global_step: int):
         if self._profiler is not None:
