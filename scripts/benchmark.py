@@ -64,7 +64,7 @@ from utils import cli, data, device_data, lifecycle, metrics, precision  # noqa:
 from utils.data import NUM_CLASSES  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))  # also when this file is imported from elsewhere (tests)
-from preflight import cpu_model  # noqa: E402
+from preflight import PREFETCH, cpu_model  # noqa: E402  (PREFETCH: batches per loader worker)
 from torchrun_bounded import live_children  # noqa: E402
 
 EPOCH_IMAGES = 50_000  # one CIFAR-100 training epoch: a row's epoch is the whole global batches it holds
@@ -490,7 +490,6 @@ def resolve_plan(args) -> Plan:
 # The shared memory one loader sample takes: a uint8 3x32x32 image (normalised later, on the
 # device) and an int64 label.
 LOADER_SAMPLE_BYTES = 3 * 32 * 32 + 8
-PREFETCH_BATCHES = 2  # per loader worker: DataLoader's default prefetch_factor, which utils/data.py keeps
 
 
 def row_workers(row, plan: Plan) -> tuple:
@@ -515,14 +514,14 @@ def row_workers(row, plan: Plan) -> tuple:
 
 def workers_that_fit(wanted: int, procs: int, per_device_batch: int, free) -> int:
     """`wanted` loader workers per process, or fewer if the batches that they may hold in
-    shared memory at once would not fit in its `free` bytes: PREFETCH_BATCHES per worker of
+    shared memory at once would not fit in its `free` bytes: PREFETCH per worker of
     the training loader, and of the evaluation loader, whose batch is one image (a row
     evaluates one image per process, row_command), in each of `procs` processes. A worker
     that finds /dev/shm full dies of a bus error, and Docker gives a container 64 MB of it.
     free None (no such folder): `wanted`. Can be 0: the process loads its own batches."""
     if free is None:
         return wanted
-    per_worker = procs * PREFETCH_BATCHES * (per_device_batch + 1) * LOADER_SAMPLE_BYTES
+    per_worker = procs * PREFETCH * (per_device_batch + 1) * LOADER_SAMPLE_BYTES
     return max(0, min(wanted, free // per_worker))
 
 
