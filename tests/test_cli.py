@@ -327,7 +327,7 @@ from torch.utils.data import TensorDataset
 from utils import cli, data, lifecycle
 
 loader = data.Loader(TensorDataset(torch.arange(64.0)), batch_size=4, num_workers=2,
-                     persistent_workers=True, worker_init_fn=data._worker_init)
+                     persistent_workers=True, worker_init_fn=lifecycle.ignore_stop_signals)
 next(iter(loader))  # the workers run, and ignore SIGTERM like every loader worker of ours
 print("workers:", len(loader._iterator._workers), flush=True)
 lifecycle.leave(0)  # with the loader (and so its workers) still alive
@@ -500,6 +500,7 @@ def test_every_rank_that_refuses_leaves_the_line_for_torchrun_and_only_rank_0_pr
     # the summary's root cause is rank 1's, and it must hold the line too.
     slept = []  # what the refusal waits, recorded rather than timed: a loaded machine stalls anyone
     monkeypatch.setattr(lifecycle.time, "sleep", slept.append)
+    handlers = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     for rank, prints in (("1", False), ("0", True)):
         error_file = tmp_path / f"error-{rank}.json"
         monkeypatch.setenv("RANK", rank)
@@ -513,8 +514,7 @@ def test_every_rank_that_refuses_leaves_the_line_for_torchrun_and_only_rank_0_pr
         assert ("error: bad input" in capsys.readouterr().err) == prints
         assert slept == ([] if prints else [2.0]), slept  # rank 1 lets rank 0's line come first
     # Given argv (in a caller's process, as here) run_main leaves the signal handlers alone.
-    import signal
-    assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
+    assert {number: signal.getsignal(number) for number in handlers} == handlers
 
 
 INTERLOPER = """

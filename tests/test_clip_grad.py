@@ -104,7 +104,8 @@ def _rank_norm(rank, port, out_dir, images, targets):
     F.cross_entropy(ddp_model(images[rank * half:(rank + 1) * half]), targets[rank * half:(rank + 1) * half]).backward()
     # The script's call, with a stand-in for the rest of TrainingRun.
     run = SimpleNamespace(args=SimpleNamespace(clip_grad_norm=MAX_NORM), meter=TrainMeter(torch.device("cpu")))
-    norm = TrainingRun.clip_grad_norm(run, model.parameters())
+    TrainingRun.clip_grad_norm(run, model.parameters())
+    norm = run.meter.norms[0]  # the one norm of the step
     torch.save({"norm": norm, "grads": [p.grad for p in model.parameters()]}, out_dir / f"rank{rank}.pt")
     dist.destroy_process_group()
     os._exit(0)  # see tutorials/09-debugging.md: a DDP process leaves through os._exit

@@ -223,3 +223,15 @@ def test_tensorboard_flag_without_the_package_is_refused(tmp_path):
     proc = run_script(["distributed.py", *SMALL, "--tensorboard", tmp_path / "tb"], env=env, check=False)
     assert_one_line_error(proc, "--tensorboard", "pip install tensorboard")
     assert not (tmp_path / "tb").exists()
+
+
+def test_the_metrics_file_writes_values_json_lacks_as_null(tmp_path):
+    """A skipped evaluation (NaN) and an overflowed loss (inf) are null in the --metrics file, which
+    any JSON reader parses; Python's json would write them as the non-standard NaN and Infinity."""
+    from utils.run import TrainingRun
+    path = tmp_path / "metrics.jsonl"
+    run = SimpleNamespace(args=SimpleNamespace(metrics=str(path)), env=SimpleNamespace(is_main=True))
+    TrainingRun.record(run, {"epoch": 1, "train_loss": math.inf, "grad_norm": -math.inf,
+                             "test_loss": math.nan, "train_acc1": 12.5, "world_size": 2})
+    assert read_metrics(path) == [{"epoch": 1, "train_loss": None, "grad_norm": None, "test_loss": None,
+                                   "train_acc1": 12.5, "world_size": 2}]

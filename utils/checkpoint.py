@@ -7,7 +7,6 @@ import fcntl
 import os
 import random
 import socket
-import tempfile
 import time
 
 import numpy as np
@@ -26,12 +25,9 @@ def atomic_save(obj, path: str):
     a crash or a kill mid-save leaves the previous checkpoint intact, never half a file."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
-    umask = os.umask(0)
-    os.umask(umask)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")  # mode: the umask's
     try:
-        os.fchmod(fd, 0o666 & ~umask)  # mkstemp's is 0600: a new file's mode, for colleagues who resume it
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "wb") as f:  # one run owns the folder (its lock): no other writer of this name
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())  # the data is on disk before the rename makes it visible
@@ -83,8 +79,7 @@ def set_rng_state(state: dict, device: torch.device = None):
     n = state["numpy"]
     np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
                          n["cached_gaussian"]))
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
+    random.setstate(state["python"])
     accelerator, kind = _accelerator_module(device)
     if accelerator is None:
         return

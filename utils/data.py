@@ -369,10 +369,6 @@ class TrainSampler(Sampler):
 
 # --- loaders -----------------------------------------------------------------------
 
-def _worker_init(_):
-    ignore_stop_signals()  # they reach the whole process group, but the rank decides when to stop
-
-
 def cpu_limits() -> tuple:
     """(the cores in this process's affinity mask: taskset, Slurm; a container's CPU limit, or None). docker --cpus
     and Kubernetes' limits set a cgroup quota, which neither the mask nor os.cpu_count() shows; a container sees
@@ -434,7 +430,7 @@ def _loader(dataset, sampler, batch_size: int, env: DistEnv, args) -> Loader:
     # Pinned memory lets the copy to the device run asynchronously; MPS shares memory with the CPU.
     loader = Loader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
                     pin_memory=env.device.type not in ("cpu", "mps"), persistent_workers=workers > 0,
-                    worker_init_fn=_worker_init)
+                    worker_init_fn=ignore_stop_signals)  # they reach the whole group; the rank decides
     loader.start_workers()  # both loaders' before the model's first collective: see Loader.start_workers
     return loader
 

@@ -106,7 +106,8 @@ def tell_refusals_to(job: DistEnv):
     """From here on, a refusal of this process reaches the job's other ranks (lifecycle.tell_the_job)."""
     # Several nodes meeting at a loopback address reach no rank of another node there: no one to tell (None).
     alone = job.several_nodes and job.meets_at and network.loopback_for_several_nodes(job.meets_at)
-    # Rank 0 serves the store, but where torchrun's agent does (env:// only: rendezvous.py, _create_c10d_store).
+    # Rank 0 serves the store, but where torchrun's agent serves it at MASTER_ADDR:MASTER_PORT (rendezvous.py,
+    # _create_c10d_store): env:// meets there.
     agent = job.init_method.startswith("env://") and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     lifecycle.meets_at(None if alone else job.rendezvous, job.rank, job.world_size,
                        hosts_store=job.rank == 0 and not agent and not alone)
@@ -307,16 +308,10 @@ def cleanup():
         dist.destroy_process_group()
 
 
-def is_main() -> bool:
-    """Global rank 0: the only rank that prints, writes metrics and saves checkpoints."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank() == 0
-    rank = os.environ.get("RANK", "").strip()
-    return not rank.isdigit() or int(rank) == 0
-
-
 def print0(*args, **kwargs):
-    if is_main():
+    """Print on global rank 0 alone (before the group forms: RANK's; none is rank 0)."""
+    rank = str(dist.get_rank()) if dist.is_available() and dist.is_initialized() else os.environ.get("RANK", "").strip()
+    if not rank.isdigit() or int(rank) == 0:
         with contextlib.suppress(OSError):  # a terminal that hung up (EIO): the run goes on, or stops, unheard
             print(*args, **kwargs, flush=True)
 

@@ -323,7 +323,7 @@ def refusal_said(store: list):
 
 # --- loader workers -------------------------------------------------------------------------
 
-def ignore_stop_signals():
+def ignore_stop_signals(_worker_id=None):
     """In a DataLoader worker: the stop signals are its rank's. (A forked worker would run its copy
     of the rank's handler, or die of them, and the rank fail at its next batch, unsaved.) In a process
     that ends (run_main, leave): the work is done."""

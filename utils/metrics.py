@@ -50,12 +50,6 @@ class TrainMeter:
         [norm sum, count]: not summed, DDP's averaged gradient has the same norm on every rank."""
         return all_reduce_sum(self.sums.clone()).tolist() + self.norms.tolist()
 
-    @staticmethod
-    def summary(sums: list) -> dict:
-        loss_sum, correct, n, norm_sum, norms = sums  # global_sums()
-        return {"train_loss": loss_sum / max(n, 1), "train_acc1": 100.0 * correct / max(n, 1),
-                "grad_norm": norm_sum / norms if norms else None}
-
 
 def evaluation_due(epoch: int, args, last: bool) -> bool:
     """--eval-every N: every N-th epoch and the last (`last`: the run has trained all it was asked to); alike on

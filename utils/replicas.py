@@ -29,12 +29,11 @@ def check_flags(args, device_type: str):
                          f"devices, and this run trains on {device_type} (leave --sync-bn out)")
 
 
-def verify_sync(module: nn.Module) -> list:
-    """Report on rank 0 whether the replicas agree (a collective); returns the names of the parameters
-    and buffers that differ from rank 0's."""
+def verify_sync(module: nn.Module):
+    """Report on rank 0 whether the replicas' parameters and buffers agree with rank 0's (a collective)."""
     if not (dist.is_available() and dist.is_initialized()):
         print0("verify-sync: a single process has nothing to compare")
-        return []
+        return
     names = []
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
         reference = tensor.detach().clone()
@@ -49,4 +48,3 @@ def verify_sync(module: nn.Module) -> list:
     print0(f"verify-sync: all parameters and buffers agree across {world} ranks" if not names else
            f"verify-sync: {len(names)} tensors differ across {world} ranks: {shown}"
            + (" (batch-norm running statistics differ unless --sync-bn)" if batch_norm else ""))
-    return names

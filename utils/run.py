@@ -301,12 +301,11 @@ class TrainingRun:
         larger; the epoch's record gets the mean norm before clipping. Once per optimizer step, on final gradients
         (DDP's averaged ones: every rank clips alike): after the last micro-batch, after GradScaler.unscale_."""
         if self.args.clip_grad_norm is None:
-            return None
+            return
         norm = torch.nn.utils.clip_grad_norm_(parameters, self.args.clip_grad_norm)
         # Sharded (FSDP): a replicated DTensor, its shards' norms all-reduced already; full_tensor() is local.
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         self.meter.add_grad_norm(norm)
-        return norm
 
     def step_done(self) -> bool:
         """Count one optimizer step; checkpoint when due. True when the run must stop."""
@@ -345,7 +344,9 @@ class TrainingRun:
         self._timing = None
         with meeting(f"run.end_epoch() after step {self.global_step} (the epoch's training sums)"):
             sums = self.meter.global_sums()
-        train = TrainMeter.summary(sums)
+        loss_sum, correct, n, norm_sum, norms = sums
+        train = {"train_loss": loss_sum / max(n, 1), "train_acc1": 100.0 * correct / max(n, 1),
+                 "grad_norm": norm_sum / norms if norms else None}
         memory = peak_memory_mb(self.env.device)
         self.last_record = record = {
             "event": "epoch", "epoch": self.epoch + 1, "step": self.global_step,
@@ -375,8 +376,9 @@ class TrainingRun:
 
     def record(self, record: dict):
         if self.args.metrics and self.env.is_main:
-            with open(self.args.metrics, "a") as f:  # NaN (no evaluation, no top-5) as null: JSON has no NaN
-                f.write(json.dumps({key: None if value != value else value for key, value in record.items()}) + "\n")
+            with open(self.args.metrics, "a") as f:  # NaN (no evaluation, no top-5), inf (overflow): null in JSON
+                f.write(json.dumps({key: None if isinstance(value, float) and not math.isfinite(value) else value
+                                    for key, value in record.items()}) + "\n")
 
     def finish(self):
         """The end-of-run record (rank 0), with the last evaluation."""
