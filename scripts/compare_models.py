@@ -15,7 +15,6 @@ Lists the tensors whose largest absolute difference exceeds --atol, the tensors
 present in only one file and those whose shapes differ, or says that they match.
 Exit status: 0 they match, 1 they differ, 2 a file cannot be read.
 """
-import argparse
 import os
 import sys
 
@@ -30,7 +29,9 @@ from utils.cli import Parser, UsageError, non_negative_float  # noqa: E402
 
 def read_state(path: str) -> dict:
     """The whole checkpoint, or {"model": state_dict} for a plain state_dict file."""
-    if os.path.isdir(path):  # the shard folder alone: its model (the optimizer needs checkpoint.pt)
+    # A shard folder alone: its model (the checkpoint.pt beside it numbers the optimizer state). A folder
+    # holding a checkpoint.pt is a --checkpoint-dir: read_file's refusal names the file to give.
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, checkpoint.FILENAME)):
         tensors = sharded.read_sharded(path)
         return {"model": {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}}
     state = checkpoint.read_file(path, what="file")
@@ -72,7 +73,9 @@ def entries(state: dict, path: str, what: str) -> dict:
         found.update({f"model.{k}": v for k, v in model_tensors(state, path).items()})
     if what in ("optimizer", "all"):
         if not state.get("optimizer"):
-            raise UsageError(f"{path} has no optimizer state (a plain state_dict holds only weights)")
+            raise UsageError(f"{path}: a shard folder alone is compared by its model; for the optimizer, name the "
+                             "checkpoint.pt beside it" if os.path.isdir(path) else
+                             f"{path} has no optimizer state (a plain state_dict holds only weights)")
         found.update(flatten(state["optimizer"], "optimizer"))
     return found
 

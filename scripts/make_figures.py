@@ -1,4 +1,4 @@
-r"""Draw the figures of tutorials/ into tutorials/figures/ (SVG), from data rather than by hand.
+r"""Draw the figures of tutorials/ into tutorials/figures/ (SVG).
 
     # every figure; the two timelines are traced again with torch.profiler
     # (2 gloo processes on the CPU, about a minute on a 2-core machine)
@@ -7,7 +7,7 @@ r"""Draw the figures of tutorials/ into tutorials/figures/ (SVG), from data rath
     # redraw everything from the saved traces in tutorials/figures/*.events.json (seconds)
     python scripts/make_figures.py --no-trace
 
-    # one figure
+    # one figure (a traced one without --no-trace: both timelines, traced together, are redrawn)
     python scripts/make_figures.py --only ring_allreduce
 
 Figures and where their content comes from:
@@ -60,14 +60,10 @@ def _pyplot():
     return plt
 
 
-FORMAT = "svg"
-
-
 def _save(fig, name: str, out: Path):
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{name}.{FORMAT}"
-    fig.savefig(path, format=FORMAT, bbox_inches="tight", dpi=110,
-                metadata={"Date": None} if FORMAT == "svg" else {"Software": None})
+    path = out / f"{name}.svg"
+    fig.savefig(path, bbox_inches="tight", dpi=110, metadata={"Date": None})
     import matplotlib.pyplot as plt
     plt.close(fig)
     return path
@@ -80,12 +76,9 @@ def _box(ax, x, y, w, h, text, fill, fontsize=8, **kw):
     ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=fontsize, **kw)
 
 
-def _arrow(ax, x0, y0, x1, y1, color="#444444", text=None, style="-|>", lw=1.0, text_offset=(0, 0.015)):
+def _arrow(ax, x0, y0, x1, y1, color="#444444", style="-|>", lw=1.0):
     ax.annotate("", xy=(x1, y1), xytext=(x0, y0),
                 arrowprops=dict(arrowstyle=style, color=color, lw=lw, shrinkA=2, shrinkB=2))
-    if text:
-        ax.text((x0 + x1) / 2 + text_offset[0], (y0 + y1) / 2 + text_offset[1], text, fontsize=7,
-                ha="center", va="bottom", color=color)
 
 
 # --- DataParallel vs DDP ---------------------------------------------------------------
@@ -390,13 +383,13 @@ def hardware() -> str:
 def spans_from_chrome_trace(path: str, backward_ops: bool = True):
     """The events a figure draws, from one rank's chrome trace: our record_function
     phases, the all-reduce launches on the training thread (c10d::allreduce_) and the
-    gloo all-reduces on gloo's own threads. Times in ms."""
+    gloo all-reduces on gloo's own threads. Times in ms, to the microsecond (small files)."""
     with open(path) as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
-    main_tid = next(e["tid"] for e in events if e["name"] == "forward")
+    main_tid = next(e["tid"] for e in events if e["name"].startswith("phase:"))  # the training thread
     keep = []
     for e in events:
-        name, start, end = e["name"], e["ts"] / 1e3, (e["ts"] + e["dur"]) / 1e3
+        name, start, end = e["name"], round(e["ts"] / 1e3, 3), round((e["ts"] + e["dur"]) / 1e3, 3)
         if e["tid"] == main_tid and (name.startswith("phase:") or name == "c10d::allreduce_"):
             keep.append([name, start, end, "main"])
         elif name == "gloo:all_reduce":
@@ -446,8 +439,6 @@ def _trace_worker(rank, init_file, trace_dir, world_size):
         step()
     buckets.clear()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        with record_function("forward"):  # marks the training thread for the parser
-            pass
         step()
     prof.export_chrome_trace(f"{trace_dir}/ddp_timeline.rank{rank}.json")
     with open(f"{trace_dir}/ddp_timeline.rank{rank}.buckets.json", "w") as f:
@@ -475,8 +466,6 @@ def _trace_worker(rank, init_file, trace_dir, world_size):
     for variant in ("without", "with"):
         dist.barrier()  # both ranks start the traced step together
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            with record_function("forward"):
-                pass
             accumulate(variant == "with")
         prof.export_chrome_trace(f"{trace_dir}/no_sync_{variant}.rank{rank}.json")
     dist.destroy_process_group()
@@ -505,27 +494,22 @@ def trace(out: Path, world_size: int = 2):
 
 def _write_events(out: Path, name: str, meta: dict, data):
     out.mkdir(parents=True, exist_ok=True)
-
-    def rounded(x):  # keep the file small: microsecond resolution is plenty
-        if isinstance(x, float):
-            return round(x, 3)
-        if isinstance(x, list):
-            return [rounded(v) for v in x]
-        if isinstance(x, dict):
-            return {k: rounded(v) for k, v in x.items()}
-        return x
     with open(out / f"{name}.events.json", "w") as f:
-        json.dump({"meta": meta, "data": rounded(data)}, f, separators=(",", ":"))
+        json.dump({"meta": meta, "data": data}, f, separators=(",", ":"))
         f.write("\n")
 
 
 def _read_events(out: Path, name: str):
-    with open(out / f"{name}.events.json") as f:
+    """The out folder's events; the saved ones where it has none (a redraw elsewhere)."""
+    path = out / f"{name}.events.json"
+    with open(path if path.is_file() else FIGURES / path.name) as f:
         return json.load(f)
 
 
 def _draw_rank_rows(ax, spans, origin, y, label, phase_colors):
     """One rank: its training thread (phases, backward ops, launches) and gloo's threads."""
+    ax.set_yticks([])  # the rows are named in the plot
+    ax.spines[["top", "right", "left"]].set_visible(False)
     ax.text(-0.01, y + 0.55, label, transform=ax.get_yaxis_transform(), ha="right", va="center", fontsize=8)
     for name, start, end, row in spans:
         start, end = start - origin, end - origin
@@ -557,10 +541,7 @@ def draw_ddp_timeline(out: Path):
         for i, x in enumerate(launches):
             mib = data["bucket_bytes"][i] / 2**20 if i < len(data["bucket_bytes"]) else float("nan")
             ax.text(x, y + 0.97, f"b{i}\n{mib:.1f}", fontsize=5.5, ha="center", va="bottom", color=COMM)
-    ax.set_yticks([])
-    ax.set_xlabel("time since rank 0 started forward (ms)")
-    for side in ("top", "right", "left"):
-        ax.spines[side].set_visible(False)
+    ax.set_xlabel("time since the first rank started forward (ms)")
     ax.legend(handles=[Patch(color=COMPUTE, label="forward"), Patch(color="#c6dbef", label="backward"),
                        Patch(color=BACKWARD, label="backward ops (autograd)"),
                        Patch(color=ACCENT, label="optimizer step"),
@@ -593,9 +574,6 @@ def draw_no_sync(out: Path):
         n_reduce = sum(1 for s in ranks[0]["spans"] if s[0] == "gloo:all_reduce")
         ax.set_title(f"{titles[variant]}  ({n_reduce} all-reduce{'s' if n_reduce != 1 else ''} on rank 0)",
                      fontsize=8, loc="left")
-        ax.set_yticks([])
-        for side in ("top", "right", "left"):
-            ax.spines[side].set_visible(False)
     axes[-1].set_xlabel("time (ms) since the first forward of the step")
     axes[-1].legend(handles=[Patch(color=COMPUTE, label="forward"), Patch(color="#c6dbef", label="backward"),
                              Patch(color=COMM, label="all-reduce (gloo thread); tick: launch")],
@@ -616,15 +594,15 @@ def main(argv=None):
     parser.add_argument("--only", choices=ALL, action="append", help="draw only this figure (repeatable)")
     parser.add_argument("--no-trace", action="store_true",
                         help="draw the traced figures from their saved events instead of tracing again")
-    parser.add_argument("--out", type=Path, default=FIGURES, help="output folder (default: %(default)s)")
-    parser.add_argument("--format", choices=["svg", "png"], default="svg",
-                        help="svg (committed: small, text stays text) or png (to look at)")
+    parser.add_argument("--out", type=Path, default=FIGURES,
+                        help="output folder (default: %(default)s); --no-trace reads the events there, "
+                        "or the default folder's where it has none")
     args = parser.parse_args(argv)
-    global FORMAT
-    FORMAT = args.format
     names = args.only or ALL
     if not args.no_trace and TRACED & set(names):
         trace(args.out)
+        # Both were traced (one program): both redrawn, so that no SVG disagrees with its events file.
+        names = [name for name in ALL if name in names or name in TRACED]
     for name in names:
         print(DRAW[name](args.out))
 

@@ -57,14 +57,6 @@ class Run:
             values.append(float(value) if isinstance(value, (int, float)) else math.nan)
         return values
 
-    @property
-    def strategy(self):
-        return self.identity[0]
-
-    @property
-    def world_size(self):
-        return self.identity[1]
-
 
 def continues(last: dict, record: dict) -> bool:
     """Whether `record` belongs to the run whose latest record is `last`, resumed or not. A run checkpoints
@@ -118,8 +110,8 @@ def label_runs(runs):
     """Strategy and processes; where two labels would be the same, the file name, then
     the global batch and device, then a number (the same file given twice)."""
     def base(run):
-        n = run.world_size
-        return f"{run.strategy or 'run'}, {n} process{'es' if n != 1 else ''}" if n else (run.strategy or "run")
+        strategy, n = run.identity[0] or "run", run.identity[1]
+        return f"{strategy}, {n} process{'es' if n != 1 else ''}" if n else strategy
 
     def colliding():
         groups = {}
@@ -155,7 +147,7 @@ def plot(runs, out_path, title=None) -> list:
 
     # Refused before anything is drawn or made: matplotlib would refuse it only once the folder exists.
     extension = os.path.splitext(out_path)[1][1:].lower()
-    if extension and extension not in FigureCanvasBase.get_supported_filetypes():
+    if extension not in FigureCanvasBase.get_supported_filetypes():  # none: matplotlib would add .png
         raise UsageError(f"cannot write {out_path}: format {extension!r} is not supported (.png, .svg or .pdf)")
     fig, (ax_loss, ax_acc, ax_speed) = plt.subplots(1, 3, figsize=(15, 4.6))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -186,12 +178,14 @@ def plot(runs, out_path, title=None) -> list:
                for i, run in enumerate(runs)]
     legend = fig.legend(handles=handles, loc="lower center", ncol=min(len(runs), 4), fontsize=9, frameon=False)
     devices = sorted({str(run.identity[3]) for run in runs if run.identity[3]})
-    fig.suptitle(title or "training curves" + (f" on {', '.join(devices)}" if devices else ""), fontsize=11)
+    if title is None:
+        title = "training curves" + (f" on {', '.join(devices)}" if devices else "")
+    fig.suptitle(title, fontsize=11)
     fig.tight_layout(rect=(0, 0.06 + 0.035 * ((len(runs) - 1) // 4), 1, 1))
     try:
         os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
         fig.savefig(out_path, dpi=110)
-    except (ValueError, OSError) as exc:  # an unknown extension, an unwritable folder
+    except OSError as exc:  # a folder that cannot be made or written
         raise UsageError(f"cannot write {out_path}: {str(exc).splitlines()[0]}") from None
     finally:
         plt.close(fig)
@@ -200,8 +194,8 @@ def plot(runs, out_path, title=None) -> list:
 
 def summary(runs) -> str:
     lines = [f"{'run':40s} {'epochs':>6s} {'test acc1':>9s} {'img/s':>9s}  file"]
-    # img/s: the median over whole epochs, so that the first epoch's warm-up does not weigh in; an epoch
-    # cut short may have timed its warm-up steps too (utils/metrics.py, EpochTimer).
+    # img/s: the median over whole epochs, which one slow epoch does not move (each epoch's warm-up is left
+    # out already); an epoch cut short may have timed its warm-up steps too (utils/metrics.py, EpochTimer).
     for run in runs:
         last = run.epochs[max(run.epochs)]
         speeds = [s for epoch, s in zip(sorted(run.epochs), run.series("images_per_second"))
@@ -223,7 +217,7 @@ def main(argv=None):
     parser.add_argument("metrics", nargs="+", metavar="RUN.jsonl", help="--metrics files of the training scripts")
     parser.add_argument("-o", "--output", default="curves.png",
                         help="picture to write (.png, .svg or .pdf)")
-    parser.add_argument("--title", default=None, help="the figure's title (default: the devices)")
+    parser.add_argument("--title", default=None, help="the figure's title (default: the devices; \"\": none)")
     args = parser.parse_args(argv)
     try:
         runs = label_runs([run for path in args.metrics for run in read_runs(path)])

@@ -170,3 +170,22 @@ def test_not_a_state_dict_is_exit_2(tmp_path, capsys):
     assert tool.main([str(tmp_path / "a.pt"), str(tmp_path / "a.pt"), "--what", "optimizer"]) == 2
     err = capsys.readouterr().err
     assert "not a checkpoint or a state_dict" in err and "no file at" in err and "no optimizer state" in err
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in one process, as meant
+def test_a_folder_is_named_for_what_it_holds(tmp_path, capsys):
+    """A --checkpoint-dir: the file to name in it. A shard folder alone: its model, and for the
+    optimizer the checkpoint.pt beside it (which numbers the optimizer state)."""
+    import torch.distributed.checkpoint as dcp
+    tool = load_tool()
+    (tmp_path / "run").mkdir()
+    torch.save(state_dict(), tmp_path / "run" / "checkpoint.pt")
+    assert tool.main([str(tmp_path / "run"), str(tmp_path / "run" / "checkpoint.pt")]) == 2
+    err = capsys.readouterr().err
+    assert f"a folder; name its file, {tmp_path / 'run' / 'checkpoint.pt'}" in err, err
+    shards = tmp_path / "sharded-step1"
+    dcp.save({f"model.{k}": v for k, v in state_dict().items()}, checkpoint_id=str(shards), no_dist=True)
+    assert tool.main([str(shards), str(tmp_path / "run" / "checkpoint.pt")]) == 0
+    assert tool.main([str(shards), str(shards), "--what", "optimizer"]) == 2
+    err = capsys.readouterr().err
+    assert "for the optimizer, name the checkpoint.pt beside it" in err and "plain state_dict" not in err, err

@@ -126,6 +126,29 @@ def test_an_unknown_picture_format_exits_2_and_makes_no_folder(tmp_path):
     assert not (tmp_path / "new").exists()
 
 
+@pytest.mark.parametrize("output", ["curves", "pictures/"])
+def test_a_picture_without_an_extension_exits_2_and_writes_nothing(output, tmp_path, monkeypatch, capsys):
+    """matplotlib would add .png: a curves.png reported as "curves", a hidden pictures/.png."""
+    path = tmp_path / "ok.jsonl"
+    path.write_text(json.dumps(record(1)) + "\n")
+    (tmp_path / "pictures").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert plot_metrics.main([str(path), "-o", output]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"cannot write {output}: format '' is not supported" in err, err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["ok.jsonl", "pictures"]
+
+
+def test_an_empty_title_is_no_title(tmp_path):
+    path = tmp_path / "ok.jsonl"
+    path.write_text(json.dumps(record(1)) + "\n")
+    runs = plot_metrics.label_runs(plot_metrics.read_runs(str(path)))
+    plot_metrics.plot(runs, str(tmp_path / "default.svg"))
+    plot_metrics.plot(runs, str(tmp_path / "none.svg"), title="")
+    assert "training curves on cpu" in (tmp_path / "default.svg").read_text()
+    assert "training curves" not in (tmp_path / "none.svg").read_text()
+
+
 def test_a_folder_that_cannot_be_made_is_one_line_and_exit_2(tmp_path):
     path = tmp_path / "ok.jsonl"
     path.write_text(json.dumps(record(1)) + "\n")
