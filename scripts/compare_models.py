@@ -119,15 +119,15 @@ def compare(a: dict, b: dict, atol: float) -> list:
 
 
 def main(argv=None):
-    parser = Parser(description=__doc__.strip().splitlines()[0])  # bad flags: one line, exit 2
+    parser = Parser(description=__doc__.strip().splitlines()[0])  # a bad flag: a UsageError
     parser.add_argument("a", metavar="A.pt", help="a checkpoint, a state_dict file, or a shard folder")
     parser.add_argument("b", metavar="B.pt")
     parser.add_argument("--atol", type=non_negative_float, default=0.0,
                         help="largest absolute difference still counted as equal (default 0: bitwise)")
     parser.add_argument("--what", choices=["model", "optimizer", "all"], default="model",
                         help="compare the model weights, the optimizer state, or both (default: model)")
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         a = entries(read_state(args.a), args.a, args.what)
         b = entries(read_state(args.b), args.b, args.what)
     except UsageError as err:

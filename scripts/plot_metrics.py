@@ -218,8 +218,8 @@ def main(argv=None):
     parser.add_argument("-o", "--output", default="curves.png",
                         help="picture to write (.png, .svg or .pdf)")
     parser.add_argument("--title", default=None, help="the figure's title (default: the devices; \"\": none)")
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         runs = label_runs([run for path in args.metrics for run in read_runs(path)])
         plot(runs, args.output, args.title)
     except UsageError as err:  # bad input: one line, exit status 2, as the training scripts

@@ -167,7 +167,7 @@ def _message(call):
 @pytest.mark.parametrize("value", ["0", "-3"])
 def test_non_positive_counts_are_refused_in_one_line(capsys, no_local_rank, flag, value):
     with pytest.raises(SystemExit) as excinfo:
-        parse([flag, value, "--checkpoint-dir", "ck"])
+        lifecycle.run_main(parse, [flag, value, "--checkpoint-dir", "ck"])
     line = assert_one_line_usage_error(excinfo, capsys, flag.split("_")[0], value, "at least 1")
     assert line.endswith("(see --help)")
 
@@ -185,7 +185,7 @@ def test_non_positive_counts_are_refused_in_one_line(capsys, no_local_rank, flag
 ])
 def test_other_bad_flags_are_one_line(capsys, no_local_rank, argv, fragment):
     with pytest.raises(SystemExit) as excinfo:
-        parse(argv)
+        lifecycle.run_main(parse, argv)
     assert_one_line_usage_error(excinfo, capsys, fragment)
 
 
@@ -478,8 +478,24 @@ def test_given_counts_no_destination_that_only_set_defaults_fills(no_local_rank)
 def test_an_abbreviated_flag_is_refused(capsys, no_local_rank):
     # A launcher that reads --checkpoint-dir from the extra flags could not see --checkpoint-d.
     with pytest.raises(SystemExit) as excinfo:
-        parse(["--checkpoint-d", "ck"])
+        lifecycle.run_main(parse, ["--checkpoint-d", "ck"])
     assert_one_line_usage_error(excinfo, capsys, "unrecognized arguments: --checkpoint-d")
+
+
+def test_a_bad_flag_under_torchrun_is_in_its_error_file_on_every_rank(tmp_path, monkeypatch, capsys):
+    # argparse's own exit printed the line and left torchrun's summary with "error_file: <N/A>".
+    monkeypatch.setattr(lifecycle.time, "sleep", lambda seconds: None)  # a silent rank's wait for rank 0's line
+    for rank in ("1", "0"):
+        error_file = tmp_path / f"error-{rank}.json"
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+        with pytest.raises(SystemExit) as excinfo:
+            lifecycle.run_main(parse, ["--checkpoint-d", "ck"])
+        assert excinfo.value.code == 2
+        line = json.loads(error_file.read_text())["message"]["message"]
+        assert line.endswith(": error: unrecognized arguments: --checkpoint-d ck (see --help)"), line
+        assert (line in capsys.readouterr().err) == (rank == "0")
 
 
 def test_the_error_line_is_what_torchrun_reads_as_the_root_cause(tmp_path, monkeypatch):

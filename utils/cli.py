@@ -63,11 +63,10 @@ class Help(argparse.ArgumentDefaultsHelpFormatter):
 
 class Parser(argparse.ArgumentParser):
     # argparse prints the whole usage block before the error; a wrong flag deserves one line that names
-    # it, and --help for the rest. Every rank parses the same arguments: rank 0 prints, every rank exits 2.
+    # it, and --help for the rest. Every rank parses the same arguments: a UsageError of the job, which
+    # run_main prints on rank 0 and leaves in torchrun's error file, for its summary, on every rank.
     def error(self, message):
-        if prints_errors():
-            print_line(f"{self.prog}: error: {message} (see --help)")
-        self.exit(2)
+        raise UsageError(f"{message} (see --help)")
 
 
 # --- value types: argparse calls them, a bad value becomes "argument --flag: ..." ------------
