@@ -86,8 +86,9 @@ class Defaults:
     min_row_seconds: float  # under --time-budget, a row is not started with less left
 
 
-# min_row_seconds: a full row of 3 epochs took 23.6 s on an H200 (ResNet-18, batch 512, its
-# start included); a --quick row 5 to 11 s on the 2-core build machine under the test suite.
+# min_row_seconds: an uncompiled full row of 3 epochs took 18 to 27 s on an H200 (ResNet-18, batch 512, its
+# start included; the default's fourth epoch adds 1 to 2.5 s); a --quick row 5 to 11 s on the 2-core build
+# machine under the test suite.
 DEFAULTS = {
     "full": Defaults(model="resnet18", per_device_batch=512, steps=0, epochs=4, row_timeout=300.0,
                      ceiling_warmup=20, ceiling_steps=50, ceiling_windows=5, min_row_seconds=30.0),
@@ -210,13 +211,12 @@ CEILINGS = [
     Ceiling("ceiling-fp32", "fp32", True, "", "fast-fp32"),
     Ceiling("ceiling-bf16-nchw", "bf16", False, "", "ddp-bf16-nchw"),
     Ceiling("ceiling-bf16-channels-last", "bf16", True, "", "fast-bf16"),
-    Ceiling("ceiling-bf16-compile", "bf16", True, "default", "fast-bf16-compile"),
+    Ceiling("ceiling-bf16-compile", "bf16", True, "default", "fast-bf16-compile", gpu_only=COMPILE_ON_CPU),
     Ceiling("ceiling-bf16-cudagraphs", "bf16", True, "reduce-overhead", "fast-bf16-cudagraphs",
             gpu_only="CUDA graphs need a GPU"),
-    Ceiling("ceiling-bf16-compile-1024", "bf16", True, "default", "fast-bf16-compile-1024", per_device_batch=1024),
+    Ceiling("ceiling-bf16-compile-1024", "bf16", True, "default", "fast-bf16-compile-1024", per_device_batch=1024,
+            gpu_only=COMPILE_ON_CPU),
 ]
-# Former names, still accepted by --rows: the same measurement under its present name.
-RENAMED = {"ceiling-bf16": "ceiling-bf16-channels-last"}
 ALL_NAMES = [row.name for row in ROWS] + [c.name for c in CEILINGS]
 DEFAULT_NAMES = [n for n in ALL_NAMES if n not in ("fast-bf16-autotune", "ceiling-bf16-compile-1024")]
 QUICK_ROWS = ["ddp-1proc-noddp", "ddp-1proc", BASELINE, "ddp-bf16", "fast-fp32",
@@ -257,11 +257,9 @@ MATMUL_TF32_SCRIPTS = ("distributed_apex.py",)
 
 
 def tf32_convolutions(use_cuda: bool) -> bool:
-    """Whether float32 convolutions run in TF32 here: cuDNN's default
-    (torch.backends.cudnn.allow_tf32 is True unless a script turns it off, and none here
-    does), on a GPU that has TF32 (Ampere or newer)."""
-    return (use_cuda and torch.cuda.get_device_capability(0) >= TF32_MIN_CAPABILITY
-            and torch.backends.cudnn.allow_tf32)
+    """Whether float32 convolutions run in TF32 here: cuDNN's default (torch.backends.cudnn.allow_tf32,
+    which no script turns off), on a GPU that has TF32 (Ampere or newer)."""
+    return use_cuda and torch.cuda.get_device_capability(0) >= TF32_MIN_CAPABILITY
 
 
 def flag_value(row, flag: str, default=None):
@@ -423,7 +421,6 @@ class Plan:
     names: list = field(default_factory=list)  # in the order they run
     tf32: bool = False          # float32 convolutions run in TF32 (tf32_convolutions)
     time_budget: float = None   # seconds for the whole benchmark; None: no limit
-    compile_ceiling: bool = True
     log_dir: str = ""
     synthetic_files: str = ""   # --dataset synthetic: the folder the rows read it from (write_synthetic_files)
 
@@ -450,8 +447,8 @@ def resolve_plan(args) -> Plan:
     epochs = args.epochs or d.epochs
     if epochs <= WARMUP_EPOCHS:
         raise cli.UsageError(f"--epochs {epochs}: epoch 1 is warm-up and not counted; use 2 or more")
-    names = args.rows.split(",") if args.rows else (QUICK_ROWS if args.quick else DEFAULT_NAMES)
-    names = list(dict.fromkeys(RENAMED.get(n.strip(), n.strip()) for n in names if n.strip()))
+    names = args.rows.split(",") if args.rows is not None else (QUICK_ROWS if args.quick else DEFAULT_NAMES)
+    names = list(dict.fromkeys(n.strip() for n in names if n.strip()))
     unknown = [n for n in names if n not in ALL_NAMES]
     if unknown:
         raise cli.UsageError(f"--rows: unknown row {unknown[0]!r}; choose from {', '.join(ALL_NAMES)}")
@@ -463,13 +460,12 @@ def resolve_plan(args) -> Plan:
                 data_dir=os.path.abspath(args.data_dir),  # the rows run in the repository root
                 timeout=args.row_timeout or d.row_timeout, names=names,
                 # bfloat16 in hardware: Ampere or newer (older GPUs emulate it, slower than float16)
-                bf16=precision.cuda_bf16_native() if use_cuda else True,
+                bf16=precision.cuda_bf16_native() if use_cuda else precision.cpu_autocast_works(torch.bfloat16),
                 tf32=tf32_convolutions(use_cuda),
                 time_budget=args.time_budget, min_row_seconds=d.min_row_seconds,
-                ceiling_warmup=args.ceiling_warmup or d.ceiling_warmup,
+                ceiling_warmup=d.ceiling_warmup,
                 ceiling_steps=args.ceiling_steps or d.ceiling_steps,
-                ceiling_windows=args.ceiling_windows or d.ceiling_windows,
-                compile_ceiling=args.compile_ceiling if args.compile_ceiling is not None else use_cuda)
+                ceiling_windows=args.ceiling_windows or d.ceiling_windows)
     for row in ROWS:
         if row.name not in names:
             continue
@@ -526,13 +522,11 @@ def workers_that_fit(wanted: int, procs: int, per_device_batch: int, free) -> in
 
 
 def skip_reason(row, plan: Plan) -> str:
-    ceiling = isinstance(row, Ceiling)
     if row.gpu_only and not plan.use_cuda:
         return row.gpu_only
-    if ceiling and row.compile_mode and not plan.compile_ceiling:
-        return "torch.compile is off for the ceiling (on by default on CUDA; --compile-ceiling turns it on)"
-    if (row.dtype == "bf16" if ceiling else row.needs_bf16) and not plan.bf16:
-        return "this GPU has no bfloat16 hardware (Ampere or newer needed)"
+    if (row.dtype == "bf16" if isinstance(row, Ceiling) else row.needs_bf16) and not plan.bf16:
+        return ("this GPU has no bfloat16 hardware (Ampere or newer needed)" if plan.use_cuda
+                else "this PyTorch build has no bfloat16 autocast on the CPU")
     return ""
 
 
@@ -550,8 +544,9 @@ def row_shape(row: Row, plan: Plan) -> tuple:
     return procs, batch, devices, plan.steps or max(1, EPOCH_IMAGES // batch)  # steps 0: a CIFAR-100 epoch
 
 
-def row_command(row: Row, plan: Plan, metrics_path: str, as_typed: bool = False) -> list:
-    """as_typed: as a reader would give it, --dataset synthetic (the same images as the files the row read)."""
+def row_command(row: Row, plan: Plan, metrics_path: str, workers: int, as_typed: bool = False) -> list:
+    """`workers`: its result's (row_workers, read once: /dev/shm's free space changes). as_typed: as a
+    reader would give it, --dataset synthetic (the same images as the files the row read)."""
     procs, batch, devices, steps = row_shape(row, plan)
     files = plan.synthetic_files and not as_typed
     dataset, data_dir = ("cifar100", plan.synthetic_files) if files else (plan.dataset, plan.data_dir)
@@ -561,7 +556,7 @@ def row_command(row: Row, plan: Plan, metrics_path: str, as_typed: bool = False)
         # Evaluation runs after each epoch's clock has stopped; one image per process keeps
         # the rows short while still running it.
         "--test-samples", str(procs),
-        "--workers", str(row_workers(row, plan)[0]), "--metrics", metrics_path, *row.flags,
+        "--workers", str(workers), "--metrics", metrics_path, *row.flags,
     ]
     if dataset == "cifar100":
         train_args += ["--data-dir", data_dir]
@@ -891,23 +886,22 @@ def base_result(row, plan: Plan) -> dict:
                 "status": "skipped", "reason": ""}
     procs, batch, devices, steps = row_shape(row, plan)
     workers, workers_note = row_workers(row, plan)
-    result = {"name": row.name, "kind": "script", "about": row.about, "script": row.script,
-              "launcher": row.launcher, "flags": list(row.flags), "amp": amp, "precision": precision_label,
-              "wrapper": row_wrapper(row, plan), "processes": procs, "global_batch": batch,
-              "devices": devices, "steps_per_epoch": steps, "epoch_images": steps * batch,
-              "workers": workers, "workers_note": workers_note,
-              "short_command": short_command(row, plan), "status": "skipped", "reason": ""}
-    return result
+    return {"name": row.name, "kind": "script", "about": row.about, "script": row.script,
+            "launcher": row.launcher, "flags": list(row.flags), "amp": amp, "precision": precision_label,
+            "wrapper": row_wrapper(row, plan), "processes": procs, "global_batch": batch,
+            "devices": devices, "steps_per_epoch": steps, "epoch_images": steps * batch,
+            "workers": workers, "workers_note": workers_note,
+            "short_command": short_command(row, plan), "status": "skipped", "reason": ""}
 
 
 def launch(row, plan: Plan, work_dir: str, budget, suffix: str, command, finished, graphs: bool) -> tuple:
     """What every row does first: its result, skipped with the reason where it cannot run here;
-    else its command, command(out), run (run_process: --row-timeout, and the `budget`'s seconds)
-    into work_dir/NAME.log, where `out`, work_dir/NAME + suffix, takes its figures (a file an
-    earlier run left there is removed: it would be appended to, or read as this run's) and
-    finished(out) says whether they are written. The result is marked failed (status, reason, the output's tail) unless the
-    command exited 0 with its figures and, for `graphs` (reduce-overhead), ran every graph in
-    CUDA graphs. Returns (result, out, whether it has figures to read)."""
+    else its command, command(out, result), run (run_process: --row-timeout, and the `budget`'s
+    seconds) into work_dir/NAME.log, where `out`, work_dir/NAME + suffix, takes its figures (a file
+    an earlier run left there is removed: it would be appended to, or read as this run's) and
+    finished(out) says whether they are written. The result is marked failed (status, reason, the
+    output's tail) unless the command exited 0 with its figures and, for `graphs` (reduce-overhead),
+    ran every graph in CUDA graphs. Returns (result, out, whether it has figures to read)."""
     result = base_result(row, plan)
     result["reason"] = skip_reason(row, plan)
     if result["reason"]:
@@ -915,7 +909,7 @@ def launch(row, plan: Plan, work_dir: str, budget, suffix: str, command, finishe
     out = os.path.join(work_dir, f"{row.name}{suffix}")
     if os.path.exists(out):
         os.remove(out)
-    cmd = command(out)
+    cmd = command(out, result)
     result.update(command=shlex.join(cmd), log=os.path.join(work_dir, f"{row.name}.log"))
     started = time.perf_counter()
     try:
@@ -949,10 +943,11 @@ def launch(row, plan: Plan, work_dir: str, budget, suffix: str, command, finishe
 
 def run_row(row: Row, plan: Plan, work_dir: str, budget: float = None) -> dict:
     result, metrics_path, measured = launch(
-        row, plan, work_dir, budget, ".jsonl", lambda out: row_command(row, plan, out),
+        row, plan, work_dir, budget, ".jsonl", lambda out, result: row_command(row, plan, out, result["workers"]),
         lambda out: any(r.get("event") == "end" for r in read_records(out)), graphs="reduce-overhead" in row.flags)
     if "command" in result:  # as a reader would type it: no interpreter path, no log directory
-        result["display_command"] = shlex.join(["python", *row_command(row, plan, f"{row.name}.jsonl", True)[1:]])
+        typed = row_command(row, plan, f"{row.name}.jsonl", result["workers"], as_typed=True)
+        result["display_command"] = shlex.join(["python", *typed[1:]])
     if not measured:
         return result
     records = read_records(metrics_path)
@@ -963,7 +958,7 @@ def run_row(row: Row, plan: Plan, work_dir: str, budget: float = None) -> dict:
     # What they say they ran must be what the row asked for.
     result.update(device=first.get("device"), world_size=first.get("world_size"))
     claims = [("world_size", result["processes"], first.get("world_size")),
-              ("amp", result["amp"], first.get("amp", result["amp"]))]  # written by distributed_apex.py only
+              ("amp", result["amp"], first.get("amp", result["amp"]))]  # by distributed_apex.py and dataparallel.py
     if flag_value(row, "--mp-policy"):  # distributed_fsdp.py records its policy as mp_policy
         claims.append(("mp_policy", flag_value(row, "--mp-policy"), first.get("mp_policy")))
     wrong = [(key, asked, got) for key, asked, got in claims if asked != got]
@@ -1004,11 +999,10 @@ def measure_ceiling(spec: dict) -> dict:
     memory_format = torch.channels_last if spec["channels_last"] else torch.contiguous_format
     if device.type == "cuda":
         # As distributed_apex.py does: cudnn picks the fastest algorithms for the fixed shape,
-        # and float32 convolutions and matmuls (all of them in fp32, what autocast leaves in
-        # float32 otherwise) may use TF32.
+        # and float32 matmuls (all of them in fp32, what autocast leaves in float32 otherwise)
+        # may use TF32, as convolutions do by default.
         torch.backends.cudnn.benchmark = True
         torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(0)
     model = build_model(spec["model"], NUM_CLASSES).to(device, memory_format=memory_format)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True, weight_decay=5e-4,
@@ -1050,7 +1044,7 @@ def run_ceiling(ceiling: Ceiling, plan: Plan, work_dir: str, budget: float = Non
             "warmup": plan.ceiling_warmup, "steps": plan.ceiling_steps, "windows": plan.ceiling_windows}
     result, out_path, measured = launch(
         ceiling, plan, work_dir, budget, ".json",
-        lambda out: [sys.executable, os.path.abspath(__file__), "--measure-ceiling", json.dumps(spec), "--out", out],
+        lambda out, _: [sys.executable, os.path.abspath(__file__), "--measure-ceiling", json.dumps(spec), "--out", out],
         os.path.exists, graphs=ceiling.compile_mode == "reduce-overhead")
     if not measured:
         return result
@@ -1278,8 +1272,7 @@ def build_parser():
     g = parser.add_argument_group("what to run")
     g.add_argument("--rows", default=None,
                    help=f"comma-separated rows, run in this order (default: {','.join(DEFAULT_NAMES)}; "
-                        f"with --quick: {','.join(QUICK_ROWS)}); choose from {', '.join(ALL_NAMES)} "
-                        f"(former names: {', '.join(f'{old} = {new}' for old, new in RENAMED.items())})")
+                        f"with --quick: {','.join(QUICK_ROWS)}); choose from {', '.join(ALL_NAMES)}")
     g.add_argument("--quick", action="store_true",
                    help=f"a quick check of the harness: {quick.model}, {quick.per_device_batch} images per process, "
                         f"{quick.epochs} epochs of {quick.steps} steps, a few rows")
@@ -1314,10 +1307,6 @@ def build_parser():
                         f"short, and none is started with less than {full.min_row_seconds:.0f} s left (--quick: "
                         f"{quick.min_row_seconds:.0f} s; default: no limit)")
     g = parser.add_argument_group("ceiling and peak")
-    g.add_argument("--compile-ceiling", action=argparse.BooleanOptionalAction, default=None,
-                   help="also time the compiled ceilings (torch.compile, CUDA graphs) (default: on with CUDA)")
-    g.add_argument("--ceiling-warmup", type=cli.positive_int, default=None,
-                   help=f"untimed steps first (default {full.ceiling_warmup}; --quick: {quick.ceiling_warmup})")
     g.add_argument("--ceiling-steps", type=cli.positive_int, default=None,
                    help=f"steps per timed window (default {full.ceiling_steps}; --quick: {quick.ceiling_steps})")
     g.add_argument("--ceiling-windows", type=cli.positive_int, default=None,
@@ -1439,6 +1428,9 @@ class Report:
     def write(self, state: str) -> dict:
         report = self.build(state)
         report["chart"] = self.paths["png"] if write_chart(self.paths["png"], report) else None
+        if report["chart"] is None:  # an earlier run's chart would pass for this one's
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.paths["png"])
         write_markdown(self.paths["md"], report)
         write_atomically(self.paths["json"], json.dumps(report, indent=1, default=str) + "\n")
         return report
@@ -1452,6 +1444,9 @@ def main(argv=None):
         write_atomically(args.out, json.dumps(result))
         return
     plan = resolve_plan(args)
+    if plan.dataset == "cifar100" and any(row.name in plan.names for row in ROWS):
+        # Once, here: not in every row, each failing alone, nor in the first row's time.
+        data._load_cifar100(args)
     plan.log_dir = output_folders(args)
     header = describe_run(plan.use_cuda, plan.procs, plan.gpus, argv)
     if args.peak_tflops:
@@ -1480,7 +1475,7 @@ def main(argv=None):
         for i, name in enumerate(plan.names, 1):
             row, current = by_name[name], name
             budget = None if deadline is None else deadline - time.monotonic() - REPORT_SECONDS
-            if budget is not None and budget < plan.min_row_seconds:
+            if budget is not None and budget < plan.min_row_seconds and not skip_reason(row, plan):
                 report.results[name] = dict(base_result(row, plan), status="not run",
                                             reason=f"--time-budget {plan.time_budget:.0f} s used up")
                 continue

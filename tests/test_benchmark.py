@@ -377,9 +377,8 @@ def test_every_row_says_what_wraps_its_model(tool):
 
 
 def test_the_ceiling_rows_and_their_skips(tool):
-    """Three ceilings of the same bf16 step: NCHW, channels_last, CUDA graphs (GPU only, and
-    only when the compiled ceilings are on); the former name of the channels_last one still
-    selects it."""
+    """Three ceilings of the same bf16 step: NCHW, channels_last, CUDA graphs (GPU only, as are
+    the compiled ones); bf16 ones are skipped where bf16 does not run."""
     ceilings = {c.name: c for c in tool.CEILINGS}
     nchw, channels_last, graphs = (ceilings[f"ceiling-bf16-{n}"] for n in ("nchw", "channels-last", "cudagraphs"))
     assert (nchw.channels_last, nchw.compile_mode) == (False, "")
@@ -392,12 +391,10 @@ def test_the_ceiling_rows_and_their_skips(tool):
     assert [tool.skip_reason(c, gpu) for c in (nchw, channels_last, graphs)] == ["", "", ""]
     assert [tool.skip_reason(c, cpu) for c in (nchw, channels_last)] == ["", ""]
     assert tool.skip_reason(graphs, cpu) == "CUDA graphs need a GPU"
-    gpu.compile_ceiling = False
-    assert tool.skip_reason(graphs, gpu).startswith("torch.compile is off for the ceiling")
-    gpu.compile_ceiling, gpu.bf16 = True, False
+    assert {tool.skip_reason(c, cpu) for c in tool.CEILINGS if c.compile_mode} == {
+        "torch.compile on the CPU spends minutes compiling for a run of seconds", "CUDA graphs need a GPU"}
+    gpu.bf16 = False
     assert tool.skip_reason(graphs, gpu) == "this GPU has no bfloat16 hardware (Ampere or newer needed)"
-    args = tool.build_parser().parse_args(["--quick", "--device", "cpu", "--rows", "ceiling-bf16,ceiling-bf16-nchw"])
-    assert tool.resolve_plan(args).names == ["ceiling-bf16-channels-last", "ceiling-bf16-nchw"]
 
 
 # What inductor prints for each graph it runs without CUDA graphs, 2.14 (cudagraph_utils.py:401; 2.11: :207).
@@ -483,10 +480,10 @@ def test_the_rows_read_the_synthetic_set_from_cifar_files(tool, monkeypatch, tmp
     assert sorted(os.listdir(tmp_path)) == sorted([f"benchmark-synthetic-{os.getpid()}-running",
                                                    os.path.basename(plan.synthetic_files)])
     ddp = {r.name: r for r in tool.ROWS}["ddp"]
-    command = tool.row_command(ddp, plan, "m.jsonl")
+    command = tool.row_command(ddp, plan, "m.jsonl", 0)
     assert command[command.index("--dataset") + 1] == "cifar100"
     assert command[command.index("--data-dir") + 1] == plan.synthetic_files
-    typed = tool.row_command(ddp, plan, "m.jsonl", as_typed=True)  # the report's: the same images
+    typed = tool.row_command(ddp, plan, "m.jsonl", 0, as_typed=True)  # the report's: the same images
     assert typed[typed.index("--dataset") + 1] == "synthetic" and "--data-dir" not in typed
     args = argparse.Namespace(dataset="cifar100", data_dir=plan.synthetic_files, train_samples=None,
                               test_samples=None, seed=0)
@@ -638,7 +635,7 @@ def test_row_shapes_on_a_gpu(tool):
     assert tool.row_shape(rows["ddp-1proc-noddp"], plan) == (1, 512, 1, 97)
     assert tool.row_shape(rows["fast-bf16-cudagraphs"], plan) == (1, 512, 1, 97)
     assert tool.row_shape(rows["dp"], plan) == (1, 4096, 8, 12)
-    command = tool.row_command(rows["fast-bf16-compile-1024"], plan, "m.jsonl")
+    command = tool.row_command(rows["fast-bf16-compile-1024"], plan, "m.jsonl", 0)
     assert command[command.index("--batch-size") + 1] == "8192"
     assert command[command.index("--train-samples") + 1] == str(6 * 8192)  # 50,000 // 8192 = 6 steps
 
@@ -651,7 +648,7 @@ def test_loader_workers_on_a_gpu_fit_in_shared_memory(tool, monkeypatch):
     fake_gpus(tool, monkeypatch, 1, cores=16)
     args = tool.build_parser().parse_args(["--rows", "ddp"])
     ddp = rows_by_name_of(tool)["ddp"]
-    command = tool.row_command(ddp, tool.resolve_plan(args), "m.jsonl")
+    command = tool.row_command(ddp, tool.resolve_plan(args), "m.jsonl", 0)
     assert command[command.index("--test-samples") + 1] == "1"  # the evaluation batch counted here
 
     def estimate(workers):  # DataLoader's prefetch_factor, 2: batches of training (512) and evaluation (1)
@@ -688,8 +685,7 @@ def test_each_row_gets_the_loader_workers_of_its_own_processes(tool, monkeypatch
     rows = rows_by_name_of(tool)
 
     def workers(name):
-        command = tool.row_command(rows[name], plan, "m.jsonl")
-        return int(command[command.index("--workers") + 1])
+        return tool.row_workers(rows[name], plan)[0]
 
     assert workers("dp") >= 16 and workers("ddp-1proc") == 16
     assert workers("ddp") == workers("ddp-spawn") == 3 and workers("fast-bf16") == 0
@@ -786,6 +782,41 @@ def test_bad_input_is_a_usage_error(tool, argv, fragment):
         tool.main(argv)
 
 
+@pytest.mark.parametrize("rows", ["", ",", " , "])
+def test_rows_that_name_no_row_are_refused(tool, rows):
+    from utils import cli
+    with pytest.raises(cli.UsageError, match="--rows names no row"):
+        tool.resolve_plan(tool.build_parser().parse_args(["--quick", "--device", "cpu", "--rows", rows]))
+
+
+def test_cifar100_that_cannot_be_had_is_refused_before_any_row(tmp_path):
+    """--dataset cifar100 with an empty --data-dir and no way to download it (every proxy a closed
+    port: no test waits on the internet): one line, exit status 2, no row started, nothing made in
+    --out; the same check every script makes, once."""
+    closed = "http://127.0.0.1:9"
+    env = subprocess_env(http_proxy=closed, https_proxy=closed, HTTP_PROXY=closed, HTTPS_PROXY=closed)
+    for key in ("no_proxy", "NO_PROXY"):
+        env.pop(key, None)
+    out = tmp_path / "out"
+    proc = run_script([TOOL, "--quick", "--device", "cpu", "--rows", "ddp-1proc-noddp", "--dataset", "cifar100",
+                       "--data-dir", tmp_path / "data", "--out", out], timeout=120, check=False, env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    line = proc.stderr.strip()
+    assert len(line.splitlines()) == 1 and re.fullmatch(
+        rf"benchmark\.py: error: CIFAR-100 is not in --data-dir {re.escape(str(tmp_path / 'data'))} and could not "
+        r"be downloaded \(.*\); put cifar-100-python/ there or use --dataset synthetic for an offline run", line), line
+    assert not out.exists() and "ddp-1proc-noddp" not in proc.stdout
+
+
+def test_bf16_rows_are_skipped_where_the_cpu_has_no_bf16_autocast(tool, monkeypatch):
+    monkeypatch.setattr(tool.precision, "cpu_autocast_works", lambda dtype: dtype != torch.bfloat16)
+    plan = tool.resolve_plan(tool.build_parser().parse_args(["--quick", "--device", "cpu"]))
+    rows = {r.name: r for r in [*tool.ROWS, *tool.CEILINGS]}
+    for name in ("ddp-bf16", "ceiling-bf16-nchw"):
+        assert tool.skip_reason(rows[name], plan) == "this PyTorch build has no bfloat16 autocast on the CPU"
+    assert tool.skip_reason(rows["ddp"], plan) == tool.skip_reason(rows["ceiling-fp32"], plan) == ""
+
+
 def test_bad_flag_is_one_line_and_exit_2(tool, capsys):
     with pytest.raises(SystemExit) as exit_info:
         tool.build_parser().parse_args(["--rows", "ddp", "--nproc", "0"])
@@ -820,6 +851,42 @@ def test_failed_row_is_recorded_and_timeouts_end_every_process(tool, tmp_path):
     while is_running(child) and time.time() < deadline:
         time.sleep(0.1)
     assert not is_running(child), "the hung row's child process outlived the timeout"
+
+
+def test_a_row_s_command_and_its_report_show_the_workers_it_ran_with(tool, tmp_path, monkeypatch):
+    """/dev/shm fills up while the benchmark runs: the loader workers are read once per row, so
+    that its command, the command the report shows and its workers column agree."""
+    free = iter([2**40] + [0] * 10)  # room for the first read, none after
+    monkeypatch.setattr(tool.lifecycle, "shm_free_bytes", lambda path=None: next(free))
+    monkeypatch.setattr(tool.data, "cpu_limits", lambda: (4, None))  # 3 workers by the cores
+    broken = tool.Row("broken", str(tmp_path / "no_such_script.py"), "python", False)
+    result = tool.run_row(broken, cpu_plan(tool, workers=None), str(tmp_path))
+    given = [re.search(r"--workers (\d+)", result[key])[1] for key in ("command", "display_command")]
+    assert given == [str(result["workers"])] * 2 == ["3"] * 2, (given, result["workers"])
+
+
+def test_a_run_without_a_chart_leaves_no_earlier_chart_behind(tool, tmp_path):
+    """No row measured (or no matplotlib): no chart, and none of an earlier run beside the new md and json."""
+    (tmp_path / "benchmark.png").write_bytes(b"an earlier run's chart")
+    report = tool.Report(str(tmp_path), cpu_plan(tool), tool.describe_run(False, 0, 0, []),
+                         tool.count_flops("resnet_tiny"), (None, "CPU"))
+    assert report.write("complete")["chart"] is None
+    assert sorted(os.listdir(tmp_path)) == ["benchmark.json", "benchmark.md"]
+
+
+def test_a_row_that_is_skipped_here_is_reported_skipped_when_the_budget_is_used_up(tool, tmp_path):
+    """A row that cannot run here is reported skipped, with its reason, when --time-budget is used up too."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        tool.main(["--quick", "--device", "cpu", "--rows", "ceiling-bf16-cudagraphs,ceiling-fp32",
+                   "--time-budget", "1", "--out", str(tmp_path)])
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    rows = rows_by_name(json.loads((tmp_path / "benchmark.json").read_text()))
+    assert (rows["ceiling-bf16-cudagraphs"]["status"], rows["ceiling-bf16-cudagraphs"]["reason"]) == (
+        "skipped", "CUDA graphs need a GPU")
+    assert (rows["ceiling-fp32"]["status"], rows["ceiling-fp32"]["reason"]) == ("not run", "--time-budget 1 s used up")
 
 
 def end_record_then_sleep(tmp_path, seconds) -> str:
@@ -866,7 +933,9 @@ def test_ending_a_row_is_bounded(tool, tmp_path):
     started = time.monotonic()
     status, _ = tool.run_process([sys.executable, str(stubborn)], subprocess_env(), 2, str(tmp_path / "s.log"))
     took = time.monotonic() - started
-    assert status is None and took < 2 + 10 + 1.5, took  # 10: ENDING_SECONDS (the reviewer measured 17.1 s)
+    # About 11 s: the timeout, then STACK_SECONDS and TERM_SECONDS waited out in full (it ignores
+    # both signals), then SIGKILL; 5 s more for a busy CPU.
+    assert status is None and took < 2 + tool.ENDING_SECONDS + 5, took
     assert not row_commands(str(stubborn))
 
 
@@ -980,10 +1049,7 @@ def test_sigterm_mid_row_keeps_finished_rows_and_ends_the_running_one(tmp_path):
         partial = json.loads((out / "benchmark.json").read_text())
         assert partial["state"] == "partial: rows still to run"
         assert [(r["name"], r["status"]) for r in partial["rows"]] == [("ceiling-fp32", "ok")]
-        while "torch.distributed.run" not in row_commands(str(logs)):  # the row's launcher is up
-            assert time.time() < deadline
-            time.sleep(0.2)
-        time.sleep(3)  # and its workers are starting
+        wait_for_workers(proc, logs, "distributed.py", 2, deadline)
         proc.send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, stdout + stderr
@@ -1100,6 +1166,15 @@ def assert_no_process_outlives(logs, what, within=20):
     assert not row_commands(str(logs)), f"processes of {what} outlived the benchmark"
 
 
+def wait_for_workers(proc, logs, marker: str, count: int, deadline: float):
+    """Until `count` workers that torchrun started run: processes whose command line holds `logs`
+    and `marker`, but for torchrun's own."""
+    while sum(marker in line and "torch.distributed.run" not in line
+              for line in row_commands(str(logs)).splitlines()) < count:
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.2)
+
+
 def row_commands(marker: str) -> str:
     """Command lines of the live processes whose command line holds `marker` (the row's
     metrics path lies in the log directory, so every launcher and worker of a row has it)."""
@@ -1162,10 +1237,7 @@ def test_sigterm_during_the_memory_table_ends_its_launch_and_writes_what_it_has(
            "--world-sizes", "2", "--out", str(out), "--log-dir", str(logs)]
     with benchmark_process(cmd) as proc:
         deadline = time.time() + 120
-        while "torch.distributed.run" not in row_commands(str(logs)):  # the launch is up
-            assert proc.poll() is None and time.time() < deadline, proc.communicate()
-            time.sleep(0.2)
-        time.sleep(2)  # and its workers are starting
+        wait_for_workers(proc, logs, "--worker", 2, deadline)
         proc.send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, stdout + stderr
