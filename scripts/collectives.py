@@ -58,8 +58,8 @@ PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=60)
 
 # The single-tensor all-gather and reduce-scatter were renamed in PyTorch 2.13:
 # all_gather_into_tensor became all_gather_single and reduce_scatter_tensor became
-# reduce_scatter_single; the old names still work there but warn (FutureWarning) at every
-# call, and 2.11 has only the old names. Same arguments, same result: picked here, once, by
+# reduce_scatter_single; the old names still work there but warn (FutureWarning), and
+# 2.11 has only the old names. Same arguments, same result: picked here, once, by
 # what this PyTorch has.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
