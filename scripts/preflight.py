@@ -1,38 +1,32 @@
 r"""Pre-flight check: is this machine (or this set of nodes) ready for a long training job?
 
-A few seconds before hours of training. One node, all its local devices (one
-process per GPU, or 2 CPU processes without a GPU), started by the script itself:
+A few seconds before hours of training. One node, one process per local GPU (2 CPU processes
+without one), started by the script itself:
 
     python scripts/preflight.py
     python scripts/preflight.py --workers 8 --batch-size 1024 --sample-shape 3,224,224 --sample-dtype float32
 
-Several nodes: first on each node, with the job's rendezvous endpoint (seconds, no
-other node needed): is this node's name resolvable to an address the others reach, would
-torchrun's c10d rendezvous recognise the endpoint as this node, which interface gloo and
-NCCL would take, and does the endpoint answer:
+Several nodes: first each node alone, in seconds, against the job's rendezvous endpoint (does its
+name resolve to an address the others reach, would torchrun's c10d rendezvous recognise the
+endpoint as this node, which interface gloo and NCCL would take, does the endpoint answer):
 
     python scripts/preflight.py --rdzv-endpoint HOST_OF_NODE_0:29500
 
-then launch it as the training job will be launched (same rendezvous, same environment), so
-that it crosses the same network: through scripts/torchrun_bounded.py, as scripts/launch_multi_node.sh
-and scripts/slurm.sbatch start the job, which settles each node's is_host, --local_addr and
-GLOO_SOCKET_IFNAME (bare torchrun needs them by hand: tutorials/06-beyond-one-machine.md):
+then across the nodes, launched as the job will be so that it crosses the job's network: through
+scripts/torchrun_bounded.py, as launch_multi_node.sh and slurm.sbatch start the job, which settles
+each node's is_host, --local_addr and GLOO_SOCKET_IFNAME (bare torchrun needs them by hand:
+tutorials/06-beyond-one-machine.md):
 
     python scripts/torchrun_bounded.py --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \
         --rdzv-endpoint=HOST_OF_NODE_0:29500 --rdzv-id=preflight scripts/preflight.py --workers 8
 
-It reports Python, PyTorch, CUDA, cuDNN and NCCL versions; the devices and their
-memory; peer-to-peer access between every pair of local GPUs (and a copy over
-each pair); a timed all-reduce of the model's gradient (ResNet-18: 44.9 MB) over
-all processes, with its bus bandwidth; /dev/shm against what the DataLoader
-workers will hold there; CPU cores per process against --workers; whether the
-rendezvous port is free; the NCCL_*/GLOO_* variables that are set. Every
-communication step is bounded by --timeout, so a broken network ends with a
-message, not a hang. Each problem is listed with its fix on one line.
+It reports the versions (Python, PyTorch, CUDA, cuDNN, NCCL), the devices and their memory, peer
+access and a copy between local GPUs, a timed all-reduce of the model's gradient (bus bandwidth),
+/dev/shm and cores per process against --workers, the rendezvous port and the NCCL_*/GLOO_*
+variables. Every communication step is bounded by --timeout: a broken network ends with a message.
 
-Give it the training job's own --batch-size (GLOBAL, as in the training
-scripts), --workers and --model. Exit status: 0 all is well, 1 problems (listed
-at the end), 2 bad arguments. Only global rank 0 prints.
+Give it the training job's own --batch-size (GLOBAL), --workers and --model. Exit status: 0 all
+is well, 1 problems (each with its fix, at the end), 2 bad arguments. Only global rank 0 prints.
 """
 import argparse
 import contextlib
@@ -51,8 +45,7 @@ import time
 from dataclasses import dataclass
 
 # `python scripts/preflight.py` puts scripts/ on sys.path, not the repository root.
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -165,7 +158,6 @@ def validate(args, job: dist_utils.DistEnv):
     if not os.path.isdir(args.shm_dir) and args.shm_dir != lifecycle.SHM_DIR:
         raise UsageError(f"--shm-dir {args.shm_dir} is not a directory")
     kind, count = local_devices()
-    devices = f"{count} {kind} device{'s' if count != 1 else ''} visible"
     if job.distributed:
         if args.nproc is not None:
             raise UsageError("--nproc is for plain python; under torchrun use --nproc_per_node")
@@ -174,9 +166,9 @@ def validate(args, job: dist_utils.DistEnv):
                              "the check crosses the network torchrun's own rendezvous uses")
         if count:  # the run's own rule and words (torchrun --virtual-local-rank: one visible device per worker)
             dist_utils.pick_device(job.local_rank, job.local_world_size, distributed=True)
-    elif count and args.nproc is not None and args.nproc > count:
-        raise UsageError(f"--nproc {args.nproc} but only {devices} (one process per device): "
-                         f"use --nproc {count} or fewer")
+    elif count and (args.nproc or 0) > count:
+        raise UsageError(f"--nproc {args.nproc} but only {count} {kind} device{'s' if count != 1 else ''} visible "
+                         f"(one process per device): use --nproc {count} or fewer")
 
 
 # --- facts: what each process finds on its own, no communication --------------------------
@@ -194,12 +186,9 @@ def versions() -> dict:
 
 def host_memory() -> tuple:
     """(available, total) bytes of RAM (Linux; (None, None) elsewhere)."""
-    info = {}
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                key, value = line.split(":", 1)
-                info[key] = int(value.split()[0]) * 1024
+            info = {key: int(value.split()[0]) * 1024 for key, value in (line.split(":", 1) for line in f)}
     except (OSError, ValueError):
         return None, None
     return info.get("MemAvailable"), info.get("MemTotal")
@@ -209,31 +198,18 @@ def nvidia_driver():
     """The loaded NVIDIA driver's version line, unless CUDA_VISIBLE_DEVICES hides its GPUs on purpose
     (empty, or -1); else None. Asked where PyTorch finds no GPU: a driver older than PyTorch's CUDA,
     a container without the GPUs, or a PyTorch without CUDA, each of which would train on the CPU."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1"):
-        return None
-    try:
-        with open(NVIDIA_DRIVER) as f:
+    if os.environ.get("CUDA_VISIBLE_DEVICES") not in ("", "-1"):
+        with contextlib.suppress(OSError), open(NVIDIA_DRIVER) as f:
             return f.readline().strip()
-    except OSError:
-        return None
+    return None
 
 
 def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine() or "CPU"
-
-
-def peer_access(kind, count):
-    """can[i][j]: device i can read and write device j's memory directly (None: not a CUDA/ROCm node)."""
-    if kind != "cuda" or count < 2:
-        return None
-    return [[i == j or torch.cuda.can_device_access_peer(i, j) for j in range(count)] for i in range(count)]
 
 
 def shm_facts(path) -> dict:
@@ -244,16 +220,13 @@ def shm_facts(path) -> dict:
     out["free"], out["total"] = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
     # The file system that holds the path: the longest mount point that contains it.
     real, best = os.path.realpath(path), ""
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                fields = line.split()
-                mount = fields[1].replace("\\040", " ")
-                inside = real == mount or real.startswith(mount.rstrip("/") + "/")
-                if inside and len(mount) >= len(best):
-                    best, out["fstype"] = mount, fields[2]
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/mounts") as f:
+        for line in f:
+            fields = line.split()
+            mount = fields[1].replace("\\040", " ")
+            inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+            if inside and len(mount) >= len(best):
+                best, out["fstype"] = mount, fields[2]
     return out
 
 
@@ -329,22 +302,19 @@ def endpoint_findings(endpoint: str) -> list:
     endpoint as the others do (c10d_rendezvous_backend._create_tcp_store)."""
     from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
-    name = socket.gethostname()
     here = network.own_address(endpoint)  # the endpoint's address that is this host's
-    try:
-        hosts = here and _matches_machine_hostname(endpoint)
-    except OSError:  # this host's own name does not resolve
-        hosts = False
-    if here and not hosts:
-        return [network.Finding(
-            True, f"this host is the rendezvous endpoint {endpoint}, but torchrun's c10d rendezvous will not host "
-                  f"its store here: it recognises itself by its name, and {name} resolves to "
-                  f"{', '.join(network.resolve(name)) or 'nothing'}; every node then waits for a store that "
-                  "nobody serves, and fails 1.5 to 3 minutes later with RendezvousConnectionError",
-            f"map {name} to {here} in /etc/hosts; or add --rdzv-conf is_host=1 to torchrun on this node only "
-            "(scripts/torchrun_bounded.py, which the launchers use, does); or use the static rendezvous: "
-            f"--master-addr {endpoint} --master-port PORT --node-rank 0 here (1, 2... elsewhere)")]
-    return []
+    with contextlib.suppress(OSError):  # OSError: this host's own name does not resolve, so it is not recognised
+        if not here or _matches_machine_hostname(endpoint):
+            return []
+    name = socket.gethostname()
+    return [network.Finding(
+        True, f"this host is the rendezvous endpoint {endpoint}, but torchrun's c10d rendezvous will not host "
+              f"its store here: it recognises itself by its name, and {name} resolves to "
+              f"{', '.join(network.resolve(name)) or 'nothing'}; every node then waits for a store that "
+              "nobody serves, and fails 1.5 to 3 minutes later with RendezvousConnectionError",
+        f"map {name} to {here} in /etc/hosts; or add --rdzv-conf is_host=1 to torchrun on this node only "
+        "(scripts/torchrun_bounded.py, which the launchers use, does); or use the static rendezvous: "
+        f"--master-addr {endpoint} --master-port PORT --node-rank 0 here (1, 2... elsewhere)")]
 
 
 def rank_facts(role: Role, args, device) -> dict:
@@ -360,16 +330,17 @@ def rank_facts(role: Role, args, device) -> dict:
         facts["node_facts"] = {
             "local_world_size": role.local_world_size,
             "devices": [dist_utils.device_name(torch.device(kind, i)) for i in range(count)],
-            "peer_access": peer_access(kind, count),
+            # [i][j]: device i can read and write device j's memory directly (None: not a CUDA/ROCm node)
+            "peer_access": [[i == j or torch.cuda.can_device_access_peer(i, j) for j in range(count)]
+                            for i in range(count)] if kind == "cuda" and count > 1 else None,
             "nvidia_driver": None if count else nvidia_driver(),
             "shm": shm_facts(args.shm_dir),
-            "cpus": {"affinity": affinity, "quota": quota, "cores": min(affinity, quota) if quota else affinity},
+            "cpus": {"affinity": affinity, "quota": quota, "cores": min(affinity, quota or affinity)},
             # --workers, or the training scripts' own default here (they count the cores as this process does)
             "workers": loader_workers(argparse.Namespace(workers=args.workers), role),
             "ram": host_memory(),
             "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)},
-            "interfaces": sorted(name for _, name in socket.if_nameindex()) if hasattr(socket, "if_nameindex")
-            else [],
+            "interfaces": sorted(name for _, name in socket.if_nameindex()),
             "network": network_facts(role, args, device),
         }
     if role.rank == 0:
@@ -389,11 +360,9 @@ class Hung(Exception):
 
 
 def bounded(fn, seconds, device=None):
-    """fn() in a daemon thread; its result, its exception, or Hung after `seconds`.
-
-    A collective stuck in NCCL cannot be interrupted; waiting for it in another thread
-    lets this process still report, and then leave with os._exit.
-    """
+    """fn() in a daemon thread; its result, its exception, or Hung after `seconds`. A collective stuck
+    in NCCL cannot be interrupted; waiting for it in another thread lets this process still report,
+    and then leave with os._exit."""
     box = {}
 
     def target():
@@ -439,8 +408,7 @@ def time_all_reduce(numel, device, role: Role, iters) -> dict:
     # Called by every rank: all of them must reach it (a collective).
     t = torch.full((numel,), float(role.rank + 1), device=device)
     dist.all_reduce(t)  # warm-up: connections and communicators are made here, not in the timing
-    expected = role.world_size * (role.world_size + 1) / 2
-    correct = bool((t == expected).all())
+    correct = bool((t == role.world_size * (role.world_size + 1) / 2).all())
     t.zero_()
     synchronize(device)
     start = time.perf_counter()
@@ -458,15 +426,13 @@ def synchronize(device):
 def communicate(role: Role, args, device, node_facts) -> tuple:
     """Join the process group, copy between peers, time the all-reduce.
     Returns (result, hung): a hung rank must leave with os._exit."""
-    result = {}
-    result["backend"] = backend = dist.get_default_backend_for_device(device)
+    result = {"backend": dist.get_default_backend_for_device(device)}
     steps = []
     if role.world_size > 1:
-        store = dist.PrefixStore("pg", STORE)
         # The process group's own timeout is longer than ours: NCCL's watchdog would end the
         # process without a word, our watchdog reports first.
         steps.append(("join", lambda: dist.init_process_group(
-            backend, store=store, rank=role.rank, world_size=role.world_size,
+            result["backend"], store=dist.PrefixStore("pg", STORE), rank=role.rank, world_size=role.world_size,
             timeout=datetime.timedelta(seconds=args.timeout + 60))))
     if node_facts and node_facts["peer_access"]:
         steps.append(("peer_copy", lambda: copy_between_peers(len(node_facts["devices"]))))
@@ -481,7 +447,7 @@ def communicate(role: Role, args, device, node_facts) -> tuple:
             return result, True
         except Exception as exc:  # a communication failure is a finding, not a crash
             result[name] = {"status": "error", "error": cli.first_line(exc, typed=True)}
-            return result, False
+            break
     return result, False
 
 
@@ -506,7 +472,7 @@ def collect(name, world_size, seconds) -> dict:
         try:
             STORE.wait([key], datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.01)))
             out[rank] = json.loads(STORE.get(key))
-        except Exception:  # the store's timeout error differs between versions
+        except Exception:  # not posted in time (DistStoreError), or the store is gone
             out[rank] = None
     return out
 
@@ -520,14 +486,10 @@ def check_this_rank(role: Role, args) -> int:
     post("facts", role.rank, facts)
     # Every rank waits for every rank's facts: a start-up barrier that cannot hang.
     all_facts = collect("facts", role.world_size, args.timeout)
-    result, hung = {}, False
-    if all(all_facts.values()):
-        result, hung = communicate(role, args, device, facts.get("node_facts"))
+    result, hung = communicate(role, args, device, facts.get("node_facts")) if all(all_facts.values()) else ({}, False)
     post("result", role.rank, result)
     if role.rank == 0:
-        results = collect("result", role.world_size, args.timeout + 10)
-        problems = report(all_facts, results, args, role)
-        code = 1 if problems else 0
+        code = 1 if report(all_facts, collect("result", role.world_size, args.timeout + 10), args, role) else 0
         post("verdict", 0, code)
     else:
         # Wait for rank 0 to print: under torchrun, a rank that ends first with an error
@@ -579,9 +541,10 @@ class Report:
         # One rank per node (its local rank 0) carries the node's facts.
         self.nodes = {f["node"]: f for f in self.present.values() if "node_facts" in f}
         self.missing = [r for r, f in all_facts.items() if not f]
-        # From the launcher, not from the nodes that reported: one may be silent.
-        self.several_nodes = role.world_size > role.local_world_size
         self.backend = (results.get(0) or {}).get("backend", "?")
+        nets = {node: nf["network"] for node, _, nf in self.each_node()}
+        # utils/network.py's findings on each node, after what the other nodes' facts say of it
+        self.findings = {node: self.seen_by_the_others(node, net, nets) + net["findings"] for node, net in nets.items()}
         self.problems = []
 
     def problem(self, what, fix):
@@ -693,7 +656,6 @@ class Report:
         """Each node as the others see it; what cannot work is a problem, what may not is a
         note (and the likeliest cause if the all-reduce fails)."""
         print("\nnetwork (utils/network.py: how gloo chooses, and what keeps the nodes apart)")
-        findings = self.network_findings()
         for node, _, nf in self.each_node():
             net = nf["network"]
             gloo, nccl = net["gloo"], net["nccl"]
@@ -718,24 +680,17 @@ class Report:
                                  f"{endpoint['answers']}",
                                  f"check the address, the route (ip route get {endpoint['host']}) and the firewall "
                                  f"between the nodes (port {endpoint['port']}/tcp, and the ports gloo and NCCL open)")
-            for finding in findings[node]:
+            for finding in self.findings[node]:
                 if finding["certain"]:
                     self.problem(f"node {node} ({net['hostname']}): {finding['what']}", finding["fix"])
                 else:
                     print(f"  node {node}: note: {finding['what']} (fix: {finding['fix']})")
 
-    def network_findings(self) -> dict:
-        """{node: utils/network.py's findings there, after what the other nodes' facts say of it}."""
-        nets = {node: nf["network"] for node, _, nf in self.each_node()}
-        return {node: self.seen_by_the_others(node, net, nets, self.backend) + net["findings"]
-                for node, net in nets.items()}
-
-    @staticmethod
-    def seen_by_the_others(node, net, nets, backend) -> list:
+    def seen_by_the_others(self, node, net, nets) -> list:
         """On the node that MASTER_ADDR names (node 0 under torchrun, by its own name), the
         interface the others reach it by is the one holding the address they resolve that
         name to; gloo there must listen on it too. Only gloo: NCCL chooses its own interface."""
-        if backend != "gloo" or not net.get("peer_is_here") or net["gloo"]["address"] is None:
+        if self.backend != "gloo" or not net.get("peer_is_here") or net["gloo"]["address"] is None:
             return []
         theirs = {other_net["peer_addresses"][0] for other, other_net in nets.items()
                   if other != node and other_net.get("peer_addresses")}
@@ -748,12 +703,6 @@ class Report:
                          f"gloo listens here on {net['gloo']['address']} ({net['gloo']['interface']}: "
                          f"{net['gloo']['why']})",
                  "fix": f"export GLOO_SOCKET_IFNAME={interface}"}]
-
-    def network_fixes(self) -> str:
-        """The nodes' own fixes for their network (utils/network.py's findings), or ''."""
-        return "; ".join(f"node {node} ({self.nodes[node]['node_facts']['network']['hostname']}): "
-                         + " and ".join(dict.fromkeys(f["fix"] for f in found))
-                         for node, found in self.network_findings().items() if found)
 
     def bad_interface_variables(self) -> list:
         """NCCL_SOCKET_IFNAME or GLOO_SOCKET_IFNAME that selects no interface of its node."""
@@ -791,10 +740,10 @@ class Report:
 
         failed = {r: res for r, res in self.results.items()
                   if res is None or failed_steps(res) or "all_reduce" not in res}
-        network_fix = None
-        if self.several_nodes:
-            network_fix = ("set NCCL_SOCKET_IFNAME (GLOO_SOCKET_IFNAME with gloo) to the interface that reaches "
-                           "the other nodes and open the firewall between them")
+        # Several nodes by the launcher, not by the nodes that reported: one may be silent.
+        network_fix = self.role.world_size > self.role.local_world_size and (
+            "set NCCL_SOCKET_IFNAME (GLOO_SOCKET_IFNAME with gloo) to the interface that reaches the other nodes and "
+            "open the firewall between them")
         if not failed:
             timings = [res["all_reduce"]["value"] for res in self.results.values()]
             slowest = max(t["seconds"] for t in timings)  # the collective ends when its slowest rank does
@@ -806,8 +755,7 @@ class Report:
                   "speed whatever the number of processes)")
             wrong = [r for r, res in self.results.items() if not res["all_reduce"]["value"]["correct"]]
             if wrong:
-                self.problem(f"the all-reduce gave a wrong sum on rank{'s' if len(wrong) > 1 else ''} "
-                             f"{', '.join(map(str, wrong))}",
+                self.problem(f"the all-reduce gave a wrong sum on {self.ranks(wrong)}",
                              network_fix or "export NCCL_P2P_DISABLE=1 (peer-to-peer that corrupts data), "
                              "then look for hardware errors (nvidia-smi -q, dmesg)")
             return
@@ -821,14 +769,16 @@ class Report:
                 print(f"  rank {rank}: {step.replace('_', '-')} {outcome['status']}: {outcome['error']}")
         timed_out = any(res is None or any(o["status"] == "timed out" for _, o in failed_steps(res))
                         for res in failed.values())
+        own_fixes = "; ".join(f"node {node} ({self.nodes[node]['node_facts']['network']['hostname']}): "
+                              + " and ".join(dict.fromkeys(f["fix"] for f in found))
+                              for node, found in self.findings.items() if found)
         # The likeliest cause first: a variable that names no interface, the network between
-        # nodes, peer-to-peer between GPUs, then gloo's choice of address on one node.
+        # nodes (the nodes' own fixes, else the general one), peer-to-peer between GPUs, then
+        # gloo's choice of address on one node.
         if self.bad_interface_variables():
             fix = "correct the *_SOCKET_IFNAME variable named below"
-        elif network_fix and (fixes := self.network_fixes()):
-            fix = fixes
         elif network_fix:
-            fix = network_fix + " (NCCL_DEBUG=INFO shows which interface it took)"
+            fix = own_fixes or network_fix + " (NCCL_DEBUG=INFO shows which interface it took)"
         elif any(nf["peer_access"] for _, _, nf in self.each_node()):
             fix = "export NCCL_P2P_DISABLE=1 (GPUs that hang with peer-to-peer); NCCL_DEBUG=INFO shows where it stops"
         elif self.backend == "gloo":
@@ -874,7 +824,7 @@ class Report:
                 if ram and need * 1.5 > ram:
                     fix = f"{lower}: {size(need)} is more than this node's memory can hold ({size(ram)} RAM)"
                 else:
-                    gib = max(1, math.ceil(need * 1.5 / 2**30))  # with room for the processes' own shared tensors
+                    gib = max(1, math.ceil(need * 1.5 / GiB))  # with room for the processes' own shared tensors
                     fix = (f"in Docker: docker run --ipc=host (or --shm-size={gib}g); otherwise "
                            f"mount -o remount,size={gib}G {shm['path']}, or {lower}")
                 self.problem(f"node {node}: {shm['path']} has {size(shm['free'])} free, the loader workers would "
@@ -947,9 +897,7 @@ def spawned(role: Role, args, port):
     if not port.poll(args.timeout):  # the process that started this one is gone
         sys.exit(1)
     connect_store("127.0.0.1", port.recv(), role.world_size, args.timeout)
-    code = check_this_rank(role, args)
-    sys.stdout.flush()
-    sys.exit(code)
+    sys.exit(check_this_rank(role, args))
 
 
 def start_local(args) -> int:
