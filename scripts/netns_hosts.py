@@ -3,9 +3,10 @@ r"""Several hosts on one Linux machine, for trying multi-node training without a
 Each host is a Linux network namespace with its own address, its own hostname and its own
 hosts file (what `ip netns exec` mounts over /etc/hosts), joined to the others by a virtual
 switch: a bridge in a namespace of its own. Links can be cut and restored, and a host can
-drop connections as a firewall does (with nftables' `nft`). Nothing outside
-the namespaces is touched but /etc/netns/<namespace>/ and /run/netns-hosts/, and all of it is
-removed by `down` (and by the tests, however they end). Needs root and iproute2 (`ip`).
+drop connections as a firewall does (with nftables' `nft`). Outside the namespaces it writes
+only /etc/netns/<namespace>/ and /run/netns-hosts/slot<k>/, which `down` removes with them (the
+tests too, however they end); the empty folders /etc/netns and /run/netns and the lock file
+/run/netns-hosts/lock stay. Needs root and iproute2 (`ip`).
 
     sudo python3 scripts/netns_hosts.py up                  # nodea 10.231.0.1, nodeb 10.231.0.2
     sudo python3 scripts/netns_hosts.py shell nodea         # a shell on nodea (another terminal: nodeb)
@@ -28,8 +29,9 @@ removed by `down` (and by the tests, however they end). Needs root and iproute2 
 
 In a host's shell the repository is where it is on this machine (the file system is
 shared: a folder that every node sees), and `hostname`, `getent hosts nodea`, `ip addr`
-show that host's view. The addresses are 10.231.0.0/16, used by these namespaces only;
-the hosts have no route out of it.
+show that host's view. The addresses are 10.231.0.x (and 10.231.1.x, the first interfaces of
+--two-interfaces) in every --slot: each slot is a set of hosts with a switch of its own, and the
+hosts have no route out of it.
 """
 import argparse
 import contextlib
@@ -46,7 +48,7 @@ import time
 PREFIX = "nh"                 # namespaces nh<slot>-<host>, nh<slot>-switch
 STATE_DIR = "/run/netns-hosts"  # slot<k>/owner: which process holds slot k (tests may run side by side)
 NETNS_ETC = "/etc/netns"
-SLOTS = 64                    # slot k: link 10.231.k.0/24, first interfaces 10.231.(64+k).0/24
+SLOTS = 64                    # sets of hosts, each on a switch of its own
 LOOPBACK_NAME_ADDRESS = "127.0.1.1"
 OWN_NAMES = ("routable", "loopback", "localhost", "fqdn")  # what each host's own name resolves to
 
@@ -64,12 +66,16 @@ def unavailable_reason():
     for tool in ("ip", "unshare"):
         if shutil.which(tool) is None:
             return f"`{tool}` is not installed (Debian: apt-get install iproute2 util-linux)"
-    probe = f"{PREFIX}probe{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"`ip netns add` fails here: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
+    probe = f"{PREFIX}probe"
+    for left in _namespaces(probe):  # the probe of a process killed before it removed it
+        if left[len(probe):].isdigit() and not _alive(int(left[len(probe):])):
+            _ip("netns", "del", left, check=False)
+    probe += str(os.getpid())
+    try:
+        made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+        return f"`ip netns add` fails here: {made.stderr.strip()}" if made.returncode else None
+    finally:
+        _ip("netns", "del", probe, check=False)
 
 
 def _ip(*args, namespace=None, check=True):
@@ -85,15 +91,16 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
     return True
 
 
-def namespaces_of_slot(slot: int):
-    prefix = f"{PREFIX}{slot}-"
+def _namespaces(prefix: str):
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return [line.split()[0] for line in out.splitlines() if line.split() and line.split()[0].startswith(prefix)]
+
+
+def namespaces_of_slot(slot: int):
+    return _namespaces(f"{PREFIX}{slot}-")
 
 
 def processes_in(namespace: str):
@@ -102,7 +109,8 @@ def processes_in(namespace: str):
 
 
 def remove_slot(slot: int):
-    """Remove every namespace of a slot, the processes in them, their /etc/netns entries."""
+    """Remove every namespace of a slot, the processes in them, their /etc/netns entries.
+    Called under slots_locked()."""
     deadline = time.monotonic() + 10
     for namespace in namespaces_of_slot(slot):  # a namespace ends when its last process has
         # Listed again until none is left: a process may fork between a listing and its kill.
@@ -121,14 +129,13 @@ def remove_slot(slot: int):
 
 def _holder(folder):
     """Who holds a slot: a pid, "up" (made by the `up` command, held until `down`), or None
-    when its owner file cannot be read (its claimer died before writing it)."""
-    for _ in range(10):  # a claimer writes the file just after making the folder
-        try:
-            with open(os.path.join(folder, "owner")) as f:
-                return json.load(f)["holder"]
-        except (OSError, ValueError, KeyError):
-            time.sleep(0.05)
-    return None
+    when its owner file cannot be read (its claimer died before writing it). Read under
+    slots_locked(), under which a claimer makes the folder and writes the file."""
+    try:
+        with open(os.path.join(folder, "owner")) as f:
+            return json.load(f)["holder"]
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def set_holder(folder, holder):
@@ -141,8 +148,8 @@ def set_holder(folder, holder):
 @contextlib.contextmanager
 def slots_locked():
     """Held while a process decides who holds a slot: claiming one, reclaiming a dead
-    holder's, or taking one over to remove it (tests/reaper.py). Without it, a process
-    that reclaims a slot while another removes it could lose its new hosts to the removal."""
+    holder's, taking one over (tests/reaper.py), removing one. Without it, a process that
+    claims a slot while another removes it could lose its new hosts to the removal."""
     os.makedirs(STATE_DIR, exist_ok=True)
     with open(os.path.join(STATE_DIR, "lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -151,27 +158,18 @@ def slots_locked():
 
 def _claim_slot(wanted=None) -> int:
     """A slot that nobody holds (a dead holder's leftovers are removed first). Without
-    `wanted`, slots 1 and up: slot 0 is the one `up` makes for a reader by default."""
+    `wanted`, the lowest free of slots 1 and up: slot 0 is the one `up` makes by default."""
     with slots_locked():
-        return _claim_free_slot(wanted)
-
-
-def _claim_free_slot(wanted) -> int:
-    for slot in ([wanted] if wanted is not None else range(1, SLOTS)):
-        folder = os.path.join(STATE_DIR, f"slot{slot}")
-        try:
+        for slot in ([wanted] if wanted is not None else range(1, SLOTS)):
+            folder = os.path.join(STATE_DIR, f"slot{slot}")
+            if os.path.exists(folder):
+                holder = _holder(folder)
+                if holder == "up" or (isinstance(holder, int) and _alive(holder)):
+                    continue
+                remove_slot(slot)  # its holder died without tearing down
             os.mkdir(folder)
-        except FileExistsError:
-            holder = _holder(folder)
-            if holder == "up" or (isinstance(holder, int) and _alive(holder)):
-                continue
-            remove_slot(slot)  # its holder died without tearing down
-            try:
-                os.mkdir(folder)
-            except FileExistsError:  # another process reclaimed it first
-                continue
-        set_holder(folder, os.getpid())
-        return slot
+            set_holder(folder, os.getpid())
+            return slot
     raise HostsUnavailable(f"no free slot for hosts ({'slot ' + str(wanted) if wanted is not None else 'all'} "
                            f"taken, see {STATE_DIR}): `python3 scripts/netns_hosts.py --slot N down` frees slot N")
 
@@ -183,7 +181,7 @@ class Hosts:
 
         with Hosts(("nodea", "nodeb")) as hosts:
             hosts.run("nodea", ["hostname"])          # nodea
-            hosts.address("nodeb")                    # '10.231.k.2'
+            hosts.address("nodeb")                    # '10.231.0.2', in every slot
             hosts.cut("nodeb"); hosts.restore("nodeb")
     """
 
@@ -209,11 +207,11 @@ class Hosts:
 
     def address(self, name) -> str:
         """The host's address on the link between the hosts."""
-        return f"10.231.{self.slot}.{self.names.index(name) + 1}"
+        return f"10.231.0.{self.names.index(name) + 1}"
 
     def first_address(self, name) -> str:
         """With two_interfaces: the address of eth0, which reaches no other host."""
-        return f"10.231.{64 + self.slot}.{self.names.index(name) + 1}"
+        return f"10.231.1.{self.names.index(name) + 1}"
 
     @property
     def link_interface(self) -> str:
@@ -257,9 +255,7 @@ class Hosts:
         self.down()
 
     def up(self):
-        reason = unavailable_reason()
-        if reason:
-            raise HostsUnavailable(reason)
+        """Make the hosts (unavailable_reason() says first whether this machine can)."""
         self.slot = _claim_slot(self.wanted_slot)
         try:
             with open(os.path.join(STATE_DIR, f"slot{self.slot}", "hosts.json"), "w") as f:
@@ -268,17 +264,17 @@ class Hosts:
             _ip("netns", "add", self.switch)
             _ip("link", "add", "switch", "type", "bridge", namespace=self.switch)
             _ip("link", "set", "switch", "up", namespace=self.switch)
-            for name in self.names:
+            for index, name in enumerate(self.names):
                 ns = self.namespace(name)
                 _ip("netns", "add", ns)
                 _ip("link", "set", "lo", "up", namespace=ns)
                 if self.two_interfaces:  # made first: the host lists it first, as NCCL will
                     _ip("link", "add", "eth0", "netns", ns, "type", "veth",
-                        "peer", "name", f"nowhere-{name}"[:15], "netns", self.switch)
-                    _ip("link", "set", f"nowhere-{name}"[:15], "up", namespace=self.switch)
+                        "peer", "name", f"nowhere{index}", "netns", self.switch)
+                    _ip("link", "set", f"nowhere{index}", "up", namespace=self.switch)
                     _ip("addr", "add", f"{self.first_address(name)}/24", "dev", "eth0", namespace=ns)
                     _ip("link", "set", "eth0", "up", namespace=ns)
-                port = f"port-{name}"[:15]
+                port = f"port{index}"  # by number: an interface's name has 15 characters at most
                 _ip("link", "add", self.link_interface, "netns", ns, "type", "veth",
                     "peer", "name", port, "netns", self.switch)
                 _ip("link", "set", "dev", port, "master", "switch", namespace=self.switch)
@@ -291,8 +287,6 @@ class Hosts:
                     f.write(self.hosts_file(name))
                 with open(os.path.join(etc, "resolv.conf"), "w") as f:
                     f.write("# no name server: these hosts know each other from their hosts files\n")
-                with open(os.path.join(etc, "hostname"), "w") as f:
-                    f.write(name + "\n")
             self._wait_for_links()
         except BaseException:
             self.down()
@@ -322,7 +316,8 @@ class Hosts:
         for proc in self._processes:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
-        remove_slot(self.slot)
+        with slots_locked():
+            remove_slot(self.slot)
         self.slot = None
 
     # --- running things on a host -------------------------------------------------
@@ -345,20 +340,24 @@ class Hosts:
         proc = self.popen(name, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
         try:
             out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired:  # it holds the output so far
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+            proc.wait()  # not communicate(): a process it started in a session of its own may hold the pipes
+            proc.stdout.close()
+            proc.stderr.close()
             raise
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
     def cut(self, name):
-        """Pull host `name`'s cable: its link goes down at the switch, so packets to and
-        from it are lost (no reset, no error: what a dead switch port or a partition does)."""
-        _ip("link", "set", f"port-{name}"[:15], "down", namespace=self.switch)
+        """Pull host `name`'s cable: its link goes down at the switch, and packets to and from
+        it are lost, as at a dead switch port. Connections across it get no reset: they wait
+        until their own timeouts. A new one waits too, or, once the host that makes it has
+        given up resolving the other's address (seconds), fails with EHOSTUNREACH."""
+        _ip("link", "set", f"port{self.names.index(name)}", "down", namespace=self.switch)
 
     def restore(self, name):
-        _ip("link", "set", f"port-{name}"[:15], "up", namespace=self.switch)
+        _ip("link", "set", f"port{self.names.index(name)}", "up", namespace=self.switch)
         self._wait_for_links()
 
     def firewall(self, name, open_ports=()):
@@ -372,8 +371,10 @@ class Hosts:
             accept = "".join(f"tcp dport {int(port)} accept; " for port in open_ports)
             table += ("table inet netns_hosts { chain input { type filter hook input priority 0; policy accept; "
                       f"iif lo accept; ct state established,related accept; {accept}meta l4proto tcp drop; }}; }}\n")
-        subprocess.run(["ip", "netns", "exec", self.namespace(name), "nft", "-f", "-"], input=table, text=True,
-                       check=True, capture_output=True)
+        done = subprocess.run(["ip", "netns", "exec", self.namespace(name), "nft", "-f", "-"], input=table,
+                              text=True, capture_output=True)
+        if done.returncode:
+            raise RuntimeError(f"nft on {name}: {done.stderr.strip()}")
 
 
 def _attached(slot: int) -> Hosts:
@@ -391,16 +392,14 @@ def _attached(slot: int) -> Hosts:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--slot", type=int, default=0, help="which set of hosts (0: 10.231.0.0/24)")
+    parser.add_argument("--slot", type=int, default=0, choices=range(SLOTS), metavar="N",
+                        help=f"which set of hosts, 0 to {SLOTS - 1} (default 0)")
     sub = parser.add_subparsers(dest="action", required=True)
     up = sub.add_parser("up", help="make the hosts")
     up.add_argument("names", nargs="*", default=["nodea", "nodeb"])
     up.add_argument("--own-name", choices=OWN_NAMES, default="routable",
-                    help="what each host's own name resolves to: its address on the link, or a loopback "
-                         "address written as Debian (127.0.1.1), a hand edit (after localhost) or cloud-init "
-                         "(fqdn) writes it")
-    up.add_argument("--two-interfaces", action="store_true",
-                    help="eth0 (listed first, and the host's own name) reaches no other host; eth1 does")
+                    help="what each host's own name resolves to (below)")
+    up.add_argument("--two-interfaces", action="store_true", help="an eth0 that reaches no other host (below)")
     for action in ("shell", "cut", "restore"):
         sub.add_parser(action, help=f"{action} a host").add_argument("name")
     wall = sub.add_parser("firewall", help="a host drops new TCP connections from the others, but to PORTs")
@@ -425,7 +424,8 @@ def main(argv=None):
             print(f"{name}\t{hosts.address(name)}\t{sys.argv[0]} shell {name}")
         return
     if args.action == "down":
-        remove_slot(args.slot)
+        with slots_locked():
+            remove_slot(args.slot)
         return
     hosts = _attached(args.slot)
     if args.name not in hosts.names:
@@ -436,19 +436,18 @@ def main(argv=None):
         hosts.restore(args.name)
     elif args.action == "firewall":
         hosts.firewall(args.name, None if args.off else args.ports)
+    elif args.action == "shell":
+        print(f"a shell on {args.name} ({hosts.address(args.name)}); exit to leave", file=sys.stderr)
+        os.execvp("ip", hosts.command(args.name, [os.environ.get("SHELL", "/bin/bash")]))
     else:
         cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-        if args.action == "shell":
-            cmd = [os.environ.get("SHELL", "/bin/bash")]
-        elif not cmd:
+        if not cmd:
             sys.exit("netns_hosts.py: error: run NAME -- COMMAND...: name the command to run")
-        if args.action == "shell":
-            print(f"a shell on {args.name} ({hosts.address(args.name)}); exit to leave", file=sys.stderr)
-        os.execvp(hosts.command(args.name, cmd)[0], hosts.command(args.name, cmd))
+        os.execvp("ip", hosts.command(args.name, cmd))
 
 
 if __name__ == "__main__":
     try:
         main()
-    except HostsUnavailable as err:  # a slot taken, no `nft`: one line, no traceback
+    except RuntimeError as err:  # a slot taken, no `nft`, a command of `ip` refused: one line, no traceback
         sys.exit(f"netns_hosts.py: error: {err}")

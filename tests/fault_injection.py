@@ -32,9 +32,10 @@ Faults, when global step S completes on global rank R:
     sigbus-loader   SIGBUS to one of this process's DataLoader workers: what a worker
                     gets when the shared-memory folder (/dev/shm) is full.
     pause           every rank (--rank -1) or rank R: create --marker PATH.RANK, then
-                    sleep --pause-seconds before going on (a test acts on the network
-                    meanwhile, at a known step), or until the process receives a stop
-                    signal (then the run goes on to its next stop check and stops there).
+                    wait before going on until PATH.go exists (a test acts on the network
+                    meanwhile, at a known step, then creates it), for --pause-seconds at
+                    most, or until the process receives a stop signal (then the run goes
+                    on to its next stop check and stops there).
     hang-at-exit    rank R (every rank with --rank -1) never returns from the script's
                     last call, dist_utils.cleanup() (destroy_process_group): a job whose
                     work is done but whose processes do not end. --step is not used.
@@ -112,7 +113,8 @@ def _fire(kind: str, rank: int, step: int, run=None):
         # between short sleeps, so that the pause ends soon after one; the run then stops at
         # its next stop check, as after any step.
         end = time.monotonic() + PAUSE["seconds"]
-        while time.monotonic() < end and getattr(getattr(run, "stop_signal", None), "received", None) is None:
+        while (time.monotonic() < end and not os.path.exists(f"{PAUSE['marker']}.go")
+               and getattr(getattr(run, "stop_signal", None), "received", None) is None):
             time.sleep(min(0.1, max(0.0, end - time.monotonic())))
     elif kind == "sigbus-loader":
         import multiprocessing
@@ -257,7 +259,7 @@ def main():
                         help="signal-group, signal-job, signal-during-eval: which signal")
     parser.add_argument("--eval-seconds", type=float, default=4.0, help="signal-during-eval: the pause")
     parser.add_argument("--marker", default=None, help="pause: the file to create (.RANK is appended)")
-    parser.add_argument("--pause-seconds", type=float, default=1.0, help="pause: how long")
+    parser.add_argument("--pause-seconds", type=float, default=1.0, help="pause: how long at most")
     opts = parser.parse_args(argv[:split])
     global SIGNAL
     SIGNAL = getattr(signal, "SIG" + opts.send)

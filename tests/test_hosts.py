@@ -1,11 +1,12 @@
 """Multi-node training across real hosts: network namespaces on this machine, each with its
-own address (10.231.k.0/24, never 127.0.0.1), hostname and hosts file, joined by a switch
+own address (10.231.0.0/24, never 127.0.0.1), hostname and hosts file, joined by a switch
 whose ports the tests can pull (scripts/netns_hosts.py). What breaks multi-node jobs for
 users is reproduced here and answered: name resolution, the interface gloo picks, a
 partition, a node lost for good.
 
 Needs root and iproute2; skipped with the reason otherwise. Every test tears its hosts down
 however it ends (test_the_hosts_leave_nothing_behind checks that)."""
+import contextlib
 import json
 import os
 import re
@@ -13,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -55,11 +57,20 @@ class Job:
     def __init__(self, hosts, log_dir: Path):
         self.hosts, self.log_dir, self.procs = hosts, log_dir, {}
 
-    def start(self, key, host, argv, cwd=ROOT, **env):
+    def start(self, key, host, argv, cwd=ROOT, program=sys.executable, **env):
         log = open(self.log_dir / f"{key}.log", "w")
-        self.procs[key] = self.hosts.popen(host, [sys.executable, *map(str, argv)], cwd=cwd,
+        self.procs[key] = self.hosts.popen(host, [program, *map(str, argv)], cwd=cwd,
                                            env=subprocess_env(**env), stdout=log, stderr=subprocess.STDOUT)
         return self.procs[key]
+
+    def wait_for(self, *paths, timeout=120):
+        """Until every path exists (a marker the processes write), failing with the logs if one of
+        them ends first."""
+        deadline = time.monotonic() + timeout
+        while not all(Path(path).exists() for path in paths):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in self.procs.values()), \
+                "\n".join(f"--- {key}\n{self.log(key)[-3000:]}" for key in self.procs)
+            time.sleep(0.1)
 
     def log(self, key) -> str:
         return (self.log_dir / f"{key}.log").read_text()
@@ -100,9 +111,11 @@ def assert_bitwise_equal(a: dict, b: dict):
 # --- the test bed itself ---------------------------------------------------------------------
 
 def test_the_hosts_have_their_own_names_addresses_and_a_link_that_can_be_cut(make_hosts):
-    hosts = make_hosts()
+    """In any slot, nodea is 10.231.0.1, as lesson 06 says: each slot's hosts have a switch of
+    their own, so another slot's nodeb, at the same address, is another host."""
+    hosts, other = make_hosts(), make_hosts()
     a, b = hosts.address("nodea"), hosts.address("nodeb")
-    assert a.startswith("10.231.") and not a.startswith("127.")
+    assert (a, b) == (other.address("nodea"), other.address("nodeb")) == ("10.231.0.1", "10.231.0.2")
     probe = ("import socket, sys; print(socket.gethostname(), socket.gethostbyname(sys.argv[1]))")
     seen = hosts.run("nodea", [sys.executable, "-c", probe, "nodeb"]).stdout.split()
     assert seen == ["nodea", b]
@@ -114,15 +127,19 @@ def test_the_hosts_have_their_own_names_addresses_and_a_link_that_can_be_cut(mak
     connect = ("import socket, sys\ntry:\n    socket.create_connection((sys.argv[1], 5001), timeout=2); print('ok')\n"
                "except OSError as e:\n    print(type(e).__name__)")
     assert hosts.run("nodea", [sys.executable, "-c", connect, b]).stdout.strip() == "ok"
+    assert other.run("nodea", [sys.executable, "-c", connect, b]).stdout.strip() == "ConnectionRefusedError"
     hosts.cut("nodeb")
-    assert hosts.run("nodea", [sys.executable, "-c", connect, b]).stdout.strip() in ("TimeoutError", "timeout")
+    assert hosts.run("nodea", [sys.executable, "-c", connect, b]).stdout.strip() == "TimeoutError"
     hosts.restore("nodeb")
     assert hosts.run("nodea", [sys.executable, "-c", connect, b]).stdout.strip() == "ok"
 
 
 def test_the_hosts_leave_nothing_behind_however_the_test_ends():
     """An exception inside the block (a failing test), and a holder that died without
-    tearing down (a killed pytest): no namespace, /etc/netns entry, mount or process stays."""
+    tearing down (a killed pytest): no namespace, /etc/netns entry, mount or process stays.
+    In the last slot, which no other test claims (they take the lowest free one): a slot freed
+    here stays free, and the dead holder's is reclaimed here, not by another test."""
+    slot = netns_hosts.SLOTS - 1
     def leftovers(slot):
         mounts = Path("/proc/self/mountinfo").read_text()
         return (netns_hosts.namespaces_of_slot(slot),
@@ -131,8 +148,7 @@ def test_the_hosts_leave_nothing_behind_however_the_test_ends():
                 [line for line in mounts.splitlines() if f"/run/netns/nh{slot}-" in line])
 
     with pytest.raises(RuntimeError, match="the test failed"):
-        with netns_hosts.Hosts() as hosts:
-            slot = hosts.slot
+        with netns_hosts.Hosts(slot=slot) as hosts:
             sleeper = hosts.popen("nodeb", ["sleep", "300"])
             raise RuntimeError("the test failed")
     assert sleeper.poll() is not None
@@ -140,10 +156,9 @@ def test_the_hosts_leave_nothing_behind_however_the_test_ends():
 
     # A holder that died: its hosts (and a process on them) are removed by the next one.
     code = (f"import sys; sys.path.insert(0, {str(ROOT / 'scripts')!r}); import netns_hosts, subprocess, os\n"
-            "h = netns_hosts.Hosts(); h.up(); print(h.slot, flush=True)\n"
+            f"h = netns_hosts.Hosts(slot={slot}); h.up()\n"
             "h.popen('nodea', ['sleep', '300'], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); os._exit(0)")
-    dead = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    slot = int(dead.stdout.split()[0])
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     assert netns_hosts.namespaces_of_slot(slot), "the dead holder's hosts should still be there"
     stray = [pid for ns in netns_hosts.namespaces_of_slot(slot) for pid in netns_hosts.processes_in(ns)]
     assert stray
@@ -161,6 +176,78 @@ def test_up_on_a_taken_slot_says_so_in_one_line(make_hosts):
     assert proc.returncode == 1 and proc.stderr.startswith("netns_hosts.py: error: no free slot for hosts (slot "), \
         proc.stderr
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
+
+
+def test_the_command_line_refuses_a_slot_out_of_range_and_a_failed_up_in_one_line():
+    script = ROOT / "scripts" / "netns_hosts.py"
+    out_of_range = subprocess.run([sys.executable, script, "--slot", str(netns_hosts.SLOTS), "up"],
+                                  capture_output=True, text=True, timeout=60)
+    assert out_of_range.returncode == 2 and "argument --slot: invalid choice: 64" in out_of_range.stderr, \
+        out_of_range.stderr
+    slot = netns_hosts.SLOTS - 3  # a slot no other test claims
+    refused = subprocess.run([sys.executable, script, "--slot", str(slot), "up", "nodea", "node/b"],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and refused.stderr == \
+        f'netns_hosts.py: error: ip netns add nh{slot}-node/b: Invalid netns name "nh{slot}-node/b"\n', refused.stderr
+    assert netns_hosts.namespaces_of_slot(slot) == [] and not os.path.exists(f"{netns_hosts.STATE_DIR}/slot{slot}")
+
+
+def test_hosts_whose_names_differ_after_ten_characters_have_links_of_their_own(make_hosts):
+    hosts = make_hosts(("node-gpu-01", "node-gpu-02"))
+    hosts.cut("node-gpu-02")
+    assert "LOWER_UP" in hosts.run("node-gpu-01", ["ip", "-o", "link", "show", "eth0"]).stdout
+    assert "LOWER_UP" not in hosts.run("node-gpu-02", ["ip", "-o", "link", "show", "eth0"]).stdout
+
+
+def test_a_probe_left_by_a_killed_process_is_removed_by_the_next_check():
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    left = f"nhprobe{gone.pid}"  # as unavailable_reason() names its probe, killed before removing it
+    subprocess.run(["ip", "netns", "add", left], check=True)
+    try:
+        assert netns_hosts.unavailable_reason() is None
+        assert left not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    finally:
+        subprocess.run(["ip", "netns", "del", left], capture_output=True)
+
+
+def waits_for_the_slots_lock(pid: int) -> bool:
+    """Whether process pid waits to take slots_locked() (/proc/locks marks a waiting flock "->")."""
+    inode = os.stat(os.path.join(netns_hosts.STATE_DIR, "lock")).st_ino
+    return any(fields[1] == "->" and fields[5] == str(pid) and fields[6].endswith(f":{inode}")
+               for fields in map(str.split, Path("/proc/locks").read_text().splitlines()))
+
+
+def test_the_hosts_are_removed_under_the_lock_that_claims_slots(make_hosts):
+    """Hosts.down() and `down` wait for slots_locked(), as a claim does: a removal never
+    interleaves with a claim, which could otherwise take the slot being removed and lose its
+    new hosts to the rest of the removal."""
+    by_hand, by_command = make_hosts(), make_hosts()
+    slots = (by_hand.slot, by_command.slot)
+    with netns_hosts.slots_locked():
+        thread = threading.Thread(target=by_hand.down)
+        thread.start()
+        command = subprocess.Popen([sys.executable, ROOT / "scripts" / "netns_hosts.py", "--slot", str(slots[1]),
+                                    "down"])
+        by_command.slot = None  # removed by the command, not again by the fixture (another test may hold it then)
+        deadline = time.monotonic() + 60
+        while not (waits_for_the_slots_lock(os.getpid()) and waits_for_the_slots_lock(command.pid)):
+            assert time.monotonic() < deadline and thread.is_alive() and command.poll() is None
+            time.sleep(0.05)
+        assert all(netns_hosts.namespaces_of_slot(slot) for slot in slots)
+    thread.join(60)
+    assert command.wait(60) == 0
+    assert [netns_hosts.namespaces_of_slot(slot) for slot in slots] == [[], []]
+
+
+def test_a_command_past_its_timeout_ends_there_whatever_it_left_running(make_hosts):
+    """Hosts.run kills the command's session at its timeout; a process that it started in a
+    session of its own, which holds its output pipes, does not hold up the TimeoutExpired."""
+    hosts = make_hosts()
+    started = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        hosts.run("nodea", ["sh", "-c", "setsid sleep 30 & sleep 30"], timeout=2)
+    assert time.monotonic() - started < 15
 
 
 # --- a. the same training, bitwise, on two hosts as on one -----------------------------------
@@ -219,11 +306,9 @@ def test_two_hosts_survive_a_killed_worker_with_a_restart_of_both(make_hosts, tm
 def launch_multi_node(job, hosts, key_suffix, *args, **env):
     """scripts/launch_multi_node.sh on every host, as README says: the same command on each."""
     for name in hosts.names:
-        job.procs[f"{name}{key_suffix}"] = hosts.popen(
-            name, ["bash", "scripts/launch_multi_node.sh", *map(str, args)], cwd=ROOT,
-            env=subprocess_env(**{"PYTHON": sys.executable, "NNODES": len(hosts.names), "NPROC_PER_NODE": 1,
-                                  "RDZV_HOST": hosts.address(hosts.names[0]), "RDZV_PORT": PORT, **env}),
-            stdout=open(job.log_dir / f"{name}{key_suffix}.log", "w"), stderr=subprocess.STDOUT)
+        job.start(f"{name}{key_suffix}", name, ["scripts/launch_multi_node.sh", *args], program="bash",
+                  **{"PYTHON": sys.executable, "NNODES": len(hosts.names), "NPROC_PER_NODE": 1,
+                     "RDZV_HOST": hosts.address(hosts.names[0]), "RDZV_PORT": PORT, **env})
 
 
 DIST_TIMEOUT, GRACE = 10, 10  # --dist-timeout, TORCHRUN_GRACE: what the partition may cost
@@ -259,16 +344,13 @@ def test_a_partition_ends_every_process_on_both_hosts_and_resume_is_bitwise(make
     marker = tmp_path / "paused"
     job = Job(hosts, tmp_path)
     launch_multi_node(job, hosts, "", *args, "--checkpoint-dir", shared, SCRIPT="tests/fault_injection.py",
-                      FAULT_INJECTION=f"--fault pause --rank -1 --step 6 --marker {marker} --pause-seconds 2 "
+                      FAULT_INJECTION=f"--fault pause --rank -1 --step 6 --marker {marker} --pause-seconds 300 "
                                       "-- distributed.py", TORCHRUN_GRACE=GRACE, JOB_ID="partition")
-    deadline = time.monotonic() + 120
-    while not all(Path(f"{marker}.{rank}").exists() for rank in (0, 1)):  # both at step 6, checkpointed
-        assert time.monotonic() < deadline and all(p.poll() is None for p in job.procs.values()), \
-            "\n".join(job.log(k) for k in job.procs)
-        time.sleep(0.1)
+    job.wait_for(f"{marker}.0", f"{marker}.1")  # both at step 6, checkpointed, held until the cut is made
     hosts.cut("nodeb")
     cut = time.monotonic()
-    bound = 2 + DIST_TIMEOUT + GRACE + 20  # the pause, the timeouts, and room for a loaded machine
+    Path(f"{marker}.go").touch()
+    bound = DIST_TIMEOUT + GRACE + 20  # the timeouts, and room for a loaded machine
     codes = job.wait(bound, expect=None)
     elapsed = time.monotonic() - cut
     assert all(code != 0 for code in codes.values()), codes
@@ -311,13 +393,9 @@ def test_elastic_torchrun_goes_on_without_a_lost_host_with_the_same_global_batch
                "--rdzv-conf=last_call_timeout=5"]
     for name in hosts.names:
         job.start(name, name, ["-m", "torch.distributed.run", *elastic, "tests/fault_injection.py", "--fault", "pause",
-                               "--rank", "-1", "--step", "6", "--marker", marker, "--pause-seconds", "2", "--once",
+                               "--rank", "-1", "--step", "6", "--marker", marker, "--pause-seconds", "300", "--once",
                                "--", "distributed.py", *args, "--checkpoint-dir", shared])
-    deadline = time.monotonic() + 120
-    while not all(Path(f"{marker}.{rank}").exists() for rank in (0, 1)):
-        assert time.monotonic() < deadline and all(p.poll() is None for p in job.procs.values()), \
-            "\n".join(job.log(k) for k in job.procs)
-        time.sleep(0.1)
+    job.wait_for(f"{marker}.0", f"{marker}.1")  # both at step 6, held until host B is gone
     # The checkpoint of step 6 (written before the pause), kept: the survivor resumes it, and
     # so does the one process of the reference below.
     reference = tmp_path / "reference"
@@ -325,10 +403,11 @@ def test_elastic_torchrun_goes_on_without_a_lost_host_with_the_same_global_batch
     shutil.copy2(shared / "checkpoint.pt", reference / "checkpoint.pt")
     hosts.cut("nodeb")
     for pid in netns_hosts.processes_in(hosts.namespace("nodeb")):  # the machine is gone
-        os.kill(pid, signal.SIGKILL)
-    code = job.procs["nodea"].wait(timeout=DIST_TIMEOUT + 120)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    Path(f"{marker}.go").touch()
+    assert job.wait(DIST_TIMEOUT + 120, expect=None)["nodea"] == 0, job.log("nodea")
     log = job.log("nodea")
-    assert code == 0, log
     assert "torchrun restart: resuming from" in log, log
     assert json.loads((shared / "config.json").read_text())["world_size"] == 1
     assert torch.load(shared / "checkpoint.pt", weights_only=True)["global_step"] == 12
@@ -698,7 +777,8 @@ def test_an_endpoint_that_takes_no_connection_is_one_line_within_torchruns_own_w
                       f"each other on every TCP port, {PORT} and those torchrun, gloo and NCCL pick (python3 "
                       f"scripts/preflight.py --rdzv-endpoint nodea:{PORT} checks it from here)"], log
     assert "Traceback" not in log and "frame #" not in log and time.monotonic() - started < 40, log
-    hosts.firewall("nodea", None)
+    if endpoint_port == "dropped":
+        hosts.firewall("nodea", None)
     late = Job(hosts, tmp_path / "late")
     (tmp_path / "late").mkdir()
     late.start("nodeb", "nodeb", launcher(15))
@@ -764,10 +844,7 @@ def test_a_check_of_the_arguments_that_refuses_tells_no_job(make_hosts, tmp_path
     job = Job(hosts, tmp_path)
     ready, done = tmp_path / "store-ready", tmp_path / "check-done"
     job.start("store", "nodea", ["-c", STORE_OF_A_LIVE_JOB.format(port=PORT, ready=str(ready), done=str(done))])
-    deadline = time.monotonic() + 60
-    while not ready.exists():
-        assert time.monotonic() < deadline and job.procs["store"].poll() is None, job.log("store")
-        time.sleep(0.1)
+    job.wait_for(ready)
     check = job.start("check", "nodeb", ["distributed_mp.py", *QUICK, "--nodes", 2, "--node-rank", 1,
                                          "--nproc-per-node", 1, "--ip", hosts.address("nodea"), "--port", PORT,
                                          "--check-args"])
@@ -889,11 +966,7 @@ def test_a_rank_cut_off_from_the_store_ends_within_its_timeout(make_hosts, tmp_p
     for rank, name in enumerate(hosts.names):
         job.start(name, name, [program], RANK=rank, WORLD_SIZE=2, LOCAL_RANK=0, LOCAL_WORLD_SIZE=1,
                   MASTER_ADDR=hosts.address("nodea"), MASTER_PORT=PORT)
-    deadline = time.monotonic() + 60
-    while not all(Path(f"{marker}.{rank}").exists() for rank in (0, 1)):
-        assert time.monotonic() < deadline and all(p.poll() is None for p in job.procs.values()), \
-            job.log("nodea") + job.log("nodeb")
-        time.sleep(0.05)
+    job.wait_for(f"{marker}.0", f"{marker}.1")
     hosts.cut("nodeb")
     cut = time.monotonic()
     Path(f"{marker}.cut").touch()

@@ -40,7 +40,7 @@ pids["ignores_sigterm"] = stubborn.pid
 slot = None
 if {with_hosts!r}:
     import netns_hosts
-    hosts = netns_hosts.Hosts()
+    hosts = netns_hosts.Hosts(slot={slot})
     hosts.up()
     slot = hosts.slot
     pids["on_a_host"] = hosts.popen("nodea", ["sleep", "302"]).pid
@@ -61,19 +61,11 @@ def started_at(pid: int):
     return None if fields[0] == "Z" else int(fields[19])
 
 
-def claimed_by_another_test(folder, owner: int) -> bool:
-    """Whether the slot's holder is a live process other than the dead owner and its reaper."""
-    holder = netns_hosts._holder(folder)
-    try:
-        command = Path(f"/proc/{holder}/cmdline").read_bytes()
-    except (OSError, TypeError):
-        return False
-    return holder != owner and b"reaper" not in command
-
-
 def test_everything_a_killed_test_process_started_is_ended(tmp_path):
     with_hosts = netns_hosts.unavailable_reason() is None
-    code = OWNER.format(tests=str(ROOT / "tests"), scripts=str(ROOT / "scripts"), with_hosts=with_hosts)
+    # A slot that no other test claims (they take the lowest free one): freed, it stays free.
+    code = OWNER.format(tests=str(ROOT / "tests"), scripts=str(ROOT / "scripts"), with_hosts=with_hosts,
+                        slot=netns_hosts.SLOTS - 2)
     # The owner keeps this test process's mark: if this test is cut short, this process's
     # reaper ends the owner and all it started.
     owner = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, stdout=subprocess.PIPE, text=True)
@@ -100,15 +92,11 @@ def test_everything_a_killed_test_process_started_is_ended(tmp_path):
         left = {name: pid for name, pid in pids.items() if started_at(pid) == when[name]}
         assert not left, f"still running {reaper.GRACE + 20} s after their owner died: {left}"
         if with_hosts:
-            folder = os.path.join(netns_hosts.STATE_DIR, f"slot{slot}")
             while netns_hosts.namespaces_of_slot(slot) and time.monotonic() < deadline:
                 time.sleep(0.2)
-            # The reaper removes the slot under slots_locked(): under it, the removal is whole (the namespaces
-            # go first, the folder last). Another test (xdist) may claim the freed slot at once, as its own.
-            with netns_hosts.slots_locked():
-                if not (os.path.exists(folder) and claimed_by_another_test(folder, owner.pid)):
-                    assert netns_hosts.namespaces_of_slot(slot) == [], "the owner's test hosts are still there"
-                    assert not os.path.exists(folder)
+            with netns_hosts.slots_locked():  # the reaper's removal, under it, is whole
+                assert netns_hosts.namespaces_of_slot(slot) == [], "the owner's test hosts are still there"
+                assert not os.path.exists(os.path.join(netns_hosts.STATE_DIR, f"slot{slot}"))
     except BaseException:
         for name, pid in pids.items():  # ended here instead, then the failure
             if started_at(pid) is not None and started_at(pid) == when.get(name):
