@@ -49,18 +49,14 @@ train: venv
 	bash scripts/quickstart.sh
 
 # One thread per process: the tests start several processes on a small CPU. Test files run
-# side by side, TEST_WORKERS at a time (pytest-xdist, one file per worker): most tests wait
-# on signals, timeouts, rendezvous and Slurm, and the waiting overlaps with work. 4 on the
-# 2-core build machine: the whole suite, quiet, took 10 min 33 s with 4 and 11 min 01 s with 3,
-# for the same CPU time (1,172 and 1,193 CPU-s): the fourth fills some of the waiting. A fifth
-# does not: 639 s of tests against 631 s with 4, warm, one after the other.
-# TEST_WORKERS=0 runs them one at a time, in one process (for debugging).
+# side by side, TEST_WORKERS at a time (pytest-xdist, one file per worker, longest first: see
+# tests/conftest.py): most tests wait on signals, timeouts and rendezvous, and the waiting
+# overlaps with work, so 4 suit a 2-core machine. TEST_WORKERS=0 runs them one at a time, in
+# one process (for debugging).
 TEST_WORKERS ?= 4
 XDIST = -n $(TEST_WORKERS) $(if $(filter 0,$(TEST_WORKERS)),,--dist loadfile --no-loadscope-reorder)
-# This project's own modules compiled first: Python writes their bytecode on first import
-# itself, except where PYTHONDONTWRITEBYTECODE is set (as on the build machine); then each of
-# the suite's 500-odd Python processes compiled utils/ and models/ again (a short distributed.py
-# run: 3.39 s, 3.15 s with them compiled; medians of 5 on the 2-core build machine).
+# This project's own modules compiled first: where PYTHONDONTWRITEBYTECODE is set, each of the
+# suite's hundreds of Python processes would compile utils/ and models/ again.
 own_bytecode = $(1) -m compileall -q -j0 utils models scripts tests $(wildcard *.py)
 test: venv
 	$(call own_bytecode,$(PY))

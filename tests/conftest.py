@@ -50,21 +50,22 @@ SMALL = ["--dataset", "synthetic", "--model", "resnet_tiny", "--train-samples", 
          "--test-samples", "100", "--batch-size", "32", "--workers", "0", "--epochs", "1"]
 
 
-# The test files, longest first (wall time measured with 4 workers on the 2-core build
-# machine), the Slurm cluster's among them because it mostly waits. With `make test`, test
-# files run side by side, handed to the workers in this order (--no-loadscope-reorder): the
-# long ones first and the short ones last, so that no long file is left to run alone at the
-# end while the other workers have nothing to do (measured: with only the 16 longest named,
-# the rest in name order, test_gpu_check.py's 34 s came last and the run's last 35 s used one
-# core of the two). Files not named here take a few seconds.
+# The test files, longest first: `make test` hands them to its workers in this order
+# (--no-loadscope-reorder), so that no long file is left to run alone at the end while the other
+# workers idle. A file not named here takes a few seconds; one that grows long belongs in the list.
 LONGEST_FIRST = ["test_fault_tolerance.py", "test_docs.py", "test_hosts.py", "test_slurm_cluster.py",
                  "test_benchmark.py", "test_fsdp.py", "test_flags.py", "test_distributed_script.py",
                  "test_clip_grad.py", "test_distributed_mp.py", "test_cli.py", "test_plot_metrics.py",
                  "test_own_data.py", "test_observe.py", "test_gpu_check.py", "test_preflight.py",
                  "test_data.py", "test_device_data.py", "test_collectives.py", "test_ddp.py",
                  "test_missed_collective.py", "test_gradient_accumulation.py", "test_apex.py", "test_bad_input.py",
-                 "test_launchers.py", "test_strategies_equivalence.py", "test_figures.py", "test_fork_safety.py",
-                 "test_dataparallel.py"]
+                 "test_launchers.py", "test_checkpoint.py", "test_strategies_equivalence.py", "test_figures.py",
+                 "test_fork_safety.py", "test_dataparallel.py"]
+
+FAULTS = "tests/fault_injection.py"  # run from the repository root, as the scripts are
+# Every launcher in scripts/ sets this: torchrun's shared rendezvous store otherwise hands
+# restarted workers their peers' addresses from the attempt before (pytorch/pytorch#135712).
+FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def pytest_configure(config):
@@ -114,6 +115,36 @@ def assert_same_state(a, b, what="state"):
             assert torch.equal(a[key], b[key]), f"{what}.{key} differs"
         else:
             assert a[key] == b[key], f"{what}.{key}: {a[key]!r} != {b[key]!r}"
+
+
+def assert_same_training_state(path, reference, global_step):
+    """Two checkpoints of one training, at `global_step`: model, optimizer and scheduler bitwise;
+    the epoch's training sums to rounding (a resumed run adds the same numbers in another order)."""
+    import torch
+    got, want = (torch.load(p, weights_only=True) for p in (path, reference))
+    assert got["global_step"] == want["global_step"] == global_step
+    assert (got["epoch"], got["step_in_epoch"]) == (want["epoch"], want["step_in_epoch"])
+    assert want["optimizer"]["state"], "no optimizer state to compare"
+    for key in ("model", "optimizer", "scheduler"):
+        assert_same_state(got[key], want[key], key)
+    assert got["train_sums"] == pytest.approx(want["train_sums"], rel=1e-12)
+
+
+def max_difference(a: dict, b: dict) -> float:
+    """The largest absolute difference over every tensor of two nested dicts of equal keys (the
+    other values equal)."""
+    import torch
+    assert a.keys() == b.keys()
+    worst = 0.0
+    for key in a:
+        if isinstance(a[key], dict):
+            worst = max(worst, max_difference(a[key], b[key]))
+        elif isinstance(a[key], torch.Tensor):
+            assert a[key].shape == b[key].shape and a[key].dtype == b[key].dtype, key
+            worst = max(worst, (a[key].double() - b[key].double()).abs().max().item())
+        else:
+            assert a[key] == b[key], f"{key}: {a[key]!r} != {b[key]!r}"
+    return worst
 
 
 def free_port() -> int:
@@ -323,6 +354,30 @@ def lock_descriptors() -> set:
     return found
 
 
+@contextlib.contextmanager
+def process_state_kept():
+    """What a training run made in this process keeps until the process ends, given back on leaving:
+    its stop-signal handlers (utils.run.StopSignal; only finish() restores them) and its checkpoint
+    folder's locked .lock descriptor (closed, as the process's exit closes it)."""
+    import signal
+    from utils import lifecycle
+    handlers, locks = {sig: signal.getsignal(sig) for sig in lifecycle.SIGNALS}, lock_descriptors()
+    try:
+        yield
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        for fd in lock_descriptors() - locks:
+            os.close(fd)
+
+
+@pytest.fixture(autouse=True)
+def _process_state_kept():
+    """Every test: a run it made (a script's main, a TrainingRun) leaves nothing to the next tests."""
+    with process_state_kept():
+        yield
+
+
 def script_runner(monkeypatch, capture):
     """run(script, argv, **env) -> (exit status, stdout, stderr): the script's main behind
     lifecycle.run_main, in this process, as `python SCRIPT ARGV` runs it with the launcher's
@@ -330,10 +385,9 @@ def script_runner(monkeypatch, capture):
     subprocess takes two (it imports torch again). `capture()`: a context manager that
     collects what the run prints and returns a function giving (stdout, stderr)."""
     import importlib
-    import signal
 
     import torch
-    from utils import cli, lifecycle
+    from utils import lifecycle
     freeze_the_imports()
     keep_on_cpu(monkeypatch)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -342,16 +396,15 @@ def script_runner(monkeypatch, capture):
     monkeypatch.setattr(lifecycle, "_joined_a_group", False)
     monkeypatch.setattr(lifecycle, "_job", None)
     monkeypatch.setattr(lifecycle, "_group_store", None)
-    saved = {sig: signal.getsignal(sig) for sig in lifecycle.SIGNALS}
 
     def run(script, argv, **env):
         for key, value in env.items():
             monkeypatch.setenv(key, str(value))
         monkeypatch.setattr(sys, "argv", [script])
         module = importlib.import_module(script[:-3])
-        code, threads, locks = 0, torch.get_num_threads(), lock_descriptors()
+        code, threads = 0, torch.get_num_threads()
         torch.set_num_threads(1)  # as in the scripts' subprocesses (OMP_NUM_THREADS=1): the same sums
-        with capture() as printed, warnings.catch_warnings():
+        with capture() as printed, warnings.catch_warnings(), process_state_kept():
             # Warnings printed on stderr, as `python SCRIPT` shows them (Python's default
             # filters), not collected by pytest: a refusal must still be one line.
             warnings.resetwarnings()
@@ -368,10 +421,6 @@ def script_runner(monkeypatch, capture):
                 code = stop.code
             finally:
                 torch.set_num_threads(threads)
-                for sig, handler in saved.items():  # a run installs its stop handlers
-                    signal.signal(sig, handler)
-                for fd in lock_descriptors() - locks:  # released as the program's exit releases them
-                    os.close(fd)
         return (code, *printed())
     return run
 

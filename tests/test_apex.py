@@ -7,7 +7,6 @@ error when apex is asked for but absent, and unit tests of how the precision is 
 import argparse
 import contextlib
 import importlib
-import signal
 import subprocess
 import sys
 import types
@@ -15,9 +14,9 @@ import types
 import pytest
 import torch
 
-from conftest import (ROOT, SMALL, assert_refused, gpu_subprocess_env, keep_on_cpu, read_metrics, run_script,
+from conftest import (ROOT, SMALL, assert_refused, expect_ok, gpu_subprocess_env, read_metrics, run_script,
                       subprocess_env, torchrun)
-from utils import lifecycle, precision
+from utils import precision
 from utils.cli import UsageError
 from utils.precision import cpu_autocast_works
 
@@ -31,11 +30,6 @@ FP16_SMALL = ["--dataset", "synthetic", "--model", "resnet_tiny", "--train-sampl
               "--amp", "fp16", "--clip-grad", "1.0"]
 
 
-def cpu_env():
-    # These tests are about the CPU path: on a GPU machine too.
-    return subprocess_env(CUDA_VISIBLE_DEVICES="")
-
-
 @pytest.fixture
 def start():
     """start(args): `python <args>` in the background, to overlap with another run.
@@ -43,7 +37,7 @@ def start():
     procs = []
 
     def launch(args):
-        procs.append(subprocess.Popen([sys.executable, *map(str, args)], cwd=ROOT, env=cpu_env(),
+        procs.append(subprocess.Popen([sys.executable, *map(str, args)], cwd=ROOT, env=subprocess_env(),
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         return procs[-1]
     yield launch
@@ -51,12 +45,6 @@ def start():
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-
-
-def torchrun_cpu(nproc, args, timeout=240):
-    # conftest.torchrun with CUDA hidden (it takes no env).
-    return run_script(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                       SCRIPT, *args], timeout=timeout, env=cpu_env())
 
 
 def finish(proc, timeout=180):
@@ -80,7 +68,7 @@ def end_record(path):
 # --- end to end on the CPU -------------------------------------------------------------
 
 def test_bf16_under_torchrun_two_processes(tmp_path):
-    proc = torchrun_cpu(2, [*SMALL, "--amp", "bf16", "--metrics", tmp_path / "bf16.jsonl"])
+    proc = torchrun(2, SCRIPT, [*SMALL, "--amp", "bf16", "--metrics", tmp_path / "bf16.jsonl"])
     assert "no --amp given" not in proc.stdout
     bf16 = end_record(tmp_path / "bf16.jsonl")
     assert bf16["amp"] == "bf16" and bf16["amp_impl"] == "torch" and bf16["opt_level"] is None
@@ -90,27 +78,12 @@ def test_bf16_under_torchrun_two_processes(tmp_path):
     assert bf16["test_samples"] == 100  # every test image once over the two shards
 
 
-def run_in_this_process(argv):
-    """The script's main() in the test process (no interpreter start-up to pay), on the
-    CPU also where there is a GPU, leaving the process's signal handlers as they were
-    (the run installs its own)."""
-    signals = lifecycle.SIGNALS
-    saved = {sig: signal.getsignal(sig) for sig in signals}
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            keep_on_cpu(mp)
-            apex_script.main([str(a) for a in argv])
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
-
-
-def test_autocast_changes_the_arithmetic(tmp_path):
+def test_autocast_changes_the_arithmetic(tmp_path, run_in_process):
     # One process, two steps each, in bf16 and in float32 (--opt-level O0): the same
     # batches and weights, so only the precision can make the numbers differ.
     amp = "bf16"
     for tag, flag in ((amp, ["--amp", amp]), ("fp32", ["--opt-level", "O0"])):
-        run_in_this_process([*SMALL, *flag, "--max-steps", "2", "--metrics", tmp_path / f"{tag}.jsonl"])
+        expect_ok(run_in_process(SCRIPT, [*SMALL, *flag, "--max-steps", "2", "--metrics", tmp_path / f"{tag}.jsonl"]))
     mixed, fp32 = end_record(tmp_path / f"{amp}.jsonl"), end_record(tmp_path / "fp32.jsonl")
     assert (mixed["amp"], fp32["amp"], fp32["opt_level"]) == (amp, "fp32", "O0")
     # Close, but the 8-bit (bf16) or 11-bit (fp16) mantissa shows, in training and in evaluation.
@@ -128,8 +101,7 @@ def test_fp16_resume_continues_with_the_same_loss_scale(tmp_path, start):
     finish(first_half)
     halfway = torch.load(part / "checkpoint.pt", weights_only=True)
     assert halfway["global_step"] == 1 and halfway["scaler"]["scale"] > 0  # the scaler is saved
-    out = run_script([SCRIPT, *FP16_SMALL, "--max-steps", "2", "--checkpoint-dir", part, "--resume"],
-                     env=cpu_env()).stdout
+    out = run_script([SCRIPT, *FP16_SMALL, "--max-steps", "2", "--checkpoint-dir", part, "--resume"]).stdout
     assert "resumed from" in out
     finish(uninterrupted)
 
@@ -197,7 +169,6 @@ def _no_real_apex():
 
 
 @pytest.mark.skipif(not _no_real_apex(), reason="an NVIDIA apex is installed here")
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 def test_apex_absent_is_one_clear_line_and_exit_2(run_in_process):
     assert_refused(run_in_process(SCRIPT, [*SMALL, "--amp-impl", "apex"]),
                    "PyPI", "--amp-impl torch", "github.com/NVIDIA/apex")
@@ -340,7 +311,7 @@ def test_precision_with_apex(fake_apex, monkeypatch):
         precision.choose_precision(flags(amp_impl="apex", opt_level="O3"), "cuda")
 
 
-def test_the_apex_amp_branch_of_the_loop(tmp_path, monkeypatch):
+def test_the_apex_amp_branch_of_the_loop(tmp_path, monkeypatch, run_in_process):
     """The loop with apex.amp, on the CPU, through a stand-in with apex.amp's interface:
     amp.initialize before DDP, backward inside amp.scale_loss, clipping on
     amp.master_params, FusedSGD as the optimizer, amp's state in the checkpoint."""
@@ -367,7 +338,7 @@ def test_the_apex_amp_branch_of_the_loop(tmp_path, monkeypatch):
     monkeypatch.setattr(apex_script, "choose_precision",
                         lambda args, device_type: precision.Precision("fp16", None, "O1", FakeFusedSGD, amp))
     common = [*SMALL, "--amp-impl", "apex", "--clip-grad", "1.0", "--checkpoint-dir", tmp_path / "ckpt"]
-    run_in_this_process([*common, "--max-steps", "2", "--metrics", tmp_path / "m.jsonl"])
+    expect_ok(run_in_process(SCRIPT, [*common, "--max-steps", "2", "--metrics", tmp_path / "m.jsonl"]))
     assert calls["initialize"] == [(FakeFusedSGD, "O1")]
     assert calls["scale_loss"] == calls["master_params"] == 2
     record = end_record(tmp_path / "m.jsonl")
@@ -375,7 +346,7 @@ def test_the_apex_amp_branch_of_the_loop(tmp_path, monkeypatch):
         ("ddp-amp-apex", "fp16", "apex", "O1")
     saved = torch.load(tmp_path / "ckpt" / "checkpoint.pt", weights_only=True)
     assert saved["scaler"] == {"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 2}}
-    run_in_this_process([*common, "--max-steps", "3", "--resume"])
+    expect_ok(run_in_process(SCRIPT, [*common, "--max-steps", "3", "--resume"]))
     assert calls["load_state_dict"] == [saved["scaler"]]  # amp's loss scale is resumed
 
 

@@ -4,7 +4,6 @@ read from --data-dir are data, never code."""
 import os
 import pickle
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,12 +11,9 @@ import torch
 from conftest import ROOT, SMALL, assert_one_line_error, assert_refused, expect_ok, run_script, subprocess_env, torchrun
 from test_data import ONE_CPU_PROCESS, args_for, write_cifar100
 from models import MODEL_NAMES
-from utils import checkpoint, cli, data
+from utils import checkpoint, cli, data, lifecycle
 
 import numpy as np
-
-# run_main's @record cannot enable faulthandler on pytest's captured stderr: harmless here.
-pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
 
 
 # --- flags -------------------------------------------------------------------------------
@@ -35,7 +31,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
 ])
 def test_bad_flag_values_are_one_line(capsys, argv, fragment):
     with pytest.raises(SystemExit) as excinfo:
-        cli.parse_args(cli.build_parser("", MODEL_NAMES), argv)
+        lifecycle.run_main(lambda flags: cli.parse_args(cli.build_parser("", MODEL_NAMES), flags), argv)
     assert excinfo.value.code == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and fragment in lines[0], lines
@@ -136,9 +132,6 @@ def test_unwritable_checkpoint_dir_is_refused_before_training(run_in_process, tm
 
 def test_metrics_failure_after_an_epoch_keeps_its_checkpoint(tmp_path, monkeypatch):
     # Checkpoint first, then the record: an epoch whose record cannot be written is not lost.
-    from test_checkpoint import ONE_CPU_PROCESS as ONE, keep_signal_handlers  # noqa: F401
-    from utils import run as run_module
-    from utils.run import TrainingRun
     import test_checkpoint as tc
 
     args = tc.args_for("--checkpoint-dir", tmp_path / "ck", "--metrics", tmp_path / "m.jsonl")

@@ -12,13 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT, SMALL, assert_one_line_error, assert_refused, run_script
+from conftest import FAULTS, ROOT, SMALL, assert_refused, expect_ok, lock_descriptors, observing_entry, run_script
 from models import MODEL_NAMES, build_model
-from utils import checkpoint, cli, lifecycle, metrics, schedule
-from utils.distributed import DistEnv
+from test_data import ONE_CPU_PROCESS
+from utils import checkpoint, cli, metrics, schedule
 from utils.run import TrainingRun
-
-ONE_CPU_PROCESS = DistEnv(0, 0, 1, 1, torch.device("cpu"), False)
 
 
 def state(value: float) -> dict:
@@ -126,15 +124,6 @@ def test_missing_checkpoint_is_a_usage_error(tmp_path):
 
 # --- a real checkpoint ----------------------------------------------------------------------
 
-@pytest.fixture
-def keep_signal_handlers():
-    # TrainingRun installs handlers of the stop signals (clean stop); give pytest its own back.
-    saved = {sig: signal.getsignal(sig) for sig in lifecycle.SIGNALS}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
-
-
 def args_for(*argv):
     return cli.parse_args(cli.build_parser("", MODEL_NAMES), [*SMALL, *map(str, argv)])
 
@@ -165,7 +154,7 @@ def take_one_step(run, model, optimizer):
     run.save()
 
 
-def test_checkpoint_reads_with_weights_only_and_resumes(tmp_path, keep_signal_handlers):
+def test_checkpoint_reads_with_weights_only_and_resumes(tmp_path):
     directory = tmp_path / "run"
     run, model, optimizer = make_run(args_for("--checkpoint-dir", directory))
     take_one_step(run, model, optimizer)
@@ -198,7 +187,7 @@ def test_checkpoint_reads_with_weights_only_and_resumes(tmp_path, keep_signal_ha
     assert optimizer2.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
 
 
-def test_an_epochs_end_reduces_its_training_sums_once(tmp_path, keep_signal_handlers, monkeypatch):
+def test_an_epochs_end_reduces_its_training_sums_once(tmp_path, monkeypatch):
     # The record's training figures and the checkpoint's sums come from one all-reduce, which every rank waits in.
     run, model, optimizer = make_run(args_for("--checkpoint-dir", tmp_path, "--max-steps", 1))
     take_one_step(run, model, optimizer)
@@ -211,8 +200,7 @@ def test_an_epochs_end_reduces_its_training_sums_once(tmp_path, keep_signal_hand
 
 
 @pytest.mark.parametrize("no_lock", [errno.ENOLCK, errno.ENOSYS])
-def test_a_checkpoint_folder_without_locks_trains_with_a_warning(tmp_path, keep_signal_handlers, monkeypatch,
-                                                                  capsys, no_lock):
+def test_a_checkpoint_folder_without_locks_trains_with_a_warning(tmp_path, monkeypatch, capsys, no_lock):
     # NFS without its lock daemon, Lustre mounted noflock: often the only folder every node sees. The run
     # trains and checkpoints there, saying that a second run at the same time would not be refused.
     def lockf(*_):
@@ -238,7 +226,7 @@ def test_a_lock_that_fails_otherwise_is_refused(tmp_path, monkeypatch):
         checkpoint.lock_directory(str(tmp_path))
 
 
-def test_resume_refuses_another_model(tmp_path, keep_signal_handlers):
+def test_resume_refuses_another_model(tmp_path):
     directory = tmp_path / "run"
     run, model, optimizer = make_run(args_for("--checkpoint-dir", directory))
     take_one_step(run, model, optimizer)
@@ -248,7 +236,7 @@ def test_resume_refuses_another_model(tmp_path, keep_signal_handlers):
         make_run(args, "resnet18")
 
 
-def test_fresh_run_does_not_overwrite_a_checkpoint(tmp_path, keep_signal_handlers):
+def test_fresh_run_does_not_overwrite_a_checkpoint(tmp_path):
     directory = tmp_path / "run"
     run, model, optimizer = make_run(args_for("--checkpoint-dir", directory))
     take_one_step(run, model, optimizer)
@@ -258,44 +246,58 @@ def test_fresh_run_does_not_overwrite_a_checkpoint(tmp_path, keep_signal_handler
     assert (directory / "checkpoint.pt").read_bytes() == before
 
 
-def test_check_args_refuses_what_the_resume_would(tmp_path):
+BEFORE_A_RUN = {}
+
+
+def test_a_run_made_in_a_test_holds_the_stop_signals_and_its_folder(tmp_path):
+    # Until its finish() (the stop signals) or the process's exit (the lock): the next test must not inherit them.
+    BEFORE_A_RUN.update(handler=signal.getsignal(signal.SIGTERM), locks=lock_descriptors())
+    make_run(args_for("--checkpoint-dir", tmp_path))
+    assert signal.getsignal(signal.SIGTERM) != BEFORE_A_RUN["handler"] and lock_descriptors() != BEFORE_A_RUN["locks"]
+
+
+def test_the_next_test_finds_the_process_as_it_was():
+    if not BEFORE_A_RUN:
+        pytest.skip("runs after the test above")
+    assert signal.getsignal(signal.SIGTERM) == BEFORE_A_RUN["handler"] and lock_descriptors() == BEFORE_A_RUN["locks"]
+
+
+def test_check_args_refuses_what_the_resume_would(tmp_path, run_in_process):
     """--check-args (what slurm.sbatch runs before srun, where a refusal would be restarted) and the run refuse a
     checkpoint folder alike, in the same line: a changed recipe, a checkpoint a fresh run would overwrite, a folder
     given as --resume's file, one that another run holds. The matching resume passes."""
     ck = tmp_path / "ck"
-    recipe = [*SMALL, "--workers", "0", "--no-nesterov"]
-    run_script(["distributed.py", *recipe, "--max-steps", "2", "--checkpoint-dir", ck])
-    refused = {("--checkpoint-dir", ck, "--resume", "--epochs", "2"): "written with --epochs 1, this run has --epochs 2",
-               ("--checkpoint-dir", ck, "--resume", "--nesterov"): "written with --no-nesterov, this run has --nesterov",
-               ("--checkpoint-dir", ck): "already holds a checkpoint: add --resume",
-               ("--resume", ck): f"no checkpoint at {ck}: a folder; name its file, {ck / 'checkpoint.pt'}"}
-    for argv, fragment in refused.items():
-        lines = [assert_one_line_error(run_script(["distributed.py", *recipe, *argv, *check], check=False), fragment)
+    recipe = [*SMALL, "--no-nesterov"]
+
+    def refused_alike(argv, fragment):
+        lines = [assert_refused(run_in_process("distributed.py", [*recipe, *argv, *check]), fragment)
                  for check in (["--check-args"], [])]
         assert lines[0] == lines[1]
-    check = ["distributed.py", *recipe, "--checkpoint-dir", ck, "--resume", "--check-args"]
-    assert "arguments OK" in run_script(check).stdout
-    # Another node's check tests the lock at the same moment (a shared lock, for an instant): both pass.
-    checking = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1]); "
-                                 "fcntl.lockf(f, fcntl.LOCK_SH); print('held', flush=True); time.sleep(120)",
-                                 str(ck / ".lock")], stdout=subprocess.PIPE, text=True)
-    try:
-        assert checking.stdout.readline() == "held\n" and "arguments OK" in run_script(check).stdout
-    finally:
-        checking.kill()
-        checking.wait()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from utils import checkpoint; "
-                               "checkpoint.lock_directory(sys.argv[1]); print('held', flush=True); time.sleep(120)",
-                               str(ck)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline() == "held\n"
-        lines = [assert_one_line_error(run_script(["distributed.py", *recipe, "--checkpoint-dir", ck, "--resume",
-                                                   *check], check=False), f"--checkpoint-dir {ck} is in use by another")
-                 for check in (["--check-args"], [])]
-        assert lines[0] == lines[1]
-    finally:
-        holder.kill()
-        holder.wait()
+
+    expect_ok(run_in_process("distributed.py", [*recipe, "--max-steps", "2", "--checkpoint-dir", ck]))
+    resume = ["--checkpoint-dir", ck, "--resume"]
+    refused_alike([*resume, "--epochs", "2"], "written with --epochs 1, this run has --epochs 2")
+    refused_alike([*resume, "--nesterov"], "written with --no-nesterov, this run has --nesterov")
+    refused_alike(["--checkpoint-dir", ck], "already holds a checkpoint: add --resume")
+    refused_alike(["--resume", ck], f"no checkpoint at {ck}: a folder; name its file, {ck / 'checkpoint.pt'}")
+    check = [*recipe, *resume, "--check-args"]
+    assert "arguments OK" in expect_ok(run_in_process("distributed.py", check))
+    # The lock's holders are other processes, as another node's check and another run are: this process's own
+    # locks would not stop it. Another node's check tests the lock at the same moment (a shared lock, for an
+    # instant): both pass. A run holding it (an exclusive lock) is refused.
+    for holder, passes in (("f = open(sys.argv[1] + '/.lock'); fcntl.lockf(f, fcntl.LOCK_SH)", True),
+                           ("from utils import checkpoint; checkpoint.lock_directory(sys.argv[1])", False)):
+        held = subprocess.Popen([sys.executable, "-c", f"import fcntl, sys, time; {holder}; print('held', flush=True); "
+                                 "time.sleep(120)", str(ck)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        try:
+            assert held.stdout.readline() == "held\n"
+            if passes:
+                assert "arguments OK" in expect_ok(run_in_process("distributed.py", check))
+            else:
+                refused_alike(resume, f"--checkpoint-dir {ck} is in use by another")
+        finally:
+            held.kill()
+            held.wait()
     assert checkpoint.load(str(ck / "checkpoint.pt"))["global_step"] == 2  # refused, never overwritten
 
 
@@ -319,7 +321,6 @@ def test_script_with_a_corrupt_checkpoint_is_one_line(tmp_path, run_in_process):
 
 
 def test_resume_from_a_file_without_a_checkpoint_dir_says_that_nothing_will_be_saved(tmp_path, run_in_process):
-    from conftest import SMALL
     assert run_in_process("distributed.py", [*SMALL, "--max-steps", "2", "--checkpoint-dir", tmp_path / "a"])[0] == 0
     code, out, err = run_in_process("distributed.py", [*SMALL, "--resume", tmp_path / "a" / "checkpoint.pt"])
     assert code == 0, err
@@ -354,10 +355,9 @@ checkpoint.atomic_save = counted
 def test_a_step_is_checkpointed_once(tmp_path, how):
     """--checkpoint-every 2 meets the run's end at step 4 (--max-steps 4, or SIGTERM at step 4): one write
     of step 4, not the periodic one and then the end's (a second full write inside a launcher's grace)."""
-    from conftest import observing_entry, run_script
     entry = observing_entry(tmp_path, COUNT_SAVES)
     end = (["--max-steps", "4"] if how == "--max-steps" else
-           ["tests/fault_injection.py", "--fault", "sigterm-self", "--step", "4", "--"])
+           [FAULTS, "--fault", "sigterm-self", "--step", "4", "--"])
     script = ["distributed.py", *SMALL, "--checkpoint-every", "2", "--checkpoint-dir", tmp_path / "ckpt"]
     argv = [*script, *end] if how == "--max-steps" else [*end, *script]
     out = run_script([entry, *argv]).stdout

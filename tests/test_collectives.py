@@ -144,9 +144,8 @@ def driver_reports(tmp_path_factory) -> list[dict]:
 NO_DEPRECATIONS = ["-W", "error::FutureWarning", "-W", "error::DeprecationWarning"]
 
 
-@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.not_on_floor(
-    "the same collectives, at 2 processes: test_tour_passes_and_prints_tables[2]"))])
-def test_tour_passes_and_prints_tables(nproc: int) -> None:
+def test_tour_passes_and_prints_tables() -> None:
+    nproc = 3  # not 2, where the ring's 2(N-1)/N is 1 and would tell nothing apart
     result = run_bounded([sys.executable, *NO_DEPRECATIONS, str(SCRIPT), "--nproc", str(nproc)])
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     out = result.stdout
@@ -182,7 +181,7 @@ def test_tour_passes_and_prints_tables(nproc: int) -> None:
     sent_lines = re.findall(r"rank (\d+): sent (\d+) bytes \(theory 2\(N-1\)/N x (\d+) = ([\d.]+)\)", out)
     assert len(sent_lines) == nproc
     for _, sent, tensor_bytes, theory in sent_lines:
-        assert float(theory) == pytest.approx(2 * (nproc - 1) / nproc * int(tensor_bytes))
+        assert float(theory) == pytest.approx(2 * (nproc - 1) / nproc * int(tensor_bytes), abs=0.05)  # printed to 0.1
         assert abs(int(sent) - float(theory)) < 8  # under one float32 per phase
     assert "DDP automates" in out
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SMALL, assert_refused, expect_ok, read_metrics, samples_by_index, torchrun
+from conftest import SMALL, assert_refused, expect_ok, normalized, read_metrics, samples_by_index, torchrun
 from models import MODEL_NAMES
 from utils import cli, data, metrics
 from utils.distributed import DistEnv
@@ -92,12 +92,6 @@ def args_for(*argv):
     return cli.parse_args(cli.build_parser("", MODEL_NAMES), ["--workers", "0", *map(str, argv)])
 
 
-def normalized(chw_uint8: np.ndarray) -> torch.Tensor:
-    mean = torch.tensor([0.5071, 0.4865, 0.4409]).view(3, 1, 1)
-    std = torch.tensor([0.2673, 0.2564, 0.2762]).view(3, 1, 1)
-    return (torch.from_numpy(chw_uint8.astype(np.float32)) / 255 - mean) / std
-
-
 def test_written_files_have_the_original_layout(small_cifar):
     root, split = small_cifar
     folder = root / "cifar-100-python"
@@ -138,9 +132,11 @@ def test_build_datasets_reads_cifar100_from_disk(small_cifar):
         test_items = [test_set[i] for i in range(12)]
     # The stored pixels, as bytes; normalised for the model by model_inputs (on the device).
     to_model = data.model_inputs(test_set, torch.device("cpu"))
+    # The formula's statistics: CIFAR-100's training set, per channel, as published.
+    assert (data.CIFAR100_MEAN, data.CIFAR100_STD) == ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762))
     for i, (image, label) in enumerate(test_items):
         assert image.dtype == torch.uint8 and torch.equal(image, torch.from_numpy(split["test_images"][i]))
-        assert torch.allclose(to_model(image[None])[0], normalized(split["test_images"][i]), atol=1e-6)
+        assert torch.allclose(to_model(image[None])[0], normalized(image), atol=1e-6)
         assert label == split["test_labels"][i]  # the fine label, not the coarse one
 
     # Training images are the stored pixels, cropped and flipped as the epoch's plan says.
@@ -337,7 +333,7 @@ def test_evaluation_counts_every_test_sample_once(world_size):
 def test_an_empty_test_set_is_not_scored():
     # Your own data with an empty test set: no figure is measured, so none is reported as 0%.
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 10))
-    loader = data.eval_loader([], 8, DistEnv(0, 0, 1, 1, torch.device("cpu"), False), SimpleNamespace(workers=0))
+    loader = data.eval_loader([], 8, ONE_CPU_PROCESS, SimpleNamespace(workers=0))
     scores = metrics.evaluate(model, loader, torch.device("cpu"))
     assert scores["test_samples"] == 0 and all(math.isnan(scores[key]) for key in ("test_loss", "test_acc1")), scores
 

@@ -87,7 +87,6 @@ def test_each_spawned_process_takes_one_thread_as_under_torchrun(tmp_path):
             [f"worker {rank}: {expected} thread(s)" for rank in (0, 1)], proc.stdout
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 @pytest.mark.parametrize("flags, expected", [
     (["--nproc-per-node", "2", "--batch-size", "33"],
      "batch size 33 is not divisible by 2 processes (33 / 2 = 16.5); choose a multiple of 2"),
@@ -118,13 +117,11 @@ def test_a_host_knows_its_own_name_in_any_case(monkeypatch):
     assert finding.certain and "nodeb is 127.0.1.1 here, a loopback address" in finding.what
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
 def test_more_processes_than_gpus_is_refused(capsys, monkeypatch):
     line = _run_in_process([*SMALL, "--nproc-per-node", "4"], capsys, monkeypatch, gpus=2)
     assert "--nproc-per-node 4 but only 2 GPUs visible" in line
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
 def test_a_stale_rendezvous_file_is_refused(tmp_path, capsys, monkeypatch):
     stale = tmp_path / "rdzv"
     stale.write_text("left by a run that crashed")
@@ -133,7 +130,6 @@ def test_a_stale_rendezvous_file_is_refused(tmp_path, capsys, monkeypatch):
     assert stale.read_text() == "left by a run that crashed"  # refused, not deleted
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
 @pytest.mark.parametrize("held_on", ["127.0.0.1", "127.0.0.2"])
 def test_port_in_use_is_one_line_and_exit_2(capsys, monkeypatch, held_on):
     """Held on --ip's own address, or on another of this machine's: rank 0's store listens on
@@ -146,7 +142,6 @@ def test_port_in_use_is_one_line_and_exit_2(capsys, monkeypatch, held_on):
     assert f"port {port} on 127.0.0.1 is already in use" in line and "--port" in line.split("use;")[1]
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
 def test_port_in_use_on_node_0_says_the_other_nodes_wait(capsys, monkeypatch):
     """The other nodes would hear of node 0's refusal at that very port: none can be told, and the
     line says what they do meanwhile (rank 0's store could not listen to tell them)."""
@@ -190,7 +185,6 @@ def test_a_node_waiting_where_no_store_answers_says_so(tmp_path, listening):
         "holds that port, or this node cannot reach it; scripts/preflight.py checks each node's network"), stderr
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 def test_a_refusal_left_by_a_node_s_flags_is_named_by_node_0_of_the_next_run(tmp_path, capsys, monkeypatch):
     # Node 1 refused its flags before any process started: its line waits in PATH.refused for the other nodes,
     # and no node 0 ran to remove it. The corrected command on node 0 names it, instead of every node ending
@@ -255,20 +249,19 @@ def test_a_batch_refused_on_one_node_reaches_the_other_at_once():
     once, not "1/2 clients joined" once --dist-timeout has passed (the batch was checked before a refusal
     could reach the job)."""
     iface, address = two_nodes_here()
-    flags = [*SMALL, "--device", "cpu", "--dist-timeout", "60"]
+    flags = [*SMALL, "--device", "cpu", "--dist-timeout", "300"]  # far beyond the time a loaded CPU takes to start
     env = dict(WORLD_SIZE=2, LOCAL_RANK=0, LOCAL_WORLD_SIZE=1, MASTER_ADDR=address, MASTER_PORT=free_port(),
                GLOO_SOCKET_IFNAME=iface)
     nodes = [subprocess.Popen([sys.executable, "distributed.py", *flags, "--batch-size", str(32 + rank)], cwd=ROOT,
                               env=subprocess_env(RANK=rank, **env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for rank in (0, 1)]
-    started = time.monotonic()
     try:
-        node_0 = nodes[0].communicate(timeout=45)[1]
+        node_0 = nodes[0].communicate(timeout=120)[1]  # not --dist-timeout later
     finally:
         for node in nodes:
             node.kill()
             node.communicate()
-    assert time.monotonic() - started < 30 and "rank 1 refused to start: batch size 33 is not divisible" in node_0, node_0
+    assert "rank 1 refused to start: batch size 33 is not divisible" in node_0, node_0
 
 
 @pytest.fixture

@@ -8,9 +8,8 @@ import sys
 import pytest
 import torch
 
-from conftest import SMALL, expect_ok, on_rank_1, read_metrics, torchrun
-from utils import checkpoint, cli, lifecycle
-from utils import distributed as dist_utils
+from conftest import SMALL, assert_same_training_state, expect_ok, on_rank_1, read_metrics, torchrun
+from utils import checkpoint, lifecycle
 
 # Every field README promises in each --metrics epoch record.
 RECORD_FIELDS = ("epoch", "step", "train_loss", "train_acc1", "test_loss", "test_acc1", "test_acc5",
@@ -29,9 +28,9 @@ def with_flag(argv, flag, value):
 
 @pytest.fixture(scope="module")
 def two_process_run(tmp_path_factory):
-    """One epoch of SMALL over 2 processes, checkpointing into ck/."""
+    """One epoch of SMALL over 2 processes."""
     out = tmp_path_factory.mktemp("torchrun")
-    proc = torchrun(2, "distributed.py", [*SMALL, "--metrics", out / "metrics.jsonl", "--checkpoint-dir", out / "ck"])
+    proc = torchrun(2, "distributed.py", [*SMALL, "--metrics", out / "metrics.jsonl"])
     return proc, out
 
 
@@ -62,45 +61,13 @@ def test_only_rank_0_prints(two_process_run):
     assert "Traceback" not in proc.stderr
 
 
-def test_torchrun_resume_after_checkpoint_every_step(two_process_run, tmp_path):
-    # Stop at step 3 of 8 with a checkpoint after every step, resume to the end of the
-    # epoch: the same weights and optimizer state as the uninterrupted two-process run.
-    _, straight = two_process_run
-    ck = tmp_path / "ck"
-    torchrun(2, "distributed.py", [*SMALL, "--checkpoint-dir", ck, "--checkpoint-every", "1", "--max-steps", "3"])
-    saved = torch.load(ck / "checkpoint.pt", weights_only=True)
-    assert (saved["epoch"], saved["step_in_epoch"], saved["global_step"]) == (0, 3, 3)
-    proc = torchrun(2, "distributed.py", [*SMALL, "--checkpoint-dir", ck, "--resume"])
-    assert proc.stdout.count("resumed from") == 1
-    assert_same_training_state(straight / "ck" / "checkpoint.pt", ck / "checkpoint.pt", global_step=8)
-
-
 # --- exact resume, one process ----------------------------------------------------------------
-
-def assert_same_training_state(path_a, path_b, global_step):
-    a = torch.load(path_a, weights_only=True)
-    b = torch.load(path_b, weights_only=True)
-    assert a["global_step"] == b["global_step"] == global_step
-    assert (a["epoch"], a["step_in_epoch"]) == (b["epoch"], b["step_in_epoch"])
-    assert a["model"].keys() == b["model"].keys()
-    for name in a["model"]:
-        assert torch.equal(a["model"][name], b["model"][name]), f"model {name} differs"
-    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
-    assert a["optimizer"]["state"].keys() == b["optimizer"]["state"].keys() and a["optimizer"]["state"]
-    for key, state in a["optimizer"]["state"].items():
-        for name, value in state.items():
-            other = b["optimizer"]["state"][key][name]
-            same = torch.equal(value, other) if torch.is_tensor(value) else value == other
-            assert same, f"optimizer state {key}.{name} differs"
-    assert a["scheduler"] == b["scheduler"]
-    assert a["train_sums"] == pytest.approx(b["train_sums"], rel=1e-12)
-
 
 # The runs of this section are main() in the test process (conftest.script_runner), as plain
 # python runs it: what they check is the checkpoint's arithmetic, which does not depend on the
 # process, and each saves starting Python and importing torch (4 CPU-s on a slow 2-core
-# machine). The same resume through real processes: test_torchrun_resume_after_checkpoint_every_step
-# above, and the resumes after a signal or a crash in test_fault_tolerance.py.
+# machine). The same resume through real processes, torchrun's among them: the resumes after a
+# signal or a crash in test_fault_tolerance.py.
 
 @pytest.fixture(scope="module")
 def straight_four_steps(tmp_path_factory, run_in_process_once):
@@ -114,7 +81,6 @@ def straight_four_steps(tmp_path_factory, run_in_process_once):
 RESUME_ARGS = [*with_flag(with_flag(SMALL, "--train-samples", 96), "--epochs", 2), "--test-samples", "20"]
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 @pytest.mark.parametrize("first_leg", [2, 3], ids=["mid-epoch", "epoch-boundary"])
 def test_resume_continues_exactly(straight_four_steps, tmp_path, first_leg, run_in_process):
     ck = tmp_path / "ck"
@@ -140,7 +106,6 @@ def test_resume_continues_exactly(straight_four_steps, tmp_path, first_leg, run_
             assert b[key] == expected, (key, a["event"], a["epoch"])
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
 @pytest.mark.parametrize("flag, value, said", [
     ("--seed", "1", "this run has --seed 1: resume with the same value"),
     ("--train-samples", "64", "was trained on 96 training samples, this run has 64: resume with the same data"),
@@ -163,7 +128,6 @@ def test_resume_takes_the_whole_training_set_named_or_not(tmp_path, run_in_proce
     assert "resumed from" in out and checkpoint.load(str(tmp_path / "checkpoint.pt"))["global_step"] == 2, out
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
 def test_resume_from_a_path_does_not_overwrite_another_checkpoint(straight_four_steps, in_process, tmp_path):
     (tmp_path / "ck").mkdir()
     (tmp_path / "ck" / "checkpoint.pt").write_bytes(b"someone else's run")
@@ -312,7 +276,6 @@ def in_process(monkeypatch, capsys):
     return run
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
 @pytest.mark.parametrize("flag, value", [("--epochs", -1), ("--max-steps", 0), ("--max-steps", -2),
                                          ("--batch-size", 0), ("--batch-size", -32)])
 def test_non_positive_counts_are_one_line(in_process, flag, value):
@@ -321,7 +284,6 @@ def test_non_positive_counts_are_one_line(in_process, flag, value):
     assert flag in line and str(value) in line and "at least 1" in line
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
 def test_corrupt_checkpoint_is_one_line(in_process, tmp_path):
     bad = tmp_path / "checkpoint.pt"
     bad.write_bytes(b"\x00" * 1000)
@@ -329,7 +291,6 @@ def test_corrupt_checkpoint_is_one_line(in_process, tmp_path):
     assert str(bad) in line and "checkpoint" in line
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
 def test_missing_offline_dataset_is_one_line(in_process, tmp_path):
     line = in_process(["--dataset", "cifar100", "--data-dir", tmp_path, "--model", "resnet_tiny",
                        "--workers", "0", "--epochs", "1"])

@@ -617,9 +617,8 @@ def test_the_first_ddp_program_runs_twice_as_shown(tmp_path):
 STATEFUL = re.compile(r"--checkpoint-dir|--metrics|--resume|file://|\brm\b|scripts/launch_")
 # By default the suite runs twice only lesson 00's first program (above), the block a newcomer is
 # likeliest to run again: each stateful block below starts 4 to 10 Python processes per run, minutes
-# in all on 2 cores. DOCS_RUN_TWICE=all runs every one twice; the static check above covers what makes
+# in all on 2 cores. DOCS_RUN_TWICE=all runs every one twice; the static check below covers what makes
 # them safe to repeat (a fixed checkpoint folder is removed first or resumed).
-RUN_TWICE_BY_DEFAULT = set()
 NOT_RUN_HERE = re.compile(r"\b(sbatch|srun|scontrol)\b")  # needs a SLURM cluster
 
 
@@ -651,8 +650,8 @@ def scratch(tmp_path_factory):
 
 def test_the_stateful_blocks_are_found():
     names = {(b.path.name, c) for b in stateful_blocks() for c in shell_commands(b)}
-    for lesson, fragment in RUN_TWICE_BY_DEFAULT | {("02-ddp-in-detail.md", "rm -rf runs/tutorial/straight"),
-                                                    ("06-beyond-one-machine.md", "rm -rf runs/tutorial/preempted")}:
+    for lesson, fragment in (("02-ddp-in-detail.md", "rm -rf runs/tutorial/straight"),
+                             ("06-beyond-one-machine.md", "rm -rf runs/tutorial/preempted")):
         assert any(lesson == name and fragment in c for name, c in names), (lesson, fragment)
     assert len(stateful_blocks()) >= 5
 
@@ -673,15 +672,12 @@ def test_blocks_that_write_checkpoints_can_run_again():
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.skipif(os.environ.get("DOCS_RUN_TWICE") != "all", reason="run with DOCS_RUN_TWICE=all (minutes "
+                    "on a small CPU)")
 @pytest.mark.parametrize("block", stateful_blocks(), ids=lambda b: b.where)
 def test_stateful_block_runs_twice(block, scratch):
-    commands = shell_commands(block)
-    default = any(block.path.name == lesson and any(fragment in c for c in commands)
-                  for lesson, fragment in RUN_TWICE_BY_DEFAULT)
-    if not default and os.environ.get("DOCS_RUN_TWICE") != "all":
-        pytest.skip("run with DOCS_RUN_TWICE=all (minutes on a small CPU)")
     for attempt in (1, 2):
-        proc = run_block(commands, scratch)
+        proc = run_block(shell_commands(block), scratch)
         assert proc.returncode == 0, (f"{block.where}, run {attempt} of 2 exited {proc.returncode}\n"
                                       f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
 

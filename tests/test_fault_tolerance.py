@@ -12,7 +12,6 @@ optimizer state, against an uninterrupted run with the same flags.
 import contextlib
 import faulthandler
 import hashlib
-import json
 import multiprocessing
 import os
 import re
@@ -26,38 +25,40 @@ import uuid
 import pytest
 import torch
 
-from conftest import (ROOT, SMALL, assert_one_line_error, assert_refused, assert_same_state, expect_ok, free_port,
-                      left_in, patched_on_import, private_tmpdir, read_metrics, run_script, subprocess_env)
+from conftest import (FAULTS, FRESH_STORE, ROOT, SMALL, assert_one_line_error, assert_refused, assert_same_state,
+                      assert_same_training_state, expect_ok, free_port, left_in, patched_on_import, private_tmpdir,
+                      read_metrics, run_script, subprocess_env)
 from utils import checkpoint, lifecycle
 from utils.run import StopSignal
 
-FAULTS = "tests/fault_injection.py"
 STEPS = 16  # 512 images / 32 per step
 TINY = ["--dataset", "synthetic", "--model", "resnet_tiny", "--train-samples", "512",
         "--test-samples", "64", "--batch-size", "32", "--workers", "0", "--epochs", "1",
         "--checkpoint-every", "2", "--dist-timeout", "120"]
-# Every launcher in scripts/ sets this: torchrun's shared rendezvous store otherwise hands
-# restarted workers their peers' addresses from the attempt before (pytorch/pytorch#135712).
-FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 TAG = "FAULT_TOLERANCE_TEST_TAG"
 
 
 # --- processes ---------------------------------------------------------------------------
 
-def _kill_tagged(tag):
-    """SIGKILL every process started with TAG=tag in its environment. torchrun starts its
-    workers in new sessions, so killing the launcher's process group would miss them."""
-    needle = f"{TAG}={tag}".encode()
+def tagged_pids(tag):
+    """Every process started with TAG=tag in its environment. torchrun starts its workers in new
+    sessions: the launcher's process group would miss them."""
+    needle, found = f"{TAG}={tag}".encode(), []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                tagged = needle in f.read().split(b"\0")
-            if tagged:
-                os.kill(int(entry), signal.SIGKILL)
-        except (OSError, ProcessLookupError):
-            pass
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+def _kill_tagged(tag):
+    for pid in tagged_pids(tag):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 class Proc:
@@ -123,22 +124,6 @@ def expect(proc, rc=0):
 
 # --- checkpoints ---------------------------------------------------------------------------
 
-def assert_same_training_state(path, reference, steps=STEPS):
-    got, want = checkpoint.load(path), checkpoint.load(reference)
-    assert got["global_step"] == want["global_step"] == steps
-    assert got["model"].keys() == want["model"].keys()
-    for name, tensor in want["model"].items():
-        assert torch.equal(got["model"][name], tensor), f"model {name} differs from the uninterrupted run"
-    got_opt, want_opt = got["optimizer"], want["optimizer"]
-    assert want_opt["state"] and got_opt["state"].keys() == want_opt["state"].keys()
-    for index, state in want_opt["state"].items():
-        for name, value in state.items():
-            assert torch.equal(got_opt["state"][index][name], value), f"optimizer state {index}.{name} differs"
-    assert got_opt["param_groups"] == want_opt["param_groups"]
-    assert got["scheduler"] == want["scheduler"]
-    assert got["train_sums"] == pytest.approx(want["train_sums"], rel=1e-6)
-
-
 def sha256(path):
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
@@ -196,7 +181,7 @@ def test_sigterm_checkpoints_and_resume_ends_with_the_same_weights(python_refere
 
     resumed = expect_ok(run_in_process("distributed.py", [*TINY, "--checkpoint-dir", tmp_path, "--resume"]))
     assert "3 steps in all" in resumed
-    assert_same_training_state(ckpt, reference_dir / "checkpoint.pt")
+    assert_same_training_state(ckpt, reference_dir / "checkpoint.pt", STEPS)
 
 
 def test_sigterm_at_the_last_step_of_max_steps_ends_the_run_with_its_records(tmp_path):
@@ -205,7 +190,7 @@ def test_sigterm_at_the_last_step_of_max_steps_ends_the_run_with_its_records(tmp
     metrics = tmp_path / "metrics.jsonl"
     output = expect(run([FAULTS, "--fault", "sigterm-self", "--step", "6", "--", "distributed.py", *TINY,
                          "--max-steps", "6", "--checkpoint-dir", tmp_path, "--metrics", metrics]), rc=0)
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    records = read_metrics(metrics)
     assert [(r["event"], r["step"]) for r in records] == [("epoch", 6), ("end", 6)], output
     assert "continue with --resume" not in output and "done: 6 steps" in output, output
     assert checkpoint.load(tmp_path / "checkpoint.pt")["global_step"] == 6
@@ -231,7 +216,7 @@ def test_killed_worker_is_restarted_and_ends_with_the_same_weights(ddp_reference
     # Both workers start again (restart 1) and continue from the checkpoint of step 4.
     assert "torchrun restart" in output and f"resuming from {ckpt}" in output, output
     assert f"resumed from {ckpt}: epoch 1, step 4 of {STEPS} in it, 4 steps in all" in output, output
-    assert_same_training_state(ckpt, ddp_reference)
+    assert_same_training_state(ckpt, ddp_reference, STEPS)
 
 
 def test_a_restarted_launch_refuses_a_checkpoint_it_did_not_write(tmp_path):
@@ -267,7 +252,7 @@ def test_crash_during_a_checkpoint_write_keeps_the_previous_checkpoint(python_re
 
     resumed = expect_ok(run_in_process("distributed.py", [*TINY, "--checkpoint-dir", tmp_path, "--resume"]))
     assert f"resumed from {ckpt}: epoch 1, step 2 of {STEPS} in it, 2 steps in all" in resumed, resumed
-    assert_same_training_state(ckpt, reference_dir / "checkpoint.pt")
+    assert_same_training_state(ckpt, reference_dir / "checkpoint.pt", STEPS)
     assert not list(tmp_path.glob(".checkpoint.pt.*.tmp"))  # the crashed write's leftover is removed
 
 
@@ -349,7 +334,7 @@ def test_a_stop_signal_to_torchrun_or_to_every_process_checkpoints_and_resumes_e
         assert_same_checkpoint(tmp_path / way / "checkpoint.pt", tmp_path / "INT" / "checkpoint.pt")
     resumed = expect(torchrun(["distributed.py", *TINY, *WORKERS, "--checkpoint-dir", tmp_path / "INT", "--resume"]))
     assert "10 steps in all" in resumed
-    assert_same_training_state(tmp_path / "INT" / "checkpoint.pt", ddp_reference)
+    assert_same_training_state(tmp_path / "INT" / "checkpoint.pt", ddp_reference, STEPS)
 
 
 def test_ctrl_c_to_one_process_with_loader_workers(python_reference, tmp_path):
@@ -361,7 +346,7 @@ def test_ctrl_c_to_one_process_with_loader_workers(python_reference, tmp_path):
     no_loader_failure(output)
     assert "done:" not in output  # stopped, not finished
     expect(run(["distributed.py", *TINY, *WORKERS, "--checkpoint-dir", tmp_path, "--resume"]))
-    assert_same_training_state(ckpt, python_reference[0] / "checkpoint.pt")
+    assert_same_training_state(ckpt, python_reference[0] / "checkpoint.pt", STEPS)
 
 
 def slow_evaluation(evaluate, module):
@@ -446,7 +431,7 @@ def test_a_terminal_that_hangs_up_stops_the_run_with_its_checkpoint(python_refer
             os.killpg(proc.pid, signal.SIGKILL)
     assert checkpoint.load(tmp_path / "checkpoint.pt")["global_step"] == 3
     expect(run(["distributed.py", *TINY, *WORKERS, "--checkpoint-dir", tmp_path, "--resume"]))
-    assert_same_training_state(tmp_path / "checkpoint.pt", python_reference[0] / "checkpoint.pt")
+    assert_same_training_state(tmp_path / "checkpoint.pt", python_reference[0] / "checkpoint.pt", STEPS)
 
 
 def test_a_run_started_with_nohup_trains_on_when_its_terminal_hangs_up(tmp_path):
@@ -466,19 +451,6 @@ def wait_for_file(path, proc, timeout=120):
             proc.kill()
             raise AssertionError(f"{path} never appeared\n{proc.output()}")
         time.sleep(0.2)
-
-
-def tagged_pids(tag):
-    needle, found = f"{TAG}={tag}".encode(), []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    if needle in f.read().split(b"\0"):
-                        found.append(int(entry))
-            except OSError:
-                pass
-    return found
 
 
 # 256 steps in all, 60 of them trained: the signal, sent from outside as a user would,
@@ -647,8 +619,7 @@ def test_mp_spawn_stops_on_a_signal_to_its_process_group(request, tmp_path, sig)
     expect(run(["distributed_mp.py", *LONG_RUN, "--nproc-per-node", "2", "--checkpoint-dir", tmp_path,
                 "--resume"]))
     # Asked for here, not as an argument: the SIGTERM case alone (on the floor) needs no reference run.
-    assert_same_training_state(tmp_path / "checkpoint.pt", request.getfixturevalue("long_reference"),
-                               steps=LONG_STEPS)
+    assert_same_training_state(tmp_path / "checkpoint.pt", request.getfixturevalue("long_reference"), LONG_STEPS)
 
 
 def ctrl_c_before_the_run(init, run):
@@ -788,21 +759,23 @@ def test_a_rank_started_by_hand_outlives_its_shell(tmp_path):
     """A rank started by hand with the launcher's variables, `nohup python distributed.py ... &`, in a shell that
     then exits: its parent was never a launcher, whose death would stop it (torchrun's agent, the mp.spawn
     parent). It trains to its end."""
-    log, lock, tag = tmp_path / "log", tmp_path / "ck" / ".lock", uuid.uuid4().hex
+    log, marker, tag = tmp_path / "log", tmp_path / "paused", uuid.uuid4().hex
     by_hand = dict(RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, LOCAL_WORLD_SIZE=1, MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=free_port(), **{TAG: tag})
-    # The shell exits once the rank holds its checkpoint folder: past its setup, where a launcher is watched.
-    shell = subprocess.run(["bash", "-c", f"nohup {sys.executable} distributed.py {' '.join(TINY)} "
-                            f"--train-samples 8192 --checkpoint-dir {lock.parent} > {log} 2>&1 & "
-                            f"until [ -e {lock} ] || ! kill -0 $!; do sleep 0.1; done"],
+    # The shell exits once the rank pauses at step 2, past its setup (where a launcher is watched). A watch of the
+    # shell (polled every second) would stop the run within the pause, at step 10.
+    shell = subprocess.run(["bash", "-c", f"nohup {sys.executable} {FAULTS} --fault pause --rank 0 --step 2 "
+                            f"--pause-seconds 3 --marker {marker} -- distributed.py {' '.join(TINY)} "
+                            f"--checkpoint-dir {tmp_path / 'ck'} > {log} 2>&1 & "
+                            f"until [ -e {marker}.0 ] || ! kill -0 $!; do sleep 0.1; done"],
                            cwd=ROOT, env=subprocess_env(**by_hand), capture_output=True, text=True, timeout=120)
-    assert shell.returncode == 0 and lock.exists(), (shell, log.read_text())
+    assert shell.returncode == 0 and os.path.exists(f"{marker}.0"), (shell, log.read_text())
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 120
         while tagged_pids(tag) and time.monotonic() < deadline:
             time.sleep(0.5)
         output = log.read_text()
-        assert "done: 256 steps" in output and "stopping" not in output, output
+        assert f"done: {STEPS} steps" in output and "stopping" not in output, output
     finally:
         _kill_tagged(tag)
 

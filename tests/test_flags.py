@@ -39,10 +39,8 @@ import torch
 
 import test_gpu_scripts
 from conftest import ROOT, free_port, freeze_the_imports, keep_on_cpu, read_metrics, torchrun
-from utils import checkpoint, cli, data, lifecycle, sharded
+from utils import checkpoint, data, lifecycle, sharded
 from utils.run import TrainingRun
-
-pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 
 SCRIPTS = ["distributed.py", "distributed_mp.py", "dataparallel.py", "distributed_apex.py",
            "distributed_gradient_accumulation.py", "distributed_fsdp.py"]
@@ -448,7 +446,6 @@ def run_script_here(monkeypatch, capsys, tmp_path, cifar):
     monkeypatch.setattr(lifecycle, "watch_launcher", lambda *a, **k: None)  # nobody to watch in here
     monkeypatch.setattr(spawn, "forward_stop_signals", lambda workers: None)
     monkeypatch.setattr(distributed_mp.mp, "spawn", InlineSpawn)
-    saved_handlers = {sig: signal.getsignal(sig) for sig in lifecycle.SIGNALS}
     port = free_port()
     baselines = {}
     spies = {}
@@ -546,8 +543,6 @@ def run_script_here(monkeypatch, capsys, tmp_path, cifar):
             code = stop.code
         finally:
             sys.stderr = captured_stderr
-            for sig, handler in saved_handlers.items():
-                signal.signal(sig, handler)
         if "--workers" in argv:
             # The run's loader workers end as they do when a script's process exits (lifecycle.leave's
             # exit handler kills them): left to the loaders' own shutdown here, each forked from

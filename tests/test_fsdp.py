@@ -26,12 +26,12 @@ import signal
 import pytest
 import torch
 
-from conftest import (ROOT, SMALL, assert_refused, expect_ok, fake_accelerator, group_norm, on_rank_1,
-                      read_metrics, run_script, torchrun)
+from conftest import (FAULTS, ROOT, SMALL, assert_refused, expect_ok, fake_accelerator, group_norm,
+                      max_difference, on_rank_1, read_metrics, run_script, torchrun)
+from scripts import memory_table
 from utils import checkpoint, sharded
 from utils.cli import UsageError
 
-FAULTS = "tests/fault_injection.py"
 # One process: 8 steps of 32 images, no loader workers (bitwise against distributed.py).
 ONE = [*SMALL, "--test-samples", "129", "--checkpoint-every", "2"]
 # Two processes: 16 steps, so that the stop-signal agreement (every 10 steps) comes in the
@@ -40,23 +40,6 @@ ONE = [*SMALL, "--test-samples", "129", "--checkpoint-every", "2"]
 TWO = ["--dataset", "synthetic", "--model", "resnet_tiny", "--train-samples", "512", "--test-samples", "129",
        "--batch-size", "32", "--epochs", "1", "--dist-timeout", "120"]
 TOLERANCE = 1e-6  # measured: 0 (2.4e-7 with --clip-grad-norm, see above; 4.9e-7 at another world size)
-# torchrun's shared store can hand a restarted worker stale peer addresses (see test_fault_tolerance.py).
-FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-
-
-def max_difference(a: dict, b: dict) -> float:
-    """The largest absolute difference over every tensor of two nested dicts of equal keys."""
-    assert a.keys() == b.keys()
-    worst = 0.0
-    for key in a:
-        if isinstance(a[key], dict):
-            worst = max(worst, max_difference(a[key], b[key]))
-        elif isinstance(a[key], torch.Tensor):
-            assert a[key].shape == b[key].shape and a[key].dtype == b[key].dtype, key
-            worst = max(worst, (a[key].double() - b[key].double()).abs().max().item())
-        else:
-            assert a[key] == b[key], f"{key}: {a[key]!r} != {b[key]!r}"
-    return worst
 
 
 def shards(directory) -> pathlib.Path:
@@ -128,7 +111,6 @@ def test_evaluation_is_exact_with_uneven_shards(two_processes):
     assert fsdp["train_loss"] == pytest.approx(ddp["train_loss"], abs=1e-5)
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 def test_bf16_and_zero2_train(run_in_process, tmp_path):
     # --mp-policy bf16 computes in bfloat16 (batch norm in fp32) and keeps fp32 weights;
     # --no-reshard-after-forward keeps the gathered parameters from forward to backward.
@@ -236,7 +218,6 @@ runpy.run_path({script!r}, run_name="__main__")
 """
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 def test_resume_at_another_world_size(tmp_path, run_in_process, monkeypatch):
     # Stopped at 2 processes, resumed at 1. Batch norm would make the two differ by design
     # (its statistics are per process), so the model uses group norm here: then 1 and 2
@@ -285,7 +266,6 @@ def test_crash_during_a_sharded_save_keeps_the_previous_checkpoint(one_process, 
     assert max_difference(training_state(tmp_path / "checkpoint.pt"), reference) == 0.0
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 def test_checkpoints_refuse_what_does_not_fit(run_in_process, one_process, tmp_path):
     fsdp_checkpoint = one_process / "distributed_fsdp.py" / "checkpoint.pt"
     # DDP cannot continue a sharded checkpoint, nor FSDP a plain one: one line, exit 2, from --check-args too.
@@ -310,7 +290,6 @@ def test_checkpoints_refuse_what_does_not_fit(run_in_process, one_process, tmp_p
                        f"no sharded checkpoint at {shards(copy)} (its .metadata is missing")
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 def test_a_resume_that_fails_in_dcp_names_the_cause(run_in_process, one_process, tmp_path, monkeypatch):
     # DCP's own failure (CheckpointException) says only which ranks failed: the line gives each
     # one's error, and tells a shard file that cannot be read from a model that does not fit.
@@ -329,7 +308,6 @@ def test_a_resume_that_fails_in_dcp_names_the_cause(run_in_process, one_process,
     assert "fc.weight" in line
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 def test_checkpoints_kept_under_other_names_keep_their_shards(run_in_process, tmp_path):
     # Copies kept beside checkpoint.pt, whatever their names, keep the folders they name: through the
     # saves of a resumed run (each replaces checkpoint.pt's folder) and the start of a new run in the
@@ -367,7 +345,6 @@ def test_a_checkpoint_names_a_folder_beside_it_only(one_process, tmp_path):
             sharded.load_full(str(tmp_path / "crafted.pt"))
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 def test_resume_through_a_symbolic_link(run_in_process, one_process, tmp_path):
     link = tmp_path / "latest.pt"
     link.symlink_to(one_process / "distributed_fsdp.py" / "checkpoint.pt")
@@ -375,7 +352,6 @@ def test_resume_through_a_symbolic_link(run_in_process, one_process, tmp_path):
     assert f"resumed from {link}: " in out and "8 steps in all" in out, out
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 def test_mps_is_refused_in_one_line(run_in_process, monkeypatch):
     # The group of one that a single process forms takes gloo for MPS, which moves no MPS tensor.
     # No MPS here: a stand-in machine, and --check-args, which runs the same check as the run.
@@ -390,7 +366,6 @@ def test_mps_is_refused_in_one_line(run_in_process, monkeypatch):
                                                                               "--check-args"]))
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 def test_compile_is_not_offered(run_in_process):
     # inductor fails on the sharded model's backward: the flags are not offered at all.
     assert "--compile" not in expect_ok(run_in_process("distributed_fsdp.py", ["--help"]))
@@ -598,18 +573,14 @@ def test_evaluation_batches_let_their_loader_go_with_the_last_reference(monkeypa
 
 # --- memory per rank: scripts/memory_table.py ---------------------------------------------------
 
-@pytest.mark.parametrize("rows", [1, 3, 7, 8, 9, 64, 100])
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_the_formula_splits_dim_0_as_torch_chunk_does(rows, world_size):
-    import sys
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import memory_table
-    chunks = [c.numel() for c in torch.empty(rows).chunk(world_size)]
-    chunks += [0] * (world_size - len(chunks))  # torch.chunk returns fewer pieces when they run out
-    for rank in range(world_size):
-        held, padded = memory_table.shard_rows(rows, world_size, rank)
-        assert held == chunks[rank]
-        assert padded == max(chunks)
+def test_the_formula_splits_dim_0_as_torch_chunk_does():
+    for rows in (1, 3, 7, 8, 9, 64, 100):
+        for world_size in (1, 2, 3, 4):
+            chunks = [c.numel() for c in torch.empty(rows).chunk(world_size)]
+            chunks += [0] * (world_size - len(chunks))  # torch.chunk returns fewer pieces when they run out
+            for rank in range(world_size):
+                assert memory_table.shard_rows(rows, world_size, rank) == (chunks[rank], max(chunks)), \
+                    (rows, world_size, rank)
 
 
 def test_memory_table_measures_what_each_rank_holds(tmp_path):
@@ -624,9 +595,6 @@ def test_memory_table_measures_what_each_rank_holds(tmp_path):
     assert "| fsdp2 | 3 |" in proc.stdout
     report = json.loads((tmp_path / "memory.json").read_text())
     assert "| ddp | 3 |" in (tmp_path / "memory.md").read_text()
-    import sys
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import memory_table
     assert memory_table.ONE_PROCESS_NOTE not in (tmp_path / "memory.md").read_text()
     # The same table measured at one process (all a single GPU allows) says that it shows no sharding.
     memory_table.write_markdown(str(tmp_path / "one.md"),
@@ -695,7 +663,6 @@ def test_memory_table_measures_what_each_rank_holds(tmp_path):
     (["--quick"], "unrecognized arguments: --quick"),  # the benchmark's rows, which the table does not run
     (["--batch-size", "6"], "unrecognized arguments: --batch-size 6"),
 ])
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 def test_memory_table_bad_input_is_one_line(argv, fragment, tmp_path, run_in_process, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # run_in_process imports the script by name
     assert_refused(run_in_process("memory_table.py", [*argv, "--out", tmp_path]), fragment)

@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from conftest import (ROOT, SMALL, assert_refused, free_port, keep_on_cpu, observing_entry, read_metrics,
-                      subprocess_env, torchrun)
+from conftest import (ROOT, SMALL, assert_refused, assert_same_training_state, free_port, keep_on_cpu, max_difference,
+                      observing_entry, read_metrics, subprocess_env, torchrun)
 from models import build_model
-from test_distributed_script import assert_same_training_state, with_flag
+from test_distributed_script import with_flag
 
 SCRIPT = "distributed_gradient_accumulation.py"
 WORLD_SIZE = 2
@@ -139,11 +139,6 @@ def big_batch_params():
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return {k: v.detach().clone() for k, v in model.named_parameters()}
-
-
-def max_difference(a, b):
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 def test_accumulation_with_no_sync_equals_one_big_batch(ddp_results, big_batch_params):
@@ -290,7 +285,6 @@ def test_torchrun_resume_continues_with_the_exact_next_batch(two_process_run, tm
     assert_same_training_state(straight / "ck" / "checkpoint.pt", ck / "checkpoint.pt", global_step=8)
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 def test_batch_not_divisible_by_accumulation_is_a_usage_error(run_in_process):
     assert_refused(run_in_process(SCRIPT, [*SMALL, "--batch-size", "30", "--accum-steps", "4"]),
                    "batch size 30 is not divisible by 1 process x 4 accumulation steps", "e.g. 28")

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from conftest import ROOT, read_metrics, run_script, samples_by_index, subprocess_env
+from conftest import ROOT, assert_same_training_state, read_metrics, run_script, samples_by_index, subprocess_env
 from models import MODEL_NAMES
 from utils import cli, data, lifecycle, metrics
 from utils.distributed import DistEnv
@@ -202,10 +202,8 @@ def torchrun_template(folder, *args, check=True):
                        *map(str, args)], cwd=folder, env=env, timeout=300, check=check)
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 def test_readme_template_trains_your_data_and_model_under_torchrun_and_resumes_exactly(image_folder, tmp_path,
                                                                                        capsys):
-    from test_distributed_script import assert_same_training_state
     project = tmp_path / "project"
     project.mkdir()
     make_template(project)
@@ -247,7 +245,6 @@ def test_readme_template_trains_your_data_and_model_under_torchrun_and_resumes_e
     assert "CIFAR" not in help_text and "--dataset" not in help_text, help_text
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 def write_tokens(path, seed=0):
     """tokens.pt as README's text template reads it: 4 classes of 16 token ids out of 1000, each
     class drawing mostly from its own quarter of the vocabulary (learnable, not trivially)."""
@@ -261,7 +258,6 @@ def write_tokens(path, seed=0):
     torch.save({"train": split(4096), "test": split(904)}, path)
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 def test_readme_non_image_template_trains_a_text_classifier_on_token_files(tmp_path, monkeypatch, capsys):
     """README's second change (token sequences read from a file this test writes, an EmbeddingBag),
     applied to a copy of the script and run here: it learns, records what it trained on, has no
