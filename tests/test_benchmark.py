@@ -876,13 +876,8 @@ def test_a_run_without_a_chart_leaves_no_earlier_chart_behind(tool, tmp_path):
 
 def test_a_row_that_is_skipped_here_is_reported_skipped_when_the_budget_is_used_up(tool, tmp_path):
     """A row that cannot run here is reported skipped, with its reason, when --time-budget is used up too."""
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        tool.main(["--quick", "--device", "cpu", "--rows", "ceiling-bf16-cudagraphs,ceiling-fp32",
-                   "--time-budget", "1", "--out", str(tmp_path)])
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+    tool.main(["--quick", "--device", "cpu", "--rows", "ceiling-bf16-cudagraphs,ceiling-fp32",
+               "--time-budget", "1", "--out", str(tmp_path)])  # its stop handlers: conftest gives them back
     rows = rows_by_name(json.loads((tmp_path / "benchmark.json").read_text()))
     assert (rows["ceiling-bf16-cudagraphs"]["status"], rows["ceiling-bf16-cudagraphs"]["reason"]) == (
         "skipped", "CUDA graphs need a GPU")
@@ -1191,15 +1186,10 @@ def row_commands(marker: str) -> str:
 
 
 def exit_status_of_main(tool, argv):
-    """The benchmark's main() in this process, which must end in sys.exit; the stop handlers it
-    installs are put back afterwards, so that the rest of the suite keeps pytest's own."""
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        with pytest.raises(SystemExit) as stop:
-            tool.main(argv)
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+    """The benchmark's main() in this process, which must end in sys.exit (the stop handlers it
+    installs: conftest gives them back after the test)."""
+    with pytest.raises(SystemExit) as stop:
+        tool.main(argv)
     return stop.value.code
 
 

@@ -189,7 +189,6 @@ def test_other_bad_flags_are_one_line(capsys, no_local_rank, argv, fragment):
     assert_one_line_usage_error(excinfo, capsys, fragment)
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
 def test_run_main_turns_usage_error_into_one_line_and_status_2(capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
 
@@ -202,7 +201,6 @@ def test_run_main_turns_usage_error_into_one_line_and_status_2(capsys, monkeypat
     assert line.split(": error: ")[1].startswith("batch size 100")
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
 def test_run_main_prints_only_on_global_rank_0(capsys, monkeypatch):
     monkeypatch.setenv("RANK", "1")
 
@@ -215,7 +213,6 @@ def test_run_main_prints_only_on_global_rank_0(capsys, monkeypatch):
     assert capsys.readouterr().err == ""
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
 def test_run_main_returns_normally_on_success():
     import gc
     frozen = gc.get_freeze_count()
@@ -509,7 +506,6 @@ def test_the_error_line_is_what_torchrun_reads_as_the_root_cause(tmp_path, monke
     assert failure.timestamp > 0  # torchrun names the failure with the smallest as the root cause
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 def test_every_rank_that_refuses_leaves_the_line_for_torchrun_and_only_rank_0_prints(tmp_path, monkeypatch,
                                                                                      capsys):
     # torchrun stops the others once one rank has left: if rank 0 was still starting then,

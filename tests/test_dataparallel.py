@@ -11,9 +11,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dataparallel
-from conftest import SMALL, assert_refused, expect_ok, read_metrics, run_script, subprocess_env, torchrun
+from conftest import (SMALL, assert_refused, assert_same_training_state, expect_ok, read_metrics, run_script,
+                      subprocess_env, torchrun)
 from models import build_model
-from test_distributed_script import assert_same_training_state, with_flag
+from test_distributed_script import with_flag
 
 
 def _one_step(model, forward, images, targets):
@@ -84,7 +85,6 @@ def test_end_to_end_on_the_cpu(tmp_path, run_in_process):
         assert field in end, field
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 def test_bf16_autocast_on_the_cpu(run_in_process, tmp_path, monkeypatch):
     # The same 3 steps in bf16 and in float32: the same batches and initial weights, so only the
     # precision can make the numbers differ.
@@ -132,7 +132,6 @@ def test_resume_continues_with_the_exact_next_batch(tmp_path):
     assert_same_training_state(straight / "checkpoint.pt", ck / "checkpoint.pt", global_step=8)
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 def test_gpus_without_gpus_is_one_line_and_exit_2(run_in_process):
     assert_refused(run_in_process("dataparallel.py", [*SMALL, "--gpus", "0,1"]), "--gpus 0,1", "none is visible")
 

@@ -96,7 +96,6 @@ LAUNCHED = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 @pytest.mark.parametrize("module", [distributed, distributed_apex, distributed_mp])
 def test_ddp_scripts_on_mps_refuse_several_processes_in_one_line(monkeypatch, capsys, module):
     fake_accelerator(monkeypatch, "mps", 1)
@@ -266,7 +265,6 @@ def test_a_launch_by_hand_without_local_world_size_is_told_to_set_it(monkeypatch
         dist_utils.pick_device(0, 2, distributed=True)
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 def test_without_virtual_local_rank_a_second_process_on_one_gpu_refuses_and_says_so(monkeypatch, capsys):
     """2 processes with one GPU visible: local rank 1 has no device. Its line is printed by
     that rank (not only rank 0 prints), with exit status 2."""

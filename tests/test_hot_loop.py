@@ -15,7 +15,6 @@ from conftest import SMALL, expect_ok, free_port
 from utils import lifecycle, metrics
 from utils.run import TrainingRun
 
-pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # stderr is captured
 
 # What makes the host wait for the device (a value read back), and the collectives a script could call from Python.
 SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "numpy", "cpu")
