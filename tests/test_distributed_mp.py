@@ -174,10 +174,14 @@ def test_a_node_waiting_where_no_store_answers_says_so(tmp_path, listening):
                               text=True, env=dict(os.environ, OMP_NUM_THREADS="1")) as proc:
             assert proc.stdout.readline() == "imported\n"  # timed from here: the imports take long on a busy CPU
             started = time.monotonic()
-            _, stderr = proc.communicate(timeout=90)
-            took = time.monotonic() - started
-    # --dist-timeout, the grace for the join (JOIN_GRACE_S), 3 s to say so and exit
-    assert proc.returncode == 1 and took < 2 + dist_utils.JOIN_GRACE_S + 3, (took, stderr)
+            first = proc.stderr.readline()
+            said = time.monotonic() - started
+            # It ends too: after its store probe's 10 s at most (held: the probe hangs in the store's
+            # handshake) and the interpreter's teardown, seconds of CPU on a busy machine.
+            rest = proc.communicate(timeout=2 + 10 + 30)[1]
+            stderr = first + rest
+    # The line at --dist-timeout (2 s), with 3 s to say it: not at the join's deadline (+ JOIN_GRACE_S).
+    assert proc.returncode == 1 and said < 2 + 3 < 2 + dist_utils.JOIN_GRACE_S, (said, stderr)
     assert "Exception raised from" not in stderr and len(stderr.strip().splitlines()) == 1, stderr
     assert stderr.strip().splitlines()[-1] == (
         "-c: error: rank 1 did not join the gloo process group within --dist-timeout 2 s: no store ever answered "
