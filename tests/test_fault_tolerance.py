@@ -12,10 +12,12 @@ optimizer state, against an uninterrupted run with the same flags.
 import contextlib
 import faulthandler
 import hashlib
+import json
 import multiprocessing
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -855,6 +857,40 @@ def test_a_rank_whose_peer_never_comes_on_one_node_says_so_in_one_line():
     assert lines[0].startswith("distributed.py: error: rank 0 could not join the gloo process group (DistStoreError: ")
     assert lines[0].endswith("another rank did not come in time (it failed or was slow to start): "
                              "scripts/preflight.py checks each node's network"), lines[0]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_stop_signal_to_a_rank_waiting_for_its_peer_ends_it_at_once_saying_what_it_waited_for(tmp_path, sig):
+    """Ctrl-C, or a launcher's SIGTERM (torchrun's agent stops its ranks so when another node's agent ends), to
+    the process group of a rank that waits for a peer that never comes. Its main thread waits in the store's C++
+    call, where a Python handler does not run: Ctrl-C did nothing until --dist-timeout (here 120 s; 30 min by
+    default), and SIGTERM killed it without a word. It ends at once, with one line (also in torchrun's error
+    file) and the status of that signal."""
+    port, error_file = free_port(), tmp_path / "error.json"
+    env = subprocess_env(RANK=0, LOCAL_RANK=0, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2, MASTER_ADDR="127.0.0.1",
+                         MASTER_PORT=port, TORCHELASTIC_ERROR_FILE=str(error_file))
+    with subprocess.Popen([sys.executable, "distributed.py", *SMALL, "--dist-timeout", "120"], cwd=ROOT, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
+        try:
+            deadline = time.monotonic() + 90  # the imports, on a busy machine
+            while True:  # waiting to join: its store takes connections
+                with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+                time.sleep(0.2)
+            os.killpg(proc.pid, sig)
+            sent = time.monotonic()
+            stderr = proc.communicate(timeout=60)[1]
+            took = time.monotonic() - sent
+        finally:
+            proc.kill()
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert proc.returncode == 128 + sig and took < 15 and len(lines) == 1, (proc.returncode, took, stderr)
+    assert re.fullmatch(
+        rf"distributed\.py: error: rank 0 was stopped by {sig.name} after waiting \d+ s to join the gloo process "
+        r"group: a rank did not come \(it failed before joining, or cannot reach 127\.0\.0\.1\), "
+        r"or cannot be reached by the others; scripts/preflight\.py checks each node's network", lines[0]), lines[0]
+    assert json.loads(error_file.read_text())["message"]["message"] == lines[0]
 
 
 def test_a_rank_that_could_not_join_exits_once_its_store_watcher_is_back(monkeypatch, capsys):

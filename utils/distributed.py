@@ -9,6 +9,7 @@ import dataclasses
 import datetime
 import os
 import random
+import signal
 import sys
 import threading
 import time
@@ -226,9 +227,10 @@ def _rank_0s_store(job: DistEnv, shared, key: str, timeout):
 
 @contextlib.contextmanager
 def joining(job: DistEnv, timeout_s: float, backend: str):
-    """Around forming the group: a rank not joined `timeout_s` + JOIN_GRACE_S later ends with one
-    line and status 1; one whose peer refused to start (lifecycle.tell_the_job) with that peer's
-    line and status 2; on several nodes a failure to join is one line, not a trace from gloo."""
+    """Around forming the group: a rank not joined `timeout_s` + JOIN_GRACE_S later ends with one line and status 1;
+    one whose peer refused to start (lifecycle.tell_the_job) with that peer's line and status 2; one given a stop
+    signal (Ctrl-C, a launcher's SIGTERM) at once, saying what it waited for, with status 128 + the signal's number;
+    on several nodes a failure to join is one line, not a trace from gloo."""
     joined, answered = threading.Event(), threading.Event()
 
     def watch():  # another rank's refusal, at once and every second
@@ -248,17 +250,33 @@ def joining(job: DistEnv, timeout_s: float, backend: str):
             soon = job.rendezvous.startswith("tcp://") and not answered.is_set()  # a rank may wait for it
             joined.wait(0.1 if soon else 1.0)
 
-    def late():
-        late = f"rank {job.rank} did not join the {backend} process group within --dist-timeout {timeout_s:g} s: "
-        if job.rank and job.rendezvous.startswith("tcp://") and not answered.is_set():
-            # Not a rank that failed to come: nothing ever answered where they all meet.
-            late += (f"no store ever answered at {job.rendezvous[len('tcp://'):]}: rank 0 did not start one (it "
-                     "was not started, or failed first), another program holds that port, or this node cannot reach it")
-        else:
-            late += (f"a rank did not come (it failed before joining, or cannot reach "
-                     f"{job.meets_at or 'the rendezvous'}), or cannot be reached by the others")
-        return error_line(late + "; scripts/preflight.py checks each node's network")
+    def cause():  # what this rank knows of why it has not joined yet (nothing ever answered: no rank failed to come)
+        return (f"no store ever answered at {job.rendezvous[len('tcp://'):]}: rank 0 did not start one (it was not "
+                "started, or failed first), another program holds that port, or this node cannot reach it"
+                if job.rank and job.rendezvous.startswith("tcp://") and not answered.is_set() else
+                f"a rank did not come (it failed before joining, or cannot reach {job.meets_at or 'the rendezvous'}), "
+                "or cannot be reached by the others") + "; scripts/preflight.py checks each node's network"
 
+    def late():
+        return error_line(f"rank {job.rank} did not join the {backend} process group within --dist-timeout "
+                          f"{timeout_s:g} s: {cause()}")
+
+    def stopped(signals):  # a stop signal's number, one byte each (signal.set_wakeup_fd)
+        while byte := os.read(signals, 1):
+            if byte[0] in stops:
+                line = error_line(f"rank {job.rank} was stopped by {signal.Signals(byte[0]).name} after waiting "
+                                  f"{time.monotonic() - began:.0f} s to join the {backend} process group: {cause()}")
+                if job.local_rank == 0:
+                    print_line(line)
+                lifecycle.record_for_torchrun(line)
+                os._exit(128 + byte[0])
+        os.close(signals)
+
+    # The main thread waits in C++, where no Python handler runs: a thread reads what CPython's C handler writes.
+    began, stops, (signals, wakeup) = time.monotonic(), lifecycle.stop_signals(), os.pipe()
+    os.set_blocking(wakeup, False)
+    handlers, wakeup_before = {sig: signal.signal(sig, lambda *_: None) for sig in stops}, signal.set_wakeup_fd(wakeup)
+    threading.Thread(target=stopped, args=(signals,), name="stopped-while-joining", daemon=True).start()
     watcher = threading.Thread(target=watch, name="joining", daemon=True)
     watcher.start()
     try:
@@ -283,6 +301,9 @@ def joining(job: DistEnv, timeout_s: float, backend: str):
     finally:
         # Stopped first: a watcher in a store call at exit meets a finalizing interpreter: SIGABRT (seen once).
         joined.set()
+        for sig, handler in handlers.items():  # joined or failed: the stop signals are the run's again
+            signal.signal(sig, handler)
+        os.close(signal.set_wakeup_fd(wakeup_before))  # the thread reads the pipe's end, and ends
         watcher.join(10.0)
 
 
