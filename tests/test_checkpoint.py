@@ -70,6 +70,23 @@ def test_the_data_is_on_disk_before_the_rename_makes_it_the_checkpoint(tmp_path,
     assert [what for what, _ in calls] == ["fsync", "replace"] and calls[0][1] == calls[1][1], calls
 
 
+def test_two_writers_of_one_checkpoint_with_one_pid_each_write_a_whole_file(tmp_path, monkeypatch):
+    # Two runs on a folder whose file system has no locks (lock_directory warns and goes on), their rank 0s of one pid
+    # (two containers): the second's save comes while the first's is under way. Each writes a file of its own; the
+    # last rename wins with a whole checkpoint, not one file that both wrote into.
+    path, real_save = tmp_path / "checkpoint.pt", torch.save
+
+    def second_save_meanwhile(obj, f, *args, **kwargs):
+        real_save(obj, f, *args, **kwargs)
+        monkeypatch.setattr(torch, "save", real_save)
+        checkpoint.atomic_save(state(2.0) | {"model": {"w": torch.full((8, 8), 2.0)}}, str(path))
+
+    monkeypatch.setattr(torch, "save", second_save_meanwhile)
+    checkpoint.atomic_save(state(1.0), str(path))
+    assert torch.equal(checkpoint.load(str(path))["model"]["w"], torch.full((64, 64), 1.0))
+    assert os.listdir(tmp_path) == ["checkpoint.pt"]
+
+
 def test_checkpoint_gets_the_permissions_of_any_new_file(tmp_path):
     # A checkpoint in a shared project folder must be readable by whoever may resume
     # the run, as torch.save(obj, path) would leave it: the umask decides, not the

@@ -25,9 +25,9 @@ def atomic_save(obj, path: str):
     a crash or a kill mid-save leaves the previous checkpoint intact, never half a file."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")  # mode: the umask's
-    try:
-        with open(tmp, "wb") as f:  # one run owns the folder (its lock): no other writer of this name
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    try:  # its own, made here ("x"; mode: the umask's): two runs where no lock works may have rank 0s of one pid
+        with open(tmp, "xb") as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())  # the data is on disk before the rename makes it visible
