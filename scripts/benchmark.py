@@ -457,7 +457,7 @@ def resolve_plan(args) -> Plan:
     plan = Plan(use_cuda=use_cuda, gpus=gpus, procs=procs, global_batch=global_batch,
                 per_device_batch=per_device_batch, steps=steps, epochs=epochs, workers=0,
                 model=args.model or d.model, dataset=args.dataset,
-                data_dir=os.path.abspath(args.data_dir),  # the rows run in the repository root
+                data_dir=os.path.abspath(os.path.expanduser(args.data_dir)),  # rows run in the root
                 timeout=args.row_timeout or d.row_timeout, names=names,
                 # bfloat16 in hardware: Ampere or newer (older GPUs emulate it, slower than float16)
                 bf16=precision.cuda_bf16_native() if use_cuda else precision.cpu_autocast_works(torch.bfloat16),

@@ -38,7 +38,6 @@ import contextlib
 import fcntl
 import json
 import os
-import shlex
 import shutil
 import signal
 import subprocess
@@ -91,6 +90,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
+    except PermissionError:  # a process of another user (or user namespace): alive all the same
+        pass
     return True
 
 

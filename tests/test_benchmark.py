@@ -675,6 +675,16 @@ def test_loader_workers_on_a_gpu_fit_in_shared_memory(tool, monkeypatch):
     assert [tool.row_workers(rows_by_name_of(tool)[n], plan)[0] for n in ("ddp", "dp", "fast-bf16")] == [5, 5, 0]
 
 
+def test_a_data_dir_from_home_is_where_the_scripts_look(tool, monkeypatch, tmp_path):
+    """--data-dir=~/data (the shell expands no ~ after "="): the scripts, and the benchmark's one load before the
+    rows, read the home folder's; the rows, run in the repository root, were given ROOT/~/data."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    ddp = rows_by_name_of(tool)["ddp"]
+    plan = tool.resolve_plan(tool.build_parser().parse_args(["--rows", "ddp", "--dataset", "cifar100", "--data-dir=~/data"]))
+    command = tool.row_command(ddp, plan, "m.jsonl", 0)
+    assert command[command.index("--data-dir") + 1] == str(tmp_path / "data")
+
+
 def test_each_row_gets_the_loader_workers_of_its_own_processes(tool, monkeypatch):
     """8 GPUs, 32 cores: a DDP row's 8 processes get 32 // 8 - 1 = 3 workers each; dataparallel.py's
     one process, which loads the batch of all 8 GPUs, gets 16 (the cap), as do the one-process
