@@ -269,8 +269,10 @@ BEFORE_A_RUN = {}
 def test_a_run_made_in_a_test_holds_the_stop_signals_and_its_folder(tmp_path):
     # Until its finish() (the stop signals) or the process's exit (the lock): the next test must not inherit them.
     BEFORE_A_RUN.update(handler=signal.getsignal(signal.SIGTERM), locks=lock_descriptors())
-    make_run(args_for("--checkpoint-dir", tmp_path))
+    run = make_run(args_for("--checkpoint-dir", tmp_path))[0]
     assert signal.getsignal(signal.SIGTERM) != BEFORE_A_RUN["handler"] and lock_descriptors() != BEFORE_A_RUN["locks"]
+    run.finish()  # a script's main() called from one's own process (a notebook) gives the stop signals back
+    assert signal.getsignal(signal.SIGTERM) == BEFORE_A_RUN["handler"] and lock_descriptors() != BEFORE_A_RUN["locks"]
 
 
 def test_the_next_test_finds_the_process_as_it_was():

@@ -81,9 +81,13 @@ def test_the_ring_figure_follows_the_ring_all_reduce():
     """ring_states steps collectives.ring_step, the arithmetic ring_all_reduce runs (whose sums
     tests/test_collectives.py checks in real processes): what the figure and lesson 07 say of
     the ring is checked here, once, of that one function."""
+    from collectives import ring_step
     for n in (2, 3, 4, 5):
         states = make_figures.ring_states(n)
         assert len(states) == 1 + 2 * (n - 1)
+        steps = [(phase, step) for phase in ("scatter-reduce", "all-gather") for step in range(n - 1)]
+        for (phase, step), (_, _, sent) in zip(steps, states[1:], strict=True):  # sent: the black frames
+            assert sent == [ring_step(rank, n, phase, step)[0] for rank in range(n)]
         _, after_scatter_reduce, _ = states[n - 1]
         for rank in range(n):  # rank r holds the full sum of chunk r+1
             assert after_scatter_reduce[rank][(rank + 1) % n] == frozenset(range(n))
