@@ -6,11 +6,15 @@ import inspect
 import io
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import textwrap
+import time
+import uuid
 import warnings
 from pathlib import Path
 
@@ -48,6 +52,36 @@ def left_in(tmp: Path) -> list:
 # Small, fast settings every script accepts: the tiny ResNet on a slice of synthetic data.
 SMALL = ["--dataset", "synthetic", "--model", "resnet_tiny", "--train-samples", "256",
          "--test-samples", "100", "--batch-size", "32", "--workers", "0", "--epochs", "1"]
+
+
+def with_flag(argv, flag, value):
+    """SMALL with one flag's value replaced."""
+    argv = list(argv)
+    argv[argv.index(flag) + 1] = str(value)
+    return argv
+
+
+def cli_args(*argv):
+    """The scripts' command line parsed from argv alone, with no loader workers."""
+    from models import MODEL_NAMES
+    from utils import cli
+    return cli.parse_args(cli.build_parser("", MODEL_NAMES), ["--workers", "0", *map(str, argv)])
+
+
+def small_args(*argv):
+    """SMALL's settings, then argv, parsed as the scripts parse their command line."""
+    from models import MODEL_NAMES
+    from utils import cli
+    return cli.parse_args(cli.build_parser("", MODEL_NAMES), [*SMALL, *map(str, argv)])
+
+
+def one_cpu_process():
+    """Who a plain `python` run on the CPU is: rank 0 of 1, no process group. A function, not
+    a constant: conftest imports torch only where it is used (the reaper's tests start
+    processes that import conftest and nothing of PyTorch)."""
+    import torch
+    from utils.distributed import DistEnv
+    return DistEnv(0, 0, 1, 1, torch.device("cpu"), False)
 
 
 # The test files, longest first: `make test` hands them to its workers in this order
@@ -147,12 +181,70 @@ def max_difference(a: dict, b: dict) -> float:
     return worst
 
 
+def make_run(args, model_name="resnet_tiny"):
+    """A TrainingRun of one CPU process, 8 steps an epoch, on a model seeded with 0 and its SGD."""
+    import torch
+    from models import build_model
+    from utils import schedule
+    from utils.run import TrainingRun
+    torch.manual_seed(0)
+    model = build_model(model_name, 100)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * args.batch_size / 128, momentum=args.momentum,
+                                weight_decay=args.weight_decay)
+    scheduler = schedule.warmup_multistep(optimizer, args, 8)
+    run = TrainingRun(args, one_cpu_process(), model, optimizer, scheduler, train_size=8 * args.batch_size,
+                      strategy="test")
+    return run, model, optimizer
+
+
+def take_one_step(run, model, optimizer):
+    """make_run's first optimizer step, on 4 random images, and its checkpoint."""
+    import torch
+    import torch.nn.functional as F
+    epochs = run.epochs()
+    next(epochs)
+    images, targets = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
+    logits = model(images)
+    loss = F.cross_entropy(logits, targets)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    run.scheduler.step()
+    run.meter.update(loss.detach(), logits.detach(), targets)
+    run.step_done()
+    run.save()
+
+
+def load_script(name):
+    """A training script as a module, its model built without batch norm."""
+    import importlib.util
+
+    import torch
+    from models import build_model
+    spec = importlib.util.spec_from_file_location(name[:-len(".py")], ROOT / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.build_model = lambda model_name, num_classes: build_model(model_name, num_classes,
+                                                                    norm_layer=torch.nn.Identity)
+    return module
+
+
 def free_port() -> int:
     """A free port on 127.0.0.1 outside the kernel's ephemeral range, as distributed_mp.py
     picks its own (utils.spawn.free_port): a process started later listens on it, and an
     ephemeral one may meanwhile go to any outgoing connection of the tests beside."""
     from utils import spawn
     return spawn.free_port("127.0.0.1")
+
+
+def two_nodes_here():
+    """(interface, address) for two nodes on this host: not loopback, where gloo listens for a job of
+    several nodes (utils/network.py refuses 127.x there); skipped without one."""
+    from utils import network
+    outside = [(name, address) for name, address in network.interfaces().items() if not network.is_loopback(address)]
+    if not outside:
+        pytest.skip("two nodes on one host need an interface whose address is not loopback")
+    return outside[0]
 
 
 def normalized(pixels):
@@ -235,6 +327,81 @@ def group_norm(channels: int):
     """build_model(..., norm_layer=group_norm): no batch statistics, which depend on how the batch is split."""
     import torch.nn as nn
     return nn.GroupNorm(min(32, channels), channels)
+
+
+# --- processes in sessions of their own ---------------------------------------------------
+
+TAG = "FAULT_TOLERANCE_TEST_TAG"
+
+
+def tagged_pids(tag):
+    """Every process started with TAG=tag in its environment. torchrun starts its workers in new
+    sessions: the launcher's process group would miss them."""
+    needle, found = f"{TAG}={tag}".encode(), []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+def kill_tagged(tag):
+    for pid in tagged_pids(tag):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+class Proc:
+    """A command (a list, `python` by default) started in the repo root; stdout and stderr
+    together in one file (a pipe would keep the reader waiting on any orphaned worker that
+    still holds it)."""
+
+    def __init__(self, args, program=(sys.executable,), **env):
+        self.args = [*program, *map(str, args)]
+        self.tag = uuid.uuid4().hex
+        self.log = tempfile.TemporaryFile("w+")
+        self.started = time.time()
+        self.popen = subprocess.Popen(self.args, cwd=ROOT,
+                                      env=subprocess_env(**{TAG: self.tag}, **env),
+                                      stdout=self.log, stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True)
+
+    def wait(self, timeout):
+        try:
+            self.rc = self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"{' '.join(self.args)} still running after {timeout} s\n"
+                                 f"{self.output()}") from None
+        except BaseException:
+            # pytest-timeout's failure or Ctrl-C, raised in here: the command's session would
+            # outlive the test (on a GPU machine holding the GPU for the checks after it).
+            self.kill()
+            raise
+        self.ended = time.time()
+        self.kill()  # whatever it left behind
+        return self
+
+    def output(self):
+        self.log.seek(0)
+        return self.log.read()
+
+    def kill(self):
+        kill_tagged(self.tag)
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait()
+
+
+def expect(proc, rc=0):
+    """A waited Proc's exit status must be rc; its output."""
+    assert proc.rc == rc, (f"{' '.join(proc.args)} exited {proc.rc}, expected {rc}\n"
+                           f"{proc.output()}")
+    return proc.output()
 
 
 def torchrun(nproc, script, args, timeout=240, check=True, extra_torchrun=(), env=None):
@@ -359,7 +526,6 @@ def process_state_kept():
     """What a training run made in this process keeps until the process ends, given back on leaving:
     its stop-signal handlers (utils.run.StopSignal; only finish() restores them) and its checkpoint
     folder's locked .lock descriptor (closed, as the process's exit closes it)."""
-    import signal
     from utils import lifecycle
     handlers, locks = {sig: signal.getsignal(sig) for sig in lifecycle.SIGNALS}, lock_descriptors()
     try:
@@ -493,3 +659,38 @@ def assert_refused(outcome, *fragments):
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
     return lines[0]
+
+
+# --- the lessons' markdown ------------------------------------------------------------------
+
+TUTORIALS = ROOT / "tutorials"
+FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)\s*$")
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)|!\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def lesson_files():
+    return [p for p in sorted(TUTORIALS.glob("*.md")) if p.name != "README.md"]
+
+
+def prose_of(path: Path) -> str:
+    """The text outside code blocks (links in code are not links)."""
+    out, inside, fence = [], False, ""
+    for line in path.read_text().splitlines():
+        m = FENCE.match(line)
+        if m and (not inside or line.strip().startswith(fence)):
+            inside, fence = (not inside), m.group(2)[0] * 3
+            continue
+        if not inside:
+            out.append(line)
+    return "\n".join(out)
+
+
+def links_of(path: Path):
+    """Relative link targets (no URLs, no pure #anchors), anchors stripped."""
+    targets = []
+    for m in LINK.finditer(prose_of(path)):
+        target = m.group(1) or m.group(2)
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+            continue
+        targets.append(target.split("#")[0])
+    return targets

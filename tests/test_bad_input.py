@@ -8,8 +8,9 @@ import subprocess
 import pytest
 import torch
 
-from conftest import ROOT, SMALL, assert_one_line_error, assert_refused, expect_ok, run_script, subprocess_env, torchrun
-from test_data import ONE_CPU_PROCESS, args_for, write_cifar100
+from cifar_files import write_cifar100
+from conftest import (ROOT, SMALL, assert_one_line_error, assert_refused, cli_args, expect_ok, make_run,
+                      one_cpu_process, run_script, small_args, subprocess_env, take_one_step, torchrun)
 from models import MODEL_NAMES
 from utils import checkpoint, cli, data, lifecycle
 
@@ -132,11 +133,9 @@ def test_unwritable_checkpoint_dir_is_refused_before_training(run_in_process, tm
 
 def test_metrics_failure_after_an_epoch_keeps_its_checkpoint(tmp_path, monkeypatch):
     # Checkpoint first, then the record: an epoch whose record cannot be written is not lost.
-    import test_checkpoint as tc
-
-    args = tc.args_for("--checkpoint-dir", tmp_path / "ck", "--metrics", tmp_path / "m.jsonl")
-    run, model, optimizer = tc.make_run(args)
-    tc.take_one_step(run, model, optimizer)
+    args = small_args("--checkpoint-dir", tmp_path / "ck", "--metrics", tmp_path / "m.jsonl")
+    run, model, optimizer = make_run(args)
+    take_one_step(run, model, optimizer)
 
     def broken(record):
         raise OSError("disk full")
@@ -252,7 +251,7 @@ def test_a_re_pickled_subset_with_plain_types_still_loads(tmp_path):
         entry = {k.decode(): v for k, v in entry.items()}
         with open(folder / name, "wb") as f:
             pickle.dump(entry, f, protocol=protocol)
-    train, test = data.build_datasets(args_for("--dataset", "cifar100", "--data-dir", tmp_path), ONE_CPU_PROCESS)
+    train, test = data.build_datasets(cli_args("--dataset", "cifar100", "--data-dir", tmp_path), one_cpu_process())
     assert (len(train), len(test)) == (6, 3)
 
 
@@ -261,8 +260,8 @@ def test_more_samples_than_the_data_set_has_is_one_line(tmp_path):
     write_cifar100(tmp_path, rng.integers(0, 256, (6, 3, 32, 32), dtype=np.uint8), rng.integers(0, 100, 6),
                    rng.integers(0, 256, (3, 3, 32, 32), dtype=np.uint8), rng.integers(0, 100, 3))
     with pytest.raises(cli.UsageError, match="--train-samples 7 is more than the 6 samples"):
-        data.build_datasets(args_for("--dataset", "cifar100", "--data-dir", tmp_path, "--train-samples", "7"),
-                            ONE_CPU_PROCESS)
+        data.build_datasets(cli_args("--dataset", "cifar100", "--data-dir", tmp_path, "--train-samples", "7"),
+                            one_cpu_process())
 
 
 # --- --check-args reads the launcher's variables as README says -------------------------------

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT, gpu_subprocess_env, run_script, subprocess_env
+from conftest import FAULTS, ROOT, gpu_subprocess_env, run_script, subprocess_env
 
 TOOL = ROOT / "scripts" / "benchmark.py"
 MEMORY_TOOL = ROOT / "scripts" / "memory_table.py"
@@ -953,7 +953,7 @@ def test_a_row_whose_processes_do_not_exit_keeps_its_figures_and_its_stacks(tool
     monkeypatch.setattr(tool, "EXIT_SECONDS", 5.0)  # 30 s by default: the same path, less waiting
     monkeypatch.setenv("FAULT_INJECTION", "--fault hang-at-exit --rank 1 -- distributed.py")
     plan = cpu_plan(tool, workers=1, timeout=120)
-    row = tool.Row("ddp-hangs", "tests/fault_injection.py", "torchrun", True)
+    row = tool.Row("ddp-hangs", FAULTS, "torchrun", True)
     result = tool.run_row(row, plan, str(tmp_path))
     log = (tmp_path / "ddp-hangs.log").read_text()
     assert result["status"] == "ok" and result["median_images_per_second"] > 0, (result, log)
@@ -1015,7 +1015,7 @@ def test_the_time_budget_cuts_a_row_short_and_leaves_the_rest_not_run(tmp_path, 
     row_share = max(30, math.ceil(2 * rows_by_name(quick)["ddp-1proc"]["wall_seconds"]))
     budget = int(tool.REPORT_SECONDS) + row_share
     logs = tmp_path / "logs"
-    code = WITH_FAULTY_ROW.format(scripts=str(ROOT / "scripts"), row="ddp-1proc", script="tests/fault_injection.py")
+    code = WITH_FAULTY_ROW.format(scripts=str(ROOT / "scripts"), row="ddp-1proc", script=FAULTS)
     env = subprocess_env(FAULT_INJECTION=f"--fault pause --rank 0 --step 1 --pause-seconds 600 "
                                          f"--marker {tmp_path / 'paused'} -- distributed.py")
     proc = run_script(["-c", code, "--quick", "--device", "cpu", "--rows", "ddp-1proc,ceiling-fp32",

@@ -10,13 +10,10 @@ import sys
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
-from conftest import FAULTS, ROOT, SMALL, assert_refused, expect_ok, lock_descriptors, observing_entry, run_script
-from models import MODEL_NAMES, build_model
-from test_data import ONE_CPU_PROCESS
-from utils import checkpoint, cli, metrics, schedule
-from utils.run import TrainingRun
+from conftest import (FAULTS, ROOT, SMALL, assert_refused, expect_ok, lock_descriptors, make_run, observing_entry,
+                      run_script, small_args, take_one_step)
+from utils import checkpoint, cli, metrics
 
 
 def state(value: float) -> dict:
@@ -141,39 +138,9 @@ def test_missing_checkpoint_is_a_usage_error(tmp_path):
 
 # --- a real checkpoint ----------------------------------------------------------------------
 
-def args_for(*argv):
-    return cli.parse_args(cli.build_parser("", MODEL_NAMES), [*SMALL, *map(str, argv)])
-
-
-def make_run(args, model_name="resnet_tiny"):
-    torch.manual_seed(0)
-    model = build_model(model_name, 100)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * args.batch_size / 128, momentum=args.momentum,
-                                weight_decay=args.weight_decay)
-    scheduler = schedule.warmup_multistep(optimizer, args, 8)
-    run = TrainingRun(args, ONE_CPU_PROCESS, model, optimizer, scheduler, train_size=8 * args.batch_size,
-                      strategy="test")
-    return run, model, optimizer
-
-
-def take_one_step(run, model, optimizer):
-    epochs = run.epochs()
-    next(epochs)
-    images, targets = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
-    logits = model(images)
-    loss = F.cross_entropy(logits, targets)
-    optimizer.zero_grad()
-    loss.backward()
-    optimizer.step()
-    run.scheduler.step()
-    run.meter.update(loss.detach(), logits.detach(), targets)
-    run.step_done()
-    run.save()
-
-
 def test_checkpoint_reads_with_weights_only_and_resumes(tmp_path):
     directory = tmp_path / "run"
-    run, model, optimizer = make_run(args_for("--checkpoint-dir", directory))
+    run, model, optimizer = make_run(small_args("--checkpoint-dir", directory))
     take_one_step(run, model, optimizer)
     path = directory / "checkpoint.pt"
     # .lock: this run's claim on the directory (see checkpoint.lock_directory)
@@ -194,7 +161,7 @@ def test_checkpoint_reads_with_weights_only_and_resumes(tmp_path):
     # make_run's manual_seed and these draws are what the resume must undo.
     checkpoint.set_rng_state(saved["rng"])
     expected = (torch.rand(3), np.random.rand(3), random.random())
-    resumed, model2, optimizer2 = make_run(args_for("--checkpoint-dir", directory, "--resume"))
+    resumed, model2, optimizer2 = make_run(small_args("--checkpoint-dir", directory, "--resume"))
     drawn = (torch.rand(3), np.random.rand(3), random.random())
     assert torch.equal(drawn[0], expected[0]) and np.array_equal(drawn[1], expected[1]) and drawn[2] == expected[2]
     assert (resumed.epoch, resumed.step_in_epoch, resumed.global_step) == (0, 1, 1)
@@ -206,7 +173,7 @@ def test_checkpoint_reads_with_weights_only_and_resumes(tmp_path):
 
 def test_an_epochs_end_reduces_its_training_sums_once(tmp_path, monkeypatch):
     # The record's training figures and the checkpoint's sums come from one all-reduce, which every rank waits in.
-    run, model, optimizer = make_run(args_for("--checkpoint-dir", tmp_path, "--max-steps", 1))
+    run, model, optimizer = make_run(small_args("--checkpoint-dir", tmp_path, "--max-steps", 1))
     take_one_step(run, model, optimizer)
     reduced = []
     monkeypatch.setattr(metrics, "all_reduce_sum", lambda tensor, call=None: reduced.append(tensor.clone()) or tensor)
@@ -224,14 +191,14 @@ def test_a_checkpoint_folder_without_locks_trains_with_a_warning(tmp_path, monke
         raise OSError(no_lock, os.strerror(no_lock))
     monkeypatch.setattr(checkpoint.fcntl, "lockf", lockf)
     directory = tmp_path / "run"
-    run, model, optimizer = make_run(args_for("--checkpoint-dir", directory))
+    run, model, optimizer = make_run(small_args("--checkpoint-dir", directory))
     take_one_step(run, model, optimizer)
     assert checkpoint.load(directory / "checkpoint.pt")["global_step"] == 1
     warning = capsys.readouterr().err
     assert f"warning: cannot lock --checkpoint-dir {directory} ({os.strerror(no_lock)})" in warning, warning
     # A fresh run there is still refused once the folder holds a checkpoint.
     with pytest.raises(cli.UsageError, match="already holds a checkpoint"):
-        make_run(args_for("--checkpoint-dir", directory))
+        make_run(small_args("--checkpoint-dir", directory))
 
 
 def test_a_lock_that_fails_otherwise_is_refused(tmp_path, monkeypatch):
@@ -245,9 +212,9 @@ def test_a_lock_that_fails_otherwise_is_refused(tmp_path, monkeypatch):
 
 def test_resume_refuses_another_model(tmp_path):
     directory = tmp_path / "run"
-    run, model, optimizer = make_run(args_for("--checkpoint-dir", directory))
+    run, model, optimizer = make_run(small_args("--checkpoint-dir", directory))
     take_one_step(run, model, optimizer)
-    args = args_for("--resume", directory / "checkpoint.pt")
+    args = small_args("--resume", directory / "checkpoint.pt")
     args.model = "resnet18"
     with pytest.raises(cli.UsageError, match="--model resnet_tiny"):
         make_run(args, "resnet18")
@@ -255,11 +222,11 @@ def test_resume_refuses_another_model(tmp_path):
 
 def test_fresh_run_does_not_overwrite_a_checkpoint(tmp_path):
     directory = tmp_path / "run"
-    run, model, optimizer = make_run(args_for("--checkpoint-dir", directory))
+    run, model, optimizer = make_run(small_args("--checkpoint-dir", directory))
     take_one_step(run, model, optimizer)
     before = (directory / "checkpoint.pt").read_bytes()
     with pytest.raises(cli.UsageError, match="--resume"):
-        make_run(args_for("--checkpoint-dir", directory))
+        make_run(small_args("--checkpoint-dir", directory))
     assert (directory / "checkpoint.pt").read_bytes() == before
 
 
@@ -269,7 +236,7 @@ BEFORE_A_RUN = {}
 def test_a_run_made_in_a_test_holds_the_stop_signals_and_its_folder(tmp_path):
     # Until its finish() (the stop signals) or the process's exit (the lock): the next test must not inherit them.
     BEFORE_A_RUN.update(handler=signal.getsignal(signal.SIGTERM), locks=lock_descriptors())
-    run = make_run(args_for("--checkpoint-dir", tmp_path))[0]
+    run = make_run(small_args("--checkpoint-dir", tmp_path))[0]
     assert signal.getsignal(signal.SIGTERM) != BEFORE_A_RUN["handler"] and lock_descriptors() != BEFORE_A_RUN["locks"]
     run.finish()  # a script's main() called from one's own process (a notebook) gives the stop signals back
     assert signal.getsignal(signal.SIGTERM) == BEFORE_A_RUN["handler"] and lock_descriptors() != BEFORE_A_RUN["locks"]

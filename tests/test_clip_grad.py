@@ -16,9 +16,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from conftest import SMALL, expect_ok, free_port, keep_on_cpu, read_metrics, run_script, torchrun
+from conftest import (SMALL, expect_ok, free_port, keep_on_cpu, load_script, max_difference, read_metrics, run_script,
+                      torchrun)
 from models import build_model
-from test_gradient_accumulation import load_script, max_difference
 from utils.metrics import TrainMeter
 from utils.precision import cpu_autocast_works
 from utils.run import TrainingRun

@@ -3,11 +3,9 @@ on-disk format, learning on real images that ship offline (scikit-learn's
 digits), the samplers, and the synthetic stand-in."""
 import argparse
 import errno
-import io
 import math
 import os
 import pickle
-import struct
 import sys
 import warnings
 from types import SimpleNamespace
@@ -16,62 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SMALL, assert_refused, expect_ok, normalized, read_metrics, samples_by_index, torchrun
-from models import MODEL_NAMES
+from cifar_files import write_cifar100
+from conftest import (SMALL, assert_refused, cli_args, expect_ok, normalized, one_cpu_process, read_metrics,
+                      samples_by_index, torchrun)
 from utils import cli, data, metrics
 from utils.distributed import DistEnv
 
-ONE_CPU_PROCESS = DistEnv(0, 0, 1, 1, torch.device("cpu"), False)
-
-
 # --- CIFAR-100 in its on-disk format --------------------------------------------------
-
-class _Python2Pickler(pickle._Pickler):
-    """Pickles every bytes object as a Python 2 `str`, as the original CIFAR-100
-    files were written (protocol 2, by Python 2). Read back with
-    encoding="latin1" (torchvision's way) the keys are str and the image buffer is
-    decoded by numpy; with encoding="bytes" the keys are b"data", b"fine_labels", ...
-    Python 3's own pickle would turn bytes keys into objects that stay bytes, which
-    is not what the original files hold."""
-    dispatch = dict(pickle._Pickler.dispatch)
-
-    def _save_python2_str(self, obj):
-        if len(obj) < 256:
-            self.write(pickle.SHORT_BINSTRING + bytes([len(obj)]) + obj)
-        else:
-            self.write(pickle.BINSTRING + struct.pack("<i", len(obj)) + obj)
-        self.memoize(obj)
-
-    dispatch[bytes] = _save_python2_str
-
-
-def _dump(obj, path):
-    buffer = io.BytesIO()
-    _Python2Pickler(buffer, protocol=2).dump(obj)
-    # The release names numpy's classes as numpy 1 did (numpy 2 writes numpy._core): GLOBAL opcodes, text lines.
-    with open(path, "wb") as f:
-        f.write(buffer.getvalue().replace(b"cnumpy._core.", b"cnumpy.core."))
-
-
-def write_cifar100(root, train_images, train_labels, test_images, test_labels):
-    """<root>/cifar-100-python/{train,test,meta} as in the CIFAR-100 python release:
-    images N x 3 x 32 x 32 uint8 are stored as rows of 3072 bytes (R plane, G, B)."""
-    folder = os.path.join(root, "cifar-100-python")
-    os.makedirs(folder, exist_ok=True)
-    for split, images, labels in (("train", train_images, train_labels), ("test", test_images, test_labels)):
-        images = np.ascontiguousarray(images, dtype=np.uint8)
-        assert images.shape[1:] == (3, 32, 32)
-        n = len(images)
-        _dump({
-            b"batch_label": f"{split}ing batch 1 of 1".encode(),
-            b"filenames": [b"image_%05d.png" % i for i in range(n)],
-            b"fine_labels": [int(x) for x in labels],
-            b"coarse_labels": [int(x) // 5 for x in labels],  # differ from the fine labels on purpose
-            b"data": images.reshape(n, 3072),
-        }, os.path.join(folder, split))
-    _dump({b"fine_label_names": [b"class_%02d" % i for i in range(100)],
-           b"coarse_label_names": [b"superclass_%02d" % i for i in range(20)]}, os.path.join(folder, "meta"))
-
 
 @pytest.fixture(scope="module")
 def small_cifar(tmp_path_factory):
@@ -86,10 +35,6 @@ def small_cifar(tmp_path_factory):
     }
     write_cifar100(root, **split)
     return root, split
-
-
-def args_for(*argv):
-    return cli.parse_args(cli.build_parser("", MODEL_NAMES), ["--workers", "0", *map(str, argv)])
 
 
 def test_written_files_have_the_original_layout(small_cifar):
@@ -111,8 +56,8 @@ def test_cifar100_reaches_loader_workers_started_by_spawn(small_cifar):
     # Where workers start by spawn (macOS, Windows; Linux forks: see data.Loader), each is sent the data set
     # pickled: a class defined inside a function cannot be, and the default run stopped at its first batch.
     root, _ = small_cifar
-    train_set, test_set = data.build_datasets(args_for("--dataset", "cifar100", "--data-dir", root),
-                                              ONE_CPU_PROCESS)
+    train_set, test_set = data.build_datasets(cli_args("--dataset", "cifar100", "--data-dir", root),
+                                              one_cpu_process())
     for dataset, keys in ((train_set, [(i, 0) for i in range(40)]), (test_set, range(12))):  # (index, epoch)
         loader = torch.utils.data.DataLoader(dataset, batch_size=len(keys), sampler=keys, num_workers=1,
                                              multiprocessing_context="spawn")
@@ -123,8 +68,8 @@ def test_cifar100_reaches_loader_workers_started_by_spawn(small_cifar):
 
 def test_build_datasets_reads_cifar100_from_disk(small_cifar):
     root, split = small_cifar
-    train_set, test_set = data.build_datasets(args_for("--dataset", "cifar100", "--data-dir", root),
-                                              ONE_CPU_PROCESS)
+    train_set, test_set = data.build_datasets(cli_args("--dataset", "cifar100", "--data-dir", root),
+                                              one_cpu_process())
     assert (len(train_set), len(test_set)) == (40, 12)
 
     with warnings.catch_warnings():
@@ -142,7 +87,7 @@ def test_build_datasets_reads_cifar100_from_disk(small_cifar):
     # Training images are the stored pixels, cropped and flipped as the epoch's plan says.
     assert data.num_classes(train_set) == 100
     for epoch in (0, 3):
-        plan = data.augmentation_plan(seed=0, epoch=epoch, num_samples=40)  # args_for's --seed is 0
+        plan = data.augmentation_plan(seed=0, epoch=epoch, num_samples=40)  # cli_args's --seed is 0
         for i in (0, 17, 39):
             image, label = train_set[(i, epoch)]
             dy, dx, flip = plan[i].tolist()
@@ -153,8 +98,8 @@ def test_build_datasets_reads_cifar100_from_disk(small_cifar):
 
 def test_sample_limits_take_the_first_images(small_cifar):
     root, split = small_cifar
-    args = args_for("--dataset", "cifar100", "--data-dir", root, "--train-samples", "8", "--test-samples", "5")
-    train_set, test_set = data.build_datasets(args, ONE_CPU_PROCESS)
+    args = cli_args("--dataset", "cifar100", "--data-dir", root, "--train-samples", "8", "--test-samples", "5")
+    train_set, test_set = data.build_datasets(args, one_cpu_process())
     assert (len(train_set), len(test_set)) == (8, 5)
     assert [test_set[i][1] for i in range(5)] == split["test_labels"][:5].tolist()
     assert torch.equal(test_set[4][0], torch.from_numpy(split["test_images"][4]))
@@ -168,11 +113,11 @@ def test_a_folder_on_a_file_system_without_locks_is_read_without_one(small_cifar
         raise OSError(no_lock, os.strerror(no_lock))
     monkeypatch.setattr(data.fcntl, "lockf", lockf)
     root, _ = small_cifar
-    train_set, test_set = data.build_datasets(args_for("--dataset", "cifar100", "--data-dir", root),
-                                              ONE_CPU_PROCESS)
+    train_set, test_set = data.build_datasets(cli_args("--dataset", "cifar100", "--data-dir", root),
+                                              one_cpu_process())
     assert (len(train_set), len(test_set)) == (40, 12)
     with pytest.raises(cli.UsageError) as refused:
-        data.build_datasets(args_for("--dataset", "cifar100", "--data-dir", tmp_path), ONE_CPU_PROCESS)
+        data.build_datasets(cli_args("--dataset", "cifar100", "--data-dir", tmp_path), one_cpu_process())
     assert f"CIFAR-100 is not in --data-dir {tmp_path}, and no lock can be taken there" in str(refused.value)
 
 
@@ -182,8 +127,8 @@ def test_a_data_dir_with_a_tilde_is_locked_where_it_is_read(small_cifar, monkeyp
     root, _ = small_cifar
     monkeypatch.setenv("HOME", str(root.parent))
     monkeypatch.chdir(tmp_path)
-    train_set, _ = data.build_datasets(args_for("--dataset", "cifar100", "--data-dir", f"~/{root.name}"),
-                                       ONE_CPU_PROCESS)
+    train_set, _ = data.build_datasets(cli_args("--dataset", "cifar100", "--data-dir", f"~/{root.name}"),
+                                       one_cpu_process())
     assert len(train_set) == 40 and (root / ".download.lock").exists() and not (tmp_path / "~").exists()
 
 
@@ -195,7 +140,7 @@ def test_corrupt_dataset_file_is_a_usage_error(tmp_path, small_cifar):
         raw = (root / "cifar-100-python" / name).read_bytes()
         (folder / name).write_bytes(raw[:len(raw) // 2] if name == "train" else raw)
     with pytest.raises(cli.UsageError) as excinfo:
-        data.build_datasets(args_for("--dataset", "cifar100", "--data-dir", tmp_path), ONE_CPU_PROCESS)
+        data.build_datasets(cli_args("--dataset", "cifar100", "--data-dir", tmp_path), one_cpu_process())
     assert str(tmp_path) in str(excinfo.value) and "\n" not in str(excinfo.value)
 
 
@@ -333,7 +278,7 @@ def test_evaluation_counts_every_test_sample_once(world_size):
 def test_an_empty_test_set_is_not_scored():
     # Your own data with an empty test set: no figure is measured, so none is reported as 0%.
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 10))
-    loader = data.eval_loader([], 8, ONE_CPU_PROCESS, SimpleNamespace(workers=0))
+    loader = data.eval_loader([], 8, one_cpu_process(), SimpleNamespace(workers=0))
     scores = metrics.evaluate(model, loader, torch.device("cpu"))
     assert scores["test_samples"] == 0 and all(math.isnan(scores[key]) for key in ("test_loss", "test_acc1")), scores
 
@@ -343,7 +288,7 @@ def test_augmentation_does_not_depend_on_world_size_or_workers():
     global_batch = 16
 
     def images_by_index(world_size, workers, epoch=1):
-        found = samples_by_index(train_set, args_for("--seed", "5", "--workers", workers), world_size,
+        found = samples_by_index(train_set, cli_args("--seed", "5", "--workers", workers), world_size,
                                  global_batch, epoch)
         assert all(label.item() == index % 100 for index, (_, label) in found.items())
         return {index: image for index, (image, _) in found.items()}
@@ -418,8 +363,8 @@ def test_synthetic_classes_are_learnable_signal():
 
 
 def test_build_datasets_synthetic_with_limits():
-    args = args_for(*SMALL)
-    train_set, test_set = data.build_datasets(args, ONE_CPU_PROCESS)
+    args = cli_args(*SMALL)
+    train_set, test_set = data.build_datasets(args, one_cpu_process())
     assert (len(train_set), len(test_set)) == (256, 100)
     image, label = test_set[3]
     assert image.shape == (3, 32, 32) and label == 3
@@ -454,9 +399,9 @@ import os, sys, time
 sys.path[:0] = [{root!r}, {tests!r}]
 import numpy as np
 import torchvision.datasets.cifar as cifar
-from test_data import write_cifar100
-from test_data import args_for
-from utils import data
+from cifar_files import write_cifar100
+from models import MODEL_NAMES
+from utils import cli, data
 
 ARRIVED, DOWNLOADS = {arrived!r}, {count!r}
 open(os.path.join(ARRIVED, str(os.getpid())), "w").close()
@@ -494,7 +439,9 @@ def download(url, root, filename=None, md5=None):
                    rng.integers(0, 256, (4, 3, 32, 32)), rng.integers(0, 100, 4))
 
 cifar.download_and_extract_archive = download
-train, test = data._load_cifar100(args_for("--dataset", "cifar100", "--data-dir", {folder!r}))
+args = cli.parse_args(cli.build_parser("", MODEL_NAMES), ["--workers", "0", "--dataset", "cifar100",
+                                                          "--data-dir", {folder!r}])
+train, test = data._load_cifar100(args)
 print(len(train), len(test))
 """
 

@@ -12,9 +12,8 @@ import torch.nn.functional as F
 
 import dataparallel
 from conftest import (SMALL, assert_refused, assert_same_training_state, expect_ok, read_metrics, run_script,
-                      subprocess_env, torchrun)
+                      subprocess_env, torchrun, with_flag)
 from models import build_model
-from test_distributed_script import with_flag
 
 
 def _one_step(model, forward, images, targets):

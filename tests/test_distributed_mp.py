@@ -15,9 +15,8 @@ import torch
 
 import distributed_mp
 from utils import distributed as dist_utils, spawn
-from conftest import (ROOT, SMALL, fake_accelerator, free_port, left_in, patched_on_import, private_tmpdir,
-                      read_metrics, run_script, subprocess_env)
-from test_fault_tolerance import Proc
+from conftest import (ROOT, SMALL, Proc, fake_accelerator, free_port, left_in, patched_on_import, private_tmpdir,
+                      read_metrics, run_script, subprocess_env, two_nodes_here)
 
 
 def _one_error_line(proc):
@@ -241,16 +240,6 @@ def test_torchrun_is_refused_in_one_line(tmp_path):
     assert proc.returncode == 1 and 'distributed_mp.py", line' not in proc.stderr, proc.stderr
     assert first == ("distributed_mp.py: error: torchrun: this script starts and numbers its own processes "
                      "(--nproc-per-node); run it with plain python, not a launcher (torchrun runs distributed.py)")
-
-
-def two_nodes_here():
-    """(interface, address) for two nodes on this host: not loopback, where gloo listens for a job of
-    several nodes (utils/network.py refuses 127.x there); skipped without one."""
-    from utils import network
-    outside = [(name, address) for name, address in network.interfaces().items() if not network.is_loopback(address)]
-    if not outside:
-        pytest.skip("two nodes on one host need an interface whose address is not loopback")
-    return outside[0]
 
 
 def test_a_batch_refused_on_one_node_reaches_the_other_at_once():

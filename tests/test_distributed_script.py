@@ -8,20 +8,13 @@ import sys
 import pytest
 import torch
 
-from conftest import SMALL, assert_same_training_state, expect_ok, on_rank_1, read_metrics, torchrun
+from conftest import SMALL, assert_same_training_state, expect_ok, on_rank_1, read_metrics, torchrun, with_flag
 from utils import checkpoint, lifecycle
 
 # Every field README promises in each --metrics epoch record.
 RECORD_FIELDS = ("epoch", "step", "train_loss", "train_acc1", "test_loss", "test_acc1", "test_acc5",
                  "test_samples", "epoch_seconds", "images_per_second", "world_size", "global_batch",
                  "strategy", "device")
-
-
-def with_flag(argv, flag, value):
-    """SMALL with one flag's value replaced."""
-    argv = list(argv)
-    argv[argv.index(flag) + 1] = str(value)
-    return argv
 
 
 # --- torchrun, two processes ------------------------------------------------------------------

@@ -39,9 +39,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, subprocess_env
+from conftest import FENCE, ROOT, TUTORIALS, lesson_files, links_of, subprocess_env
 
-TUTORIALS = ROOT / "tutorials"
 LESSONS = ["00-basic-theory.md", "01-gradient-accumulation.md", "02-ddp-in-detail.md",
            "03-ddp-training-tricks.md", "04-mixed-precision.md", "05-dp-and-ddp-source.md",
            "06-beyond-one-machine.md", "07-collectives.md", "08-sharded-data-parallel.md", "09-debugging.md"]
@@ -57,10 +56,6 @@ def doc_files():
     return [ROOT / "README.md", *sorted(TUTORIALS.glob("*.md"))]
 
 
-def lesson_files():
-    return [p for p in sorted(TUTORIALS.glob("*.md")) if p.name != "README.md"]
-
-
 def launchers():
     return sorted([*ROOT.glob("scripts/*.sh"), *ROOT.glob("scripts/*.sbatch")])
 
@@ -70,11 +65,10 @@ def rel(path: Path) -> str:
 
 
 # --- markdown parsing ------------------------------------------------------------------------
+# FENCE, links_of and lesson_files are conftest's: test_figures.py reads the lessons' links too.
 
-FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)\s*$")
 SAVE_AS = re.compile(r"[Ss]ave (?:it|this) as `([\w.-]+\.py)`")
 FROM_LINE = re.compile(r"^From `([^`]+)`.*:\s*$")
-LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)|!\[[^\]]*\]\(([^)\s]+)\)")
 
 
 class Block:
@@ -113,30 +107,6 @@ def blocks_of(path: Path):
         last_prose = ""
         i += 1  # the closing fence
     return blocks
-
-
-def prose_of(path: Path) -> str:
-    """The text outside code blocks (links in code are not links)."""
-    out, inside, fence = [], False, ""
-    for line in path.read_text().splitlines():
-        m = FENCE.match(line)
-        if m and (not inside or line.strip().startswith(fence)):
-            inside, fence = (not inside), m.group(2)[0] * 3
-            continue
-        if not inside:
-            out.append(line)
-    return "\n".join(out)
-
-
-def links_of(path: Path):
-    """Relative link targets (no URLs, no pure #anchors), anchors stripped."""
-    targets = []
-    for m in LINK.finditer(prose_of(path)):
-        target = m.group(1) or m.group(2)
-        if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
-            continue
-        targets.append(target.split("#")[0])
-    return targets
 
 
 def saved_programs():

@@ -20,16 +20,15 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 
 import pytest
 import torch
 
-from conftest import (FAULTS, FRESH_STORE, ROOT, SMALL, assert_one_line_error, assert_refused, assert_same_state,
-                      assert_same_training_state, expect_ok, free_port, left_in, patched_on_import, private_tmpdir,
-                      read_metrics, run_script, subprocess_env)
+from conftest import (FAULTS, FRESH_STORE, ROOT, SMALL, TAG, Proc, assert_one_line_error, assert_refused,
+                      assert_same_state, assert_same_training_state, expect, expect_ok, free_port, kill_tagged, left_in,
+                      patched_on_import, private_tmpdir, read_metrics, run_script, subprocess_env, tagged_pids)
 from utils import checkpoint, lifecycle
 from utils.run import StopSignal
 
@@ -37,73 +36,9 @@ STEPS = 16  # 512 images / 32 per step
 TINY = ["--dataset", "synthetic", "--model", "resnet_tiny", "--train-samples", "512",
         "--test-samples", "64", "--batch-size", "32", "--workers", "0", "--epochs", "1",
         "--checkpoint-every", "2", "--dist-timeout", "120"]
-TAG = "FAULT_TOLERANCE_TEST_TAG"
 
 
 # --- processes ---------------------------------------------------------------------------
-
-def tagged_pids(tag):
-    """Every process started with TAG=tag in its environment. torchrun starts its workers in new
-    sessions: the launcher's process group would miss them."""
-    needle, found = f"{TAG}={tag}".encode(), []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    if needle in f.read().split(b"\0"):
-                        found.append(int(entry))
-            except OSError:
-                pass
-    return found
-
-
-def _kill_tagged(tag):
-    for pid in tagged_pids(tag):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
-class Proc:
-    """A command (a list, `python` by default) started in the repo root; stdout and stderr
-    together in one file (a pipe would keep the reader waiting on any orphaned worker that
-    still holds it)."""
-
-    def __init__(self, args, program=(sys.executable,), **env):
-        self.args = [*program, *map(str, args)]
-        self.tag = uuid.uuid4().hex
-        self.log = tempfile.TemporaryFile("w+")
-        self.started = time.time()
-        self.popen = subprocess.Popen(self.args, cwd=ROOT,
-                                      env=subprocess_env(**{TAG: self.tag}, **env),
-                                      stdout=self.log, stderr=subprocess.STDOUT, text=True,
-                                      start_new_session=True)
-
-    def wait(self, timeout):
-        try:
-            self.rc = self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"{' '.join(self.args)} still running after {timeout} s\n"
-                                 f"{self.output()}") from None
-        except BaseException:
-            # pytest-timeout's failure or Ctrl-C, raised in here: the command's session would
-            # outlive the test (on a GPU machine holding the GPU for the checks after it).
-            self.kill()
-            raise
-        self.ended = time.time()
-        self.kill()  # whatever it left behind
-        return self
-
-    def output(self):
-        self.log.seek(0)
-        return self.log.read()
-
-    def kill(self):
-        _kill_tagged(self.tag)
-        if self.popen.poll() is None:
-            self.popen.kill()
-            self.popen.wait()
-
 
 def run(args, timeout=240, **env) -> Proc:
     proc = Proc(args, **env)
@@ -116,12 +51,6 @@ def run(args, timeout=240, **env) -> Proc:
 def torchrun(args, nproc=2, extra=(), timeout=300) -> Proc:
     return run(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                 *extra, *args], timeout=timeout, **FRESH_STORE)
-
-
-def expect(proc, rc=0):
-    assert proc.rc == rc, (f"{' '.join(proc.args)} exited {proc.rc}, expected {rc}\n"
-                           f"{proc.output()}")
-    return proc.output()
 
 
 # --- checkpoints ---------------------------------------------------------------------------
@@ -779,7 +708,7 @@ def test_a_rank_started_by_hand_outlives_its_shell(tmp_path):
         output = log.read_text()
         assert f"done: {STEPS} steps" in output and "stopping" not in output, output
     finally:
-        _kill_tagged(tag)
+        kill_tagged(tag)
 
 
 def _watch_then_exit():

@@ -7,8 +7,7 @@ import sys
 import textwrap
 import xml.etree.ElementTree as ElementTree
 
-from conftest import ROOT, subprocess_env
-from test_docs import TUTORIALS, lesson_files, links_of
+from conftest import ROOT, TUTORIALS, lesson_files, links_of, subprocess_env
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import make_figures  # noqa: E402

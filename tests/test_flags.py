@@ -38,6 +38,7 @@ import pytest
 import torch
 
 import test_gpu_scripts
+from cifar_files import dump_as_python2, write_cifar100
 from conftest import ROOT, free_port, freeze_the_imports, keep_on_cpu, read_metrics, torchrun
 from utils import checkpoint, data, lifecycle, sharded
 from utils.run import TrainingRun
@@ -367,13 +368,12 @@ def pair_case(script, pair, case):
 @pytest.fixture(scope="module")
 def cifar(tmp_path_factory):
     """CIFAR-100's files, written small: 16 training and 8 test images of 7 classes."""
-    from test_data import _dump, write_cifar100
     root = tmp_path_factory.mktemp("cifar")
     rng = np.random.default_rng(0)
     write_cifar100(root, rng.integers(0, 256, (16, 3, 32, 32), dtype=np.uint8), rng.integers(0, 7, 16),
                    rng.integers(0, 256, (8, 3, 32, 32), dtype=np.uint8), rng.integers(0, 7, 8))
-    _dump({b"fine_label_names": [b"class_%02d" % i for i in range(7)],
-           b"coarse_label_names": [b"superclass_00"]}, os.path.join(root, "cifar-100-python", "meta"))
+    dump_as_python2({b"fine_label_names": [b"class_%02d" % i for i in range(7)],
+                     b"coarse_label_names": [b"superclass_00"]}, os.path.join(root, "cifar-100-python", "meta"))
     return root
 
 

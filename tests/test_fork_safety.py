@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
+from cifar_files import write_cifar100
 from conftest import ROOT, run_script
-from test_data import write_cifar100
 from utils import data
 from utils.distributed import DistEnv
 

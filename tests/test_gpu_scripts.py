@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, SMALL, gpu_subprocess_env, observing_entry, read_metrics, run_script, torchrun
+from conftest import FAULTS, ROOT, SMALL, gpu_subprocess_env, observing_entry, read_metrics, run_script, torchrun
 from models import build_model
 
 pytestmark = pytest.mark.gpu
@@ -218,7 +218,7 @@ def test_a_stopped_run_with_loader_workers_exits_at_once_on_cuda(tmp_path, fault
     # Both can only fail with PyTorch 2.11: 2.13 and 2.14 stop their workers themselves.
     seconds = {}
     for workers in (0, 4):
-        cmd = ["tests/fault_injection.py", "--fault", fault, "--step", "3",
+        cmd = [FAULTS, "--fault", fault, "--step", "3",
                *(["--send", "TERM"] if fault == "signal-group" else []), "--", "distributed.py",
                *with_workers(SMALL, workers), "--epochs", "2", "--checkpoint-dir", tmp_path / str(workers)]
         code, output, seconds[workers] = run_timing_a_line(cmd, "fault_injection:", gpu_subprocess_env())

@@ -2,7 +2,6 @@
 per optimizer step, and distributed_gradient_accumulation.py end to end and resumed."""
 import contextlib
 import datetime
-import importlib.util
 import os
 
 import pytest
@@ -13,10 +12,9 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from conftest import (ROOT, SMALL, assert_refused, assert_same_training_state, free_port, keep_on_cpu, max_difference,
-                      observing_entry, read_metrics, subprocess_env, torchrun)
+from conftest import (SMALL, assert_refused, assert_same_training_state, free_port, keep_on_cpu, load_script,
+                      max_difference, observing_entry, read_metrics, subprocess_env, torchrun, with_flag)
 from models import build_model
-from test_distributed_script import with_flag
 
 SCRIPT = "distributed_gradient_accumulation.py"
 WORLD_SIZE = 2
@@ -167,15 +165,6 @@ def test_one_all_reduce_per_optimizer_step(ddp_results):
     # The known bug: forward outside no_sync still all-reduces every micro-batch.
     assert counts["k4_backward_only"] == ACCUM_STEPS * buckets_per_backward, counts
     assert ddp_results[1]["counts"] == counts
-
-
-def load_script(name):
-    """A training script as a module, its model built without batch norm."""
-    spec = importlib.util.spec_from_file_location(name[:-len(".py")], ROOT / name)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.build_model = lambda model_name, num_classes: build_model(model_name, num_classes, norm_layer=torch.nn.Identity)
-    return module
 
 
 def test_script_accumulates_like_one_big_batch(tmp_path, monkeypatch):

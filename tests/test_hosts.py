@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, subprocess_env
+from cifar_files import write_cifar100
+from conftest import FAULTS, FRESH_STORE, ROOT, subprocess_env
 from utils import lifecycle
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -284,12 +285,12 @@ def test_two_hosts_survive_a_killed_worker_with_a_restart_of_both(make_hosts, tm
     metrics, checkpoints = tmp_path / "metrics.jsonl", tmp_path / "ck"
     job = Job(hosts, tmp_path)
     for name in hosts.names:
-        job.start(name, name, [*torchrun_across(hosts, 2, rdzv=["--max-restarts=1"]), "tests/fault_injection.py",
+        job.start(name, name, [*torchrun_across(hosts, 2, rdzv=["--max-restarts=1"]), FAULTS,
                                "--fault", "kill", "--rank", "3", "--step", "3", "--once-file", tmp_path / "fired",
                                "--", "distributed.py", *TINY, "--train-samples", "512", "--batch-size", "32",
                                "--workers", "0", "--max-steps", "8", "--checkpoint-every", "2", "--dist-timeout", "60",
                                "--metrics", metrics, "--checkpoint-dir", checkpoints],
-                  TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+                  **FRESH_STORE)
     job.wait(300)
     outputs = job.log("nodea") + job.log("nodeb")
     assert outputs.count("done: 8 steps") == 1, outputs  # global rank 0 alone, on whichever host
@@ -343,7 +344,7 @@ def test_a_partition_ends_every_process_on_both_hosts_and_resume_is_bitwise(make
     shared = tmp_path / "shared"
     marker = tmp_path / "paused"
     job = Job(hosts, tmp_path)
-    launch_multi_node(job, hosts, "", *args, "--checkpoint-dir", shared, SCRIPT="tests/fault_injection.py",
+    launch_multi_node(job, hosts, "", *args, "--checkpoint-dir", shared, SCRIPT=FAULTS,
                       FAULT_INJECTION=f"--fault pause --rank -1 --step 6 --marker {marker} --pause-seconds 300 "
                                       "-- distributed.py", TORCHRUN_GRACE=GRACE, JOB_ID="partition")
     job.wait_for(f"{marker}.0", f"{marker}.1")  # both at step 6, checkpointed, held until the cut is made
@@ -392,7 +393,7 @@ def test_elastic_torchrun_goes_on_without_a_lost_host_with_the_same_global_batch
                f"--rdzv-endpoint={hosts.address('nodea')}:{PORT}", "--rdzv-id=elastic", "--max-restarts=2",
                "--rdzv-conf=last_call_timeout=5"]
     for name in hosts.names:
-        job.start(name, name, ["-m", "torch.distributed.run", *elastic, "tests/fault_injection.py", "--fault", "pause",
+        job.start(name, name, ["-m", "torch.distributed.run", *elastic, FAULTS, "--fault", "pause",
                                "--rank", "-1", "--step", "6", "--marker", marker, "--pause-seconds", "300", "--once",
                                "--", "distributed.py", *args, "--checkpoint-dir", shared])
     job.wait_for(f"{marker}.0", f"{marker}.1")  # both at step 6, held until host B is gone
@@ -615,7 +616,7 @@ def test_a_refusal_on_one_host_ends_the_other_host_too_with_its_line(make_hosts,
             time.sleep(BY_HAND_S)
         started = time.monotonic()
         if launch.startswith("torchrun"):
-            own_store = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if "own" in launch else {}
+            own_store = FRESH_STORE if "own" in launch else {}
             job.start(name, name, [*torchrun_across(hosts, 1, rdzv=["--rdzv-conf=is_host=1"] if name == "nodea" else []),
                                    "distributed.py", *QUICK, "--dist-timeout", "300"], **own_store)
         else:
@@ -642,7 +643,6 @@ def test_a_node_without_the_data_set_says_why_and_the_other_node_names_it(make_h
     """Each node reads its own ./data (--data-dir data, relative): node 0's holds CIFAR-100 (in its real
     format), nodeb's is empty and nodeb has no network to download into it. nodeb says why; node 0, whose
     copy is fine, says that another rank could not load it, not that its own folder lacks the files."""
-    from test_data import write_cifar100
     rng = np.random.default_rng(0)
     write_cifar100(tmp_path / "nodea" / "data", rng.integers(0, 256, (64, 3, 32, 32)), rng.integers(0, 100, 64),
                    rng.integers(0, 256, (16, 3, 32, 32)), rng.integers(0, 100, 16))

@@ -20,9 +20,8 @@ import time
 
 import pytest
 
-from conftest import ROOT, assert_one_line_error, free_port, read_metrics, run_script, subprocess_env
-from test_distributed_mp import two_nodes_here
-from test_fault_tolerance import Proc, expect
+from conftest import (ROOT, Proc, assert_one_line_error, expect, free_port, read_metrics, run_script, subprocess_env,
+                      two_nodes_here)
 
 LAUNCHERS = ["scripts/launch_single_node.sh", "scripts/launch_multi_node.sh",
              "scripts/slurm.sbatch", "scripts/launch_mp_spawn.sh"]

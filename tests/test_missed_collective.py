@@ -4,7 +4,7 @@ backend's timeout."""
 import pytest
 import torch
 
-from conftest import ROOT, run_script, subprocess_env
+from conftest import FRESH_STORE, ROOT, run_script, subprocess_env
 from utils import distributed as dist_utils
 
 # A training loop with TrainingRun on 2 ranks (no DDP: only TrainingRun's own
@@ -115,6 +115,6 @@ def test_rank_0_serving_the_store_outlasts_the_last_agreement_of_every_rank(tmp_
     program = tmp_path / "last.py"
     program.write_text(LAST_AGREEMENT.format(root=str(ROOT)))
     proc = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", program],
-                      check=False, timeout=120, env=subprocess_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
+                      check=False, timeout=120, env=subprocess_env(**FRESH_STORE))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "rank 0 agreed" in proc.stdout and "rank 1 agreed" in proc.stdout, proc.stdout
