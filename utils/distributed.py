@@ -272,10 +272,10 @@ def joining(job: DistEnv, timeout_s: float, backend: str):
                 os._exit(128 + byte[0])
         os.close(signals)
 
-    # The main thread waits in C++, where no Python handler runs: a thread reads what CPython's C handler writes.
+    # The main thread waits in C++, where no Python handler runs: a thread reads the wakeup fd, set before the handlers.
     began, stops, (signals, wakeup) = time.monotonic(), lifecycle.stop_signals(), os.pipe()
     os.set_blocking(wakeup, False)
-    handlers, wakeup_before = {sig: signal.signal(sig, lambda *_: None) for sig in stops}, signal.set_wakeup_fd(wakeup)
+    wakeup_before, handlers = signal.set_wakeup_fd(wakeup), {sig: signal.signal(sig, lambda *_: None) for sig in stops}
     threading.Thread(target=stopped, args=(signals,), name="stopped-while-joining", daemon=True).start()
     watcher = threading.Thread(target=watch, name="joining", daemon=True)
     watcher.start()

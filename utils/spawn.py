@@ -267,7 +267,7 @@ def exit_like(err, args, errors):
             raise cli.UsageError(f.read()) from None
     if isinstance(err, mp.ProcessExitedException) and err.exit_code in (2, 130):
         # 2: the job's bad input, met by another rank: the worker has said it (distributed.joining);
-        # 130: Ctrl-C before training, which says nothing either (as a plain `python` run)
+        # 130: Ctrl-C before training: the worker said it while joining, or nothing (as a plain `python` run)
         sys.exit(err.exit_code)
     if isinstance(err, mp.ProcessRaisedException):
         cli.print_line(f"{err}".strip() + f"\n(in global rank {rank})")  # what sys.exit(text) prints, in one write
