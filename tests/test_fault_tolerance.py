@@ -28,7 +28,8 @@ import torch
 
 from conftest import (FAULTS, FRESH_STORE, ROOT, SMALL, TAG, Proc, assert_one_line_error, assert_refused,
                       assert_same_state, assert_same_training_state, expect, expect_ok, free_port, kill_tagged, left_in,
-                      patched_on_import, private_tmpdir, read_metrics, run_script, subprocess_env, tagged_pids)
+                      patched_on_import, private_tmpdir, read_metrics, run_script, subprocess_env, tagged_pids,
+                      two_nodes_here)
 from utils import checkpoint, lifecycle
 from utils.run import StopSignal
 
@@ -788,22 +789,31 @@ def test_a_rank_whose_peer_never_comes_on_one_node_says_so_in_one_line():
                              "scripts/preflight.py checks each node's network"), lines[0]
 
 
+@pytest.mark.parametrize("launch", ["torchrun", "mp.spawn"])
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_a_stop_signal_to_a_rank_waiting_for_its_peer_ends_it_at_once_saying_what_it_waited_for(tmp_path, sig):
+def test_a_stop_signal_to_a_rank_waiting_for_its_peer_ends_it_at_once_saying_what_it_waited_for(tmp_path, sig,
+                                                                                                  launch):
     """Ctrl-C, or a launcher's SIGTERM (torchrun's agent stops its ranks so when another node's agent ends), to
-    the process group of a rank that waits for a peer that never comes. Its main thread waits in the store's C++
-    call, where a Python handler does not run: Ctrl-C did nothing until --dist-timeout (here 120 s; 30 min by
-    default), and SIGTERM killed it without a word. It ends at once, with one line (also in torchrun's error
-    file) and the status of that signal."""
+    the process group of a rank that waits for a peer that never comes: started with torchrun's variables, or
+    node 0 of two under mp.spawn. Its main thread waits in the store's C++ call, where a Python handler does
+    not run: Ctrl-C did nothing until --dist-timeout (here 120 s; 30 min by default), and SIGTERM killed it
+    without a word. It ends at once, with one line (also in torchrun's error file; under mp.spawn, the
+    parent's "process 0 terminated with exit code 143" no more) and the status of that signal."""
     port, error_file = free_port(), tmp_path / "error.json"
-    env = subprocess_env(RANK=0, LOCAL_RANK=0, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2, MASTER_ADDR="127.0.0.1",
-                         MASTER_PORT=port, TORCHELASTIC_ERROR_FILE=str(error_file))
-    with subprocess.Popen([sys.executable, "distributed.py", *SMALL, "--dist-timeout", "120"], cwd=ROOT, env=env,
+    if launch == "torchrun":
+        address, script, flags = "127.0.0.1", "distributed.py", []
+        env = subprocess_env(RANK=0, LOCAL_RANK=0, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2, MASTER_ADDR=address,
+                             MASTER_PORT=port, TORCHELASTIC_ERROR_FILE=str(error_file))
+    else:
+        iface, address = two_nodes_here()
+        script, env = "distributed_mp.py", subprocess_env(GLOO_SOCKET_IFNAME=iface)
+        flags = ["--nodes", "2", "--node-rank", "0", "--nproc-per-node", "1", "--ip", address, "--port", str(port)]
+    with subprocess.Popen([sys.executable, script, *SMALL, *flags, "--dist-timeout", "120"], cwd=ROOT, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
         try:
             deadline = time.monotonic() + 90  # the imports, on a busy machine
             while True:  # waiting to join: its store takes connections
-                with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                with contextlib.suppress(OSError), socket.create_connection((address, port), timeout=1):
                     break
                 assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
                 time.sleep(0.2)
@@ -816,10 +826,11 @@ def test_a_stop_signal_to_a_rank_waiting_for_its_peer_ends_it_at_once_saying_wha
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert proc.returncode == 128 + sig and took < 15 and len(lines) == 1, (proc.returncode, took, stderr)
     assert re.fullmatch(
-        rf"distributed\.py: error: rank 0 was stopped by {sig.name} after waiting \d+ s to join the gloo process "
-        r"group: a rank did not come \(it failed before joining, or cannot reach 127\.0\.0\.1\), "
+        rf"{re.escape(script)}: error: rank 0 was stopped by {sig.name} after waiting \d+ s to join the gloo "
+        rf"process group: a rank did not come \(it failed before joining, or cannot reach {re.escape(address)}\), "
         r"or cannot be reached by the others; scripts/preflight\.py checks each node's network", lines[0]), lines[0]
-    assert json.loads(error_file.read_text())["message"]["message"] == lines[0]
+    if launch == "torchrun":
+        assert json.loads(error_file.read_text())["message"]["message"] == lines[0]
 
 
 def test_a_rank_that_could_not_join_exits_once_its_store_watcher_is_back(monkeypatch, capsys):

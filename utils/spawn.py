@@ -265,9 +265,10 @@ def exit_like(err, args, errors):
     if paths := error_files(errors):  # bad input that only the workers could see: the lowest local rank's line
         with open(paths[0]) as f:
             raise cli.UsageError(f.read()) from None
-    if isinstance(err, mp.ProcessExitedException) and err.exit_code in (2, 130):
+    if isinstance(err, mp.ProcessExitedException) and (err.exit_code == 2 or err.exit_code - 128 in lifecycle.SIGNALS):
         # 2: the job's bad input, met by another rank: the worker has said it (distributed.joining);
-        # 130: Ctrl-C before training: the worker said it while joining, or nothing (as a plain `python` run)
+        # 128 + a stop signal: stopped while joining, which the worker said; 130 is also a Ctrl-C before the
+        # join, which says nothing, as in a plain `python` run
         sys.exit(err.exit_code)
     if isinstance(err, mp.ProcessRaisedException):
         cli.print_line(f"{err}".strip() + f"\n(in global rank {rank})")  # what sys.exit(text) prints, in one write
