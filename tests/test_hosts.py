@@ -788,6 +788,20 @@ def test_an_endpoint_that_takes_no_connection_is_one_line_within_torchruns_own_w
     assert "done: 2 steps" in late.log("nodea") + late.log("nodeb")
 
 
+def job_behind_a_firewall(make_hosts, tmp_path, dist_timeouts):
+    """A one-rank-per-node job whose node A lets only the rendezvous endpoint's port through, each node
+    with its own --dist-timeout; returns once both nodes have ended."""
+    hosts = make_hosts()
+    hosts.firewall("nodea", [PORT])
+    job = Job(hosts, tmp_path)
+    for name, timeout in zip(hosts.names, dist_timeouts):
+        job.start(name, name, ["scripts/torchrun_bounded.py", *torchrun_across(hosts, 1, launcher=()),
+                               "distributed.py", *TINY, "--train-samples", "64", "--batch-size", "32",
+                               "--dist-timeout", timeout])  # loader workers as by default
+    job.wait(75, expect=1)
+    return hosts, job
+
+
 @pytest.mark.skipif(NO_NFT is not None, reason=f"a firewall: {NO_NFT}")
 def test_a_firewall_open_only_at_the_endpoint_is_named_by_the_job_and_by_preflight(make_hosts, tmp_path):
     """Node A lets only the rendezvous endpoint's port through, a common setup: the nodes meet, but the ranks'
@@ -796,14 +810,7 @@ def test_a_firewall_open_only_at_the_endpoint_is_named_by_the_job_and_by_preflig
     launched as the job is, says the same in its report, and node B's ranks in one line, not a traceback.
     Node B's rank times out first: one that came later than node A's time out would be stopped by its agent
     when node A's agent, done, takes the rendezvous store away (that line: test_fault_tolerance.py)."""
-    hosts = make_hosts()
-    hosts.firewall("nodea", [PORT])
-    job = Job(hosts, tmp_path)
-    for name, timeout in zip(hosts.names, ("30", "15")):
-        job.start(name, name, ["scripts/torchrun_bounded.py", *torchrun_across(hosts, 1, launcher=()),
-                               "distributed.py", *TINY, "--train-samples", "64", "--batch-size", "32",
-                               "--dist-timeout", timeout])  # loader workers as by default
-    job.wait(75, expect=1)
+    hosts, job = job_behind_a_firewall(make_hosts, tmp_path, ("30", "15"))
     every_port = "the nodes must reach each other on every TCP port, not only the rendezvous endpoint's"
     for rank, name in enumerate(hosts.names):
         lines = [line for line in job.log(name).splitlines() if line.startswith("distributed.py: error:")]
@@ -826,21 +833,13 @@ def test_a_firewall_open_only_at_the_endpoint_is_named_by_the_job_and_by_preflig
     assert 'preflight.py", line' not in check.log("nodeb"), check.log("nodeb")
 
 
-
 @pytest.mark.skipif(NO_NFT is not None, reason=f"a firewall: {NO_NFT}")
 def test_a_rank_its_agent_stops_while_it_waits_to_join_says_what_it_waited_for(make_hosts, tmp_path):
     """The same firewall, and node B's rank waits longer than node A's (it came later, or was given a longer
     --dist-timeout): node A's agent, its rank failed, ends and takes the rendezvous store with it; node B's
     agent then stops its rank (SIGTERM), which had died without a word. It says that nothing ever answered
     at the ranks' store, where it waited."""
-    hosts = make_hosts()
-    hosts.firewall("nodea", [PORT])
-    job = Job(hosts, tmp_path)
-    for name, timeout in zip(hosts.names, ("10", "120")):
-        job.start(name, name, ["scripts/torchrun_bounded.py", *torchrun_across(hosts, 1, launcher=()),
-                               "distributed.py", *TINY, "--train-samples", "64", "--batch-size", "32",
-                               "--dist-timeout", timeout])
-    job.wait(75, expect=1)
+    hosts, job = job_behind_a_firewall(make_hosts, tmp_path, ("10", "120"))
     lines = [line for line in job.log("nodeb").splitlines() if line.startswith("distributed.py: error:")]
     assert len(lines) == 1 and re.fullmatch(
         rf"distributed\.py: error: rank 1 was stopped by SIGTERM after waiting \d+ s to join the gloo process group: "
