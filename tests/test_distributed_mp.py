@@ -47,6 +47,16 @@ def test_two_processes_on_one_node_through_a_shared_file(tmp_path):
     # The store may leave its file behind; a stale one would break the next run, so it is removed.
     assert not rendezvous.exists()
 
+@pytest.mark.parametrize("tail", ["/", "?use_libuv=1"])
+def test_a_tcp_url_with_a_path_or_query_that_torch_accepts_trains(tail):
+    # torch's rendezvous reads the host and port out of the URL and the query's use_libuv. Rank 1 first looks
+    # for rank 0's store at the address alone: it took "PORT/" for the port and waited --dist-timeout for it.
+    init_method = f"tcp://127.0.0.1:{free_port()}{tail}"
+    proc = run_script(["distributed_mp.py", *SMALL, "--nproc-per-node", "2", "--init-method", init_method,
+                       "--dist-timeout", "60"], check=False, timeout=120)
+    assert proc.returncode == 0 and "done:" in proc.stdout, proc.stderr
+
+
 
 def _run_in_process(argv, capsys, monkeypatch, gpus=0):
     """main() as the command line runs it, in this process; no worker may start."""

@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 import time
+from urllib.parse import urlparse
 
 import numpy as np
 import torch
@@ -44,15 +45,18 @@ class DistEnv:
 
     @property
     def rendezvous(self) -> str:
+        """"tcp://HOST:PORT" or "file:///PATH": the address alone, without a path or query that torch
+        reads or ignores (tcp://HOST:PORT/?use_libuv=0), which utils.lifecycle's store and file would not find."""
         if self.init_method.startswith("env://"):
-            return f"tcp://{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '0')}"
-        return self.init_method
+            host = os.environ.get("MASTER_ADDR", "")
+            return f"tcp://{f'[{host}]' if ':' in host else host}:{os.environ.get('MASTER_PORT', '0')}"
+        url = urlparse(self.init_method)
+        return f"tcp://{url.netloc}" if url.scheme == "tcp" else f"file://{url.path}"
 
     @property
     def meets_at(self):
         """The host every rank connects to, or None (file://: no host)."""
-        return self.rendezvous[len("tcp://"):].rsplit(":", 1)[0].strip("[]") or None \
-            if self.rendezvous.startswith("tcp://") else None
+        return urlparse(self.rendezvous).hostname
 
     @property
     def several_nodes(self) -> bool:

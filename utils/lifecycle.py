@@ -14,6 +14,7 @@ import threading
 import time
 import traceback
 import weakref
+from urllib.parse import urlparse
 
 from . import compat
 from .cli import UsageError, error_line, print_line, prints_errors
@@ -259,10 +260,10 @@ def refusal_file(path: str) -> str:
 def store_client(rendezvous: str, timeout_s: float, host_it: bool = False, quiet: bool = False):
     """quiet: a socket first (OSError where no one listens): a store client that finds no one logs a C++ trace."""
     from torch.distributed import TCPStore
-    host, port = rendezvous[len("tcp://"):].rsplit(":", 1)
+    url = urlparse(rendezvous)
     if quiet:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
-    return TCPStore(host.strip("[]"), int(port), None, host_it, timeout=datetime.timedelta(seconds=timeout_s),
+        socket.create_connection((url.hostname, url.port), timeout=timeout_s).close()
+    return TCPStore(url.hostname, url.port, None, host_it, timeout=datetime.timedelta(seconds=timeout_s),
                     wait_for_workers=False)
 
 
