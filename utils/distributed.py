@@ -44,9 +44,7 @@ class DistEnv:
         return None if self.device.type == "cpu" else [self.device.index]
 
     @property
-    def rendezvous(self) -> str:
-        """"tcp://HOST:PORT" or "file:///PATH": the address alone, without a path or query that torch
-        reads or ignores (tcp://HOST:PORT/?use_libuv=0), which utils.lifecycle's store and file would not find."""
+    def rendezvous(self) -> str:  # "tcp://HOST:PORT" (IPv6 in brackets) or "file:///PATH": no path or query (torch's)
         if self.init_method.startswith("env://"):
             host = os.environ.get("MASTER_ADDR", "")
             return f"tcp://{f'[{host}]' if ':' in host else host}:{os.environ.get('MASTER_PORT', '0')}"
@@ -54,8 +52,7 @@ class DistEnv:
         return f"tcp://{url.netloc}" if url.scheme == "tcp" else f"file://{url.path}"
 
     @property
-    def meets_at(self):
-        """The host every rank connects to, or None (file://: no host)."""
+    def meets_at(self):  # the host every rank connects to, or None (file://: no host)
         return urlparse(self.rendezvous).hostname
 
     @property

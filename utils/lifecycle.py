@@ -268,11 +268,10 @@ def store_client(rendezvous: str, timeout_s: float, host_it: bool = False, quiet
 
 
 def tell_the_job(refusal: str):
-    """This process's refusal, before the group forms, where the other ranks waiting to form it look
-    (utils.distributed.joining): the rendezvous store, or a file beside a file:// rendezvous. The
-    store's host (rank 0; under torchrun, any rank: one node's agent serves every agent's store, and
-    the others, that store lost, end their ranks before these print) holds on until every rank has
-    read the line or refused too, DELIVERY_S at most; as long where no node can be told (None)."""
+    """This process's refusal, before the group forms, where the ranks waiting to form it look (utils.distributed.
+    joining): the rendezvous store, or a file beside a file:// rendezvous. The store's host (rank 0; under torchrun
+    any rank, as one agent serves every node's store and the others end with it) holds on until every rank has read
+    the line or refused too, DELIVERY_S at most; as long with no one to tell (None)."""
     if _job is None or _job[2] <= 1:
         return
     rendezvous, rank, world_size, hosts_store = _job
@@ -311,10 +310,9 @@ def refusal_of_a_peer(rendezvous: str, store: list):
 
 
 def refusal_said(store: list):
-    """Count a peer's refusal as read (refusal_of_a_peer's store), once this rank has said it and is about to
-    exit: the refusing rank may end then, its store with it, and this rank's own calls to the store fail.
-    The store's host holds on, as a refusing host does, until every rank has read it, DELIVERY_S at most:
-    with it the store ends, and a rank yet to read would fail to join, blaming the network."""
+    """Count a peer's refusal as read (refusal_of_a_peer's store) once this rank has said it: the refusing rank
+    may end then, its store with it. The store's host holds on, as a refusing one does, until every rank has read
+    it, DELIVERY_S at most: a rank yet to read would fail to join as the store ends, blaming the network."""
     until, key = time.monotonic() + DELIVERY_S, f"{attempt_prefix()}/refused/read"
     with contextlib.suppress(Exception):  # no store (file://), or gone already
         store[0].add(key, 1)
