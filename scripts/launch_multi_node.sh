@@ -28,9 +28,6 @@ SCRIPT_ARGS=(--batch-size 1024 --epochs 200 --checkpoint-dir checkpoints/multi_n
 
 PYTHON=${PYTHON:-$(test -x .venv/bin/python && echo .venv/bin/python || echo python3)}
 
-# A fresh rendezvous store for every restart attempt: see launch_single_node.sh.
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-
 # --rdzv-backend=c10d: the torchrun on RDZV_HOST serves the rendezvous; the others connect
 # to it, agree on ranks, then the workers find each other through it.
 # --rdzv-id names the job, so two jobs using one host and port do not mix.

@@ -47,7 +47,8 @@ With --check-args among the training script's arguments it starts no torchrun: i
 script's check of its arguments once, as this node's first process would run it, in the
 settings above (slurm.sbatch does, before srun).
 
-scripts/launch_multi_node.sh and scripts/slurm.sbatch start torchrun through this file.
+It gives each restart attempt a fresh rendezvous store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, unless
+set; see main). scripts/launch_multi_node.sh and scripts/slurm.sbatch start torchrun through this file.
 """
 import errno
 import os
@@ -301,6 +302,11 @@ def main():
         print_line(f"torchrun_bounded.py on {socket.gethostname()}: {decided}")
     if several_nodes and not rendezvous.hosts_store:
         wait_for_the_store(rendezvous)
+    # Each attempt in a store of its own (kept where given): torchrun's agent lends the workers its store, which
+    # outlives a restart, and its nodes may count attempts apart (an agent whose workers were healthy when another
+    # node's failed restarts them as a membership change, not counted): those ranks would look for each other under
+    # keys the others do not use (utils/lifecycle.py, attempt_prefix) until --dist-timeout.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     from torch.distributed.run import main as torchrun
     sys.argv = ["torchrun", *argv]
     if sys.platform.startswith("linux"):  # /proc: the watch is Linux's; elsewhere plain torchrun

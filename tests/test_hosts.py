@@ -277,10 +277,10 @@ def test_two_hosts_train_bitwise_equal_to_the_same_processes_on_one(make_hosts, 
 
 def test_two_hosts_survive_a_killed_worker_with_a_restart_of_both(make_hosts, tmp_path):
     """torchrun c10d on 2 hosts x 2 processes, --max-restarts 1, a fresh store per attempt (as
-    every launcher here sets it). Rank 3 is killed once at step 3: only its host's torchrun
-    counts a failure, the other restarts its healthy workers as part of the new rendezvous
-    round, and every rank of the new round resumes from the checkpoint (none refuses it as if
-    fresh): one 4-rank job that ends at step 8."""
+    every launcher here sets it). Rank 3 is killed once at step 3: its host's torchrun counts a
+    failure, the other one too when its workers fail on the broken collective first, else it
+    restarts them as a membership change, uncounted. Either way every rank of the new round
+    resumes from the checkpoint (none refuses it as if fresh): one 4-rank job that ends at step 8."""
     hosts = make_hosts()
     metrics, checkpoints = tmp_path / "metrics.jsonl", tmp_path / "ck"
     job = Job(hosts, tmp_path)

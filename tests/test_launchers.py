@@ -113,7 +113,6 @@ STUB = textwrap.dedent("""\
     name, argv = {name!r}, sys.argv[1:]
     with open(os.environ["STUB_LOG"], "a") as log:
         log.write(json.dumps({{"cmd": name, "argv": argv, "cwd": os.getcwd(),
-                              "fresh_store": os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE"),
                               "cpus": os.environ.get("SRUN_CPUS_PER_TASK")}}) + "\\n")
     if name == "scontrol" and argv[:2] == ["show", "hostnames"]:
         print(os.environ.get("STUB_NODES", "gpu01 gpu02").replace(" ", "\\n"))
@@ -137,7 +136,7 @@ STUB = textwrap.dedent("""\
                 os.makedirs(directory, exist_ok=True)
                 open(os.path.join(directory, "checkpoint.pt"), "w").close()
             with open(os.environ["STUB_LOG"], "a") as log:
-                log.write(json.dumps({{"cmd": "srun ended", "argv": [], "fresh_store": None}}) + "\\n")
+                log.write(json.dumps({{"cmd": "srun ended", "argv": []}}) + "\\n")
             sys.exit(1)
         signal.signal(signal.SIGTERM, ended)
         time.sleep(60)
@@ -229,7 +228,6 @@ def test_multi_node_launcher_command(stubs, script_help):
         assert option in launcher, launcher
     assert not any(o.startswith("--node_rank") for o in launcher)  # c10d numbers the nodes
     assert script == "distributed.py" and args[-2:] == ["--epochs", "3"] and "--resume" in args
-    assert call["fresh_store"] == "1"
     assert_flags_accepted(script, args, script_help)
 
 
@@ -289,6 +287,19 @@ def test_torchrun_bounded_refuses_a_grace_that_is_not_seconds_in_one_line(grace)
     proc = run_script(["scripts/torchrun_bounded.py", "--nnodes=1", "distributed.py", "--device", "cpu"],
                       check=False, timeout=60, env=subprocess_env(TORCHRUN_GRACE=grace))
     assert_one_line_error(proc, f"TORCHRUN_GRACE={grace}: give the seconds")
+
+
+@pytest.mark.parametrize("given, shared", [(None, "False"), ("0", "True")])
+def test_torchrun_bounded_gives_each_attempt_a_fresh_store_unless_told_otherwise(tmp_path, given, shared):
+    # After a restart the nodes' agents may count attempts apart: in a store that outlives the attempt (the
+    # agent's), the ranks would look for each other under keys of their own counts.
+    worker = tmp_path / "worker.py"
+    worker.write_text("import os\nprint('agent store:', os.environ['TORCHELASTIC_USE_AGENT_STORE'])\n")
+    env = {key: value for key, value in subprocess_env().items() if key != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    env.update({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": given} if given else {})
+    proc = run_script(["scripts/torchrun_bounded.py", "--nnodes=1", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                       f"--rdzv-endpoint=127.0.0.1:{free_port()}", worker], timeout=120, env=env)
+    assert f"agent store: {shared}" in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_torchrun_bounded_does_not_end_a_node_whose_workers_succeeded(tmp_path):
@@ -378,7 +389,6 @@ def test_slurm_batch_script_command(stubs, script_help, tmp_path):
         assert option in launcher, launcher
     assert script == "distributed.py" and args[-3:] == ["--resume", "--epochs", "3"], args
     assert args[args.index("--checkpoint-dir") + 1] == str(tmp_path / "ck")
-    assert srun[0]["fresh_store"] == "1"
     assert_flags_accepted(script, args, script_help)
 
 
