@@ -192,8 +192,7 @@ def look_again(look, want, patience: float):
 
 
 def check_kind(state: dict, path: str, sharded: bool):
-    """A complete checkpoint of these scripts, resumed by the kind of script that wrote it: sharded across ranks
-    (FSDP), or whole."""
+    """A complete checkpoint of ours, resumed by the kind of script that wrote it: sharded (FSDP) or whole."""
     if ("sharded" in state) != sharded:
         raise UsageError(f"checkpoint {path} is {'not ' * sharded}sharded: resume it with the script that wrote it "
                          f"({state.get('strategy', 'unknown')})")

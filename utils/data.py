@@ -217,12 +217,11 @@ def num_classes(dataset) -> int:
 
 
 class Normalize:
-    """uint8 N x 3 x H x W images -> on `device`, normalised by table lookup: bitwise the CPU's
-    (pixels / 255 - mean) / std on any device (on a GPU the formula is not: CUDA divides by a constant
-    as a multiply by its reciprocal, one ulp off for about half the bytes). In `dtype` (autocast's,
-    rounded once as its cast at the first convolution would; None: float32) and `memory_format`: the
-    lookup is laid out like its index, made dense in that layout from bytes, so the model's input
-    needs no copy afterwards."""
+    """uint8 N x 3 x H x W images -> on `device`, normalised by table lookup: bitwise the CPU's (pixels / 255 - mean) /
+    std on any device (on a GPU the formula is not: CUDA divides by a constant as a multiply by its reciprocal, one ulp
+    off for about half the bytes). In `dtype` (autocast's, rounded once as its cast at the first convolution would;
+    None: float32) and `memory_format`: the lookup is laid out like its index, made dense in that layout from bytes, so
+    the model's input needs no copy afterwards."""
 
     def __init__(self, device, dtype=None, memory_format=torch.contiguous_format):
         self.device, self.memory_format = torch.device(device), memory_format

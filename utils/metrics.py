@@ -60,14 +60,13 @@ def evaluation_due(epoch: int, args, last: bool) -> bool:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader, device, autocast=None, inputs=None) -> dict:
-    """Exact evaluation over all ranks: each rank sums loss and hits over its shard, and one all-reduce
-    gives the numbers of one process evaluating the whole test set. Pass the UNWRAPPED module: a DDP with its default
-    buffer sync broadcasts rank 0's buffers in its first forward after training, which a rank with no batch never joins.
-
-    Every rank evaluates with rank 0's buffers: each rank's last training forward updated its batch-norm statistics from
-    its own slice of the batch; with the copy every shard is scored by the model that rank 0 checkpoints. Each rank gets
-    its own buffers back afterwards (--verify-sync still shows what DDP left). inputs: the training loop's
-    data.model_inputs (default: the batch as loaded, to `device`). PAD_TARGET samples are not counted."""
+    """Exact evaluation over all ranks: each rank sums loss and hits over its shard, and one all-reduce gives the
+    numbers of one process evaluating the whole test set. Pass the UNWRAPPED module: a DDP with its default buffer sync
+    broadcasts rank 0's buffers in its first forward after training, which a rank with no batch never joins. Every rank
+    evaluates with rank 0's buffers: each rank's last training forward updated its batch-norm statistics from its own
+    slice of the batch; with the copy every shard is scored by the model that rank 0 checkpoints. Each rank gets its own
+    buffers back afterwards (--verify-sync still shows what DDP left). inputs: the training loop's data.model_inputs
+    (default: the batch as loaded, to `device`). PAD_TARGET samples are not counted."""
     distributed = dist.is_available() and dist.is_initialized()
     own_buffers = [b.detach().clone() for b in model.buffers()] if distributed else []
     with meeting("metrics.evaluate() (rank 0's buffers)"):  # all ranks, before any batch
@@ -118,13 +117,9 @@ def reset_peak_memory(device):
 
 
 class EpochTimer:
-    """Wall time of an epoch and its throughput after warm-up.
-
-    The first `warmup_steps` steps of each epoch (loader start, cudnn autotuning,
-    torch.compile) are timed but left out of images/s. The clock is read at the
-    start, at the warm-up boundary and at the end, each time after one device sync,
-    never inside the other steps.
-    """
+    """Wall time of an epoch and its throughput after warm-up. The first `warmup_steps` steps of each epoch (loader
+    start, cudnn autotuning, torch.compile) are timed but left out of images/s. The clock is read at the start, at
+    the warm-up boundary and at the end, each time after one device sync, never inside the other steps."""
 
     def __init__(self, device, images_per_step: int, steps: int):
         self.device, self.images_per_step = device, images_per_step

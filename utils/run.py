@@ -6,10 +6,9 @@ Where the ranks meet: every rank must make each of these calls, at the same poin
 order, or the others wait in it until --dist-timeout and fail with an error that names the call
 (`meeting(...)`, utils/distributed.py): no rank may skip a `step_done()` or leave the loop on its own.
 
-- `TrainingRun(...)`: agreements (`all_ranks_ok`, through the job's store) on the output files, on
-  whether every rank sees --checkpoint-dir as rank 0 does (after an all-gather of rank 0's lock line,
-  whether it sees a checkpoint there, and each node's torchrun), and whether every rank loaded the
-  checkpoint (a sharded model loads in a collective).
+- `TrainingRun(...)`: agreements (`all_ranks_ok`, through the job's store) on the output files, on whether every rank
+  sees --checkpoint-dir as rank 0 does (after an all-gather of rank 0's lock line, whether it sees a checkpoint there,
+  and each node's torchrun), and whether every rank loaded the checkpoint (a sharded model loads in a collective).
 - `step_done()`: every `check_every` steps (10 under a launcher, 1 alone) a stop-signal agreement; when a
   checkpoint is due, an all-reduce of the epoch's training sums (`save`) and a sharded model's save.
 - `end_epoch()`: an all-reduce of the training sums (for the summary and the checkpoint), then a stop
