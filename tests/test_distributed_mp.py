@@ -15,8 +15,8 @@ import torch
 
 import distributed_mp
 from utils import distributed as dist_utils, spawn
-from conftest import (ROOT, SMALL, Proc, fake_accelerator, free_port, left_in, patched_on_import, private_tmpdir,
-                      read_metrics, run_script, subprocess_env, two_nodes_here)
+from conftest import (ROOT, SMALL, Proc, expect, fake_accelerator, free_port, left_in, patched_on_import,
+                      private_tmpdir, read_metrics, run_script, subprocess_env, two_nodes_here)
 
 
 def _one_error_line(proc):
@@ -165,6 +165,25 @@ def test_port_in_use_on_node_0_says_the_other_nodes_wait(capsys, monkeypatch):
            "stop them" in line
 
 
+def test_two_runs_started_at_once_on_one_port_one_trains_and_the_other_says_the_port_was_taken(tmp_path):
+    """Default flags (loader workers on). Both parents find the port free; one run's rank 0 then fails to listen,
+    and its rank 1 joins the other run's store. There the two runs' ranks must not meet (gloo paired them across
+    the runs: the run whose rank 0 listened failed too, in 1 of 4 tries): that run trains, and the other ends with
+    status 2 and the cause, not 'another rank did not come'."""
+    port, args = free_port(), ["--dataset", "synthetic", "--model", "resnet_tiny", "--train-samples", "1024",
+                               "--test-samples", "100", "--batch-size", "32", "--epochs", "2"]
+    runs = [Proc(["distributed_mp.py", *args, "--nproc-per-node", "2", "--port", port, "--dist-timeout", "60",
+                  "--checkpoint-dir", tmp_path / name]) for name in ("a", "b")]
+    trained, other = sorted((run.wait(300) for run in runs), key=lambda run: run.rc)
+    assert "done: 64 steps" in expect(trained), trained.output()
+    said = expect(other, 2)
+    lines = [line for line in said.splitlines() if "error:" in line]
+    # Both parents start within a second; a parent that came seconds later (a loaded machine) finds the port held.
+    assert "rank 0 could not join" in lines[0] and "took the port after it was checked" in lines[0] \
+        or f"port {port} on 127.0.0.1 is already in use" in lines[0], said
+    assert "did not come" not in lines[0] and "Traceback" not in said, said
+
+
 @pytest.mark.parametrize("listening", [True, False], ids=["held", "closed"])
 def test_a_node_waiting_where_no_store_answers_says_so(tmp_path, listening):
     """A node joining at HOST:PORT where no store answers: another program listens there and never answers
@@ -270,6 +289,29 @@ def test_a_batch_refused_on_one_node_reaches_the_other_at_once():
             node.kill()
             node.communicate()
     assert "rank 1 refused to start: batch size 33 is not divisible" in node_0, node_0
+
+
+def test_a_stop_signal_while_a_refusal_is_being_delivered_ends_with_the_refusal_alone():
+    """Three nodes typed by hand, node 1 with another --batch-size, node 2 not started yet: node 0 says node 1's
+    line, then, as the store's host, holds on for node 2 to read it. Ctrl-C or a launcher's SIGTERM to its group
+    meanwhile ends it with the refusal's status, 2, and no second line blaming a rank that did not come."""
+    iface, address = two_nodes_here()
+    env = dict(WORLD_SIZE=3, LOCAL_RANK=0, LOCAL_WORLD_SIZE=1, MASTER_ADDR=address, MASTER_PORT=free_port(),
+               GLOO_SOCKET_IFNAME=iface)
+    nodes = [subprocess.Popen([sys.executable, "distributed.py", *SMALL, "--device", "cpu", "--dist-timeout", "300",
+                               "--batch-size", str(30 + rank)], cwd=ROOT, env=subprocess_env(RANK=rank, **env),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+             for rank in (0, 1)]
+    try:
+        said = nodes[0].stderr.readline()
+        assert "rank 1 refused to start: batch size 31 is not divisible" in said, said
+        os.killpg(nodes[0].pid, signal.SIGTERM)
+        rest = nodes[0].communicate(timeout=30)[1]
+    finally:
+        for node in nodes:
+            node.kill()
+            node.communicate()
+    assert nodes[0].returncode == 2 and "error:" not in rest, said + rest
 
 
 @pytest.fixture

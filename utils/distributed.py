@@ -229,10 +229,10 @@ def _rank_0s_store(job: DistEnv, shared, key: str, timeout):
 @contextlib.contextmanager
 def joining(job: DistEnv, timeout_s: float, backend: str):
     """Around forming the group: a rank not joined `timeout_s` + JOIN_GRACE_S later ends with one line and status 1;
-    one whose peer refused to start (lifecycle.tell_the_job) with that peer's line and status 2; one given a stop
-    signal (Ctrl-C, a launcher's SIGTERM) at once, saying what it waited for, with status 128 + the signal's number;
-    on several nodes a failure to join is one line, not a trace from gloo."""
-    joined, answered = threading.Event(), threading.Event()
+    one whose peer refused to start (lifecycle.tell_the_job) with that peer's line and status 2, also if stopped then;
+    one given a stop signal (Ctrl-C, a launcher's SIGTERM) at once, saying what it waited for, with status 128 + the
+    signal's number; a rank 0 whose port was taken, status 2; a failure to join is one line, not a trace from gloo."""
+    joined, answered, said = threading.Event(), threading.Event(), threading.Event()
 
     def watch():  # another rank's refusal, at once and every second
         store = [None]
@@ -246,6 +246,7 @@ def joining(job: DistEnv, timeout_s: float, backend: str):
                 if job.local_rank == 0:
                     print_line(line)
                 lifecycle.record_for_torchrun(line)
+                said.set()  # a stop signal from here on (a launcher ending the job) ends this rank as the refusal does
                 lifecycle.refusal_said(store)  # the refusing rank may end now: nothing after this uses the store
                 os._exit(2)
             soon = job.rendezvous.startswith("tcp://") and not answered.is_set()  # a rank may wait for it
@@ -264,6 +265,8 @@ def joining(job: DistEnv, timeout_s: float, backend: str):
 
     def stopped(signals):  # a stop signal's number, one byte each (signal.set_wakeup_fd)
         while byte := os.read(signals, 1):
+            if byte[0] in stops and said.is_set():  # this rank's line is the refusal's, said: no second one
+                os._exit(2)
             if byte[0] in stops:
                 line = error_line(f"rank {job.rank} was stopped by {signal.Signals(byte[0]).name} after waiting "
                                   f"{time.monotonic() - began:.0f} s to join the {backend} process group: {cause()}")
@@ -294,11 +297,14 @@ def joining(job: DistEnv, timeout_s: float, backend: str):
         # The store's and the backend's own waits end at --dist-timeout, before the deadline above: a rank that
         # did not come. Several nodes: under torchrun the ranks' store is at a port it picks on node 0, and gloo
         # and NCCL listen on ports of their own: a firewall that lets only the endpoint's port through stops here.
-        why = ("the nodes must reach each other on every TCP port, not only the rendezvous endpoint's" if
-               job.several_nodes else "another rank did not come in time (it failed or was slow to start)")
+        busy = "EADDRINUSE" in str(err)  # rank 0's store: its port was free when checked, then taken by another
+        why = ("another program (another run?) took the port after it was checked: start again on another port"
+               if busy else ("the nodes must reach each other on every TCP port, not only the rendezvous endpoint's"
+                             if job.several_nodes else "another rank did not come in time (it failed or was slow to "
+                             "start)") + ": scripts/preflight.py checks each node's network")
         print_line(error_line(f"rank {job.rank} could not join the {backend} process group ({type(err).__name__}: "
-                              f"{first_line(err)}); {why}: scripts/preflight.py checks each node's network"))
-        raise SystemExit(1) from None
+                              f"{first_line(err)}); {why}"))
+        raise SystemExit(2 if busy else 1) from None
     finally:
         # Stopped first: a watcher in a store call at exit meets a finalizing interpreter: SIGABRT (seen once).
         joined.set()
@@ -321,9 +327,8 @@ def cleanup():
         with contextlib.suppress(Exception), lifecycle.deadline(5.0, code=0):  # a store already gone
             _store.set_timeout(datetime.timedelta(seconds=2))
             _store.add("left", 1)
-            deadline = time.monotonic() + 2.0
-            while dist.get_rank() == 0 and _store.add("left", 0) < dist.get_world_size() \
-                    and time.monotonic() < deadline:
+            until = time.monotonic() + 2.0
+            while dist.get_rank() == 0 and _store.add("left", 0) < dist.get_world_size() and time.monotonic() < until:
                 time.sleep(0.01)
     _store = None
     if dist.is_available() and dist.is_initialized():

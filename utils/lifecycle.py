@@ -247,10 +247,11 @@ def meets_at(rendezvous: str, rank: int, world_size: int, hosts_store: bool = Fa
 
 
 def attempt_prefix() -> str:
-    """This attempt's keys in the job's store. Only torchrun's shared (agent) store outlives an attempt;
-    the nodes' restart counts may differ (a healthy node's counts no restart): they number keys there alone."""
+    """This run's (SPAWNED_RUN_ID: utils/spawn.py) and attempt's keys in the job's store. Attempts are numbered only
+    in torchrun's shared store, the agent's, which outlives them (the nodes' restart counts may differ)."""
     shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    return f"utils/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0') if shared else 0}"
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if shared else 0
+    return f"utils/{os.environ.get('SPAWNED_RUN_ID', '')}/{count}"
 
 
 def refusal_file(path: str) -> str:

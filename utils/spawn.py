@@ -182,6 +182,11 @@ class Supervisor:
         threads = n > 1 and "OMP_NUM_THREADS" not in os.environ
         if threads:
             os.environ["OMP_NUM_THREADS"] = "1"
+        # Two runs started at once on one --port both pass check_launch; one's rank 0 fails to listen, its other
+        # ranks join the other run's store, and there meet its ranks (gloo paired them across the runs: seen) unless
+        # their keys differ (lifecycle.attempt_prefix). Several nodes would need one ID on every node: none is known.
+        if args.nodes == 1:
+            os.environ["SPAWNED_RUN_ID"] = secrets.token_hex(6)
         if args.node_rank == 0:
             print(f"starting {n} process{'es' if n > 1 else ''} on node 0 of {args.nodes} (world size "
                   f"{args.nodes * n}), rendezvous at {args.init_method}"
