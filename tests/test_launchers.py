@@ -71,7 +71,7 @@ def _running(pid) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
+    except (OSError, IndexError):  # gone before the open, or between the open and the read (ESRCH)
         return False
 
 
