@@ -1092,17 +1092,18 @@ def with_own_row(tmp_path, text: str) -> list:
 
 @pytest.mark.parametrize("text", [STUBBORN_ROW, LEAVES_A_STUBBORN_CHILD], ids=["hangs", "leaves-a-child"])
 def test_the_time_budget_bounds_the_benchmark(tmp_path, text):
-    """--time-budget 50 with a row that ignores SIGTERM and never ends, or whose launcher exits 0
-    leaving such a process: the benchmark ends within the 50 s, counted from its start (the
-    row is cut short, not a failure), and nothing outlives it. (50: the row starts only with
-    REPORT_SECONDS + min_row_seconds, 30 s, left, and on a busy CPU the imports and the FLOP
-    count before it took more than 11 s; idle, 2 s.)"""
+    """--time-budget 80 with a row that ignores SIGTERM and never ends, or whose launcher exits 0
+    leaving such a process: the benchmark ends within the 80 s, counted from its start (the
+    row is cut short, not a failure), and nothing outlives it. (80: the row starts only with
+    REPORT_SECONDS + min_row_seconds, 30 s, left, and the imports and the FLOP count before it
+    take 2 s on an idle CPU but took more than 20 s in the full suite, 4 workers on 2 cores.)"""
+    budget = 80
     started = time.monotonic()
     proc = run_script([*with_own_row(tmp_path, text), "--quick", "--device", "cpu", "--rows", "ddp-1proc-noddp",
-                       "--time-budget", "50", "--out", tmp_path / "out"], timeout=120, check=False)
+                       "--time-budget", str(budget), "--out", tmp_path / "out"], timeout=budget + 70, check=False)
     took = time.monotonic() - started
     report = json.loads((tmp_path / "out" / "benchmark.json").read_text())
-    assert took <= 50, (took, proc.stdout, proc.stderr)
+    assert took <= budget, (took, proc.stdout, proc.stderr)
     assert proc.returncode == 0 and rows_by_name(report)["ddp-1proc-noddp"]["status"] == "cut short", report
     assert_no_process_outlives(str(tmp_path), "the row cut short")
 
