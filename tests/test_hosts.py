@@ -729,6 +729,28 @@ def test_the_launcher_names_node_0_as_the_endpoint_not_as_node_0_resolves_its_na
         assert not chosen or advised <= chosen, log
 
 
+def test_a_node_that_can_bind_any_address_is_not_taken_for_the_endpoints(make_hosts, tmp_path):
+    """Node B lets a socket bind addresses it does not have (net.ipv4.ip_nonlocal_bind=1, set where a floating
+    address moves between hosts): a bind to node A's address succeeds there, yet node B is not node A. Its
+    launcher decides neither is_host=1 nor --local_addr=nodea (which had the ranks look for node B's store on
+    node A) but its own address, which sorts before "nodea": node B is node rank 0, and the job trains."""
+    hosts = make_hosts()
+    a = hosts.address("nodea")
+    hosts.run("nodeb", ["sysctl", "-q", "-w", "net.ipv4.ip_nonlocal_bind=1"]).check_returncode()
+    probe = "import sys; from utils import network; print(network.can_bind(sys.argv[1]), network.own_address('nodea'))"
+    assert hosts.run("nodeb", [sys.executable, "-c", probe, a], cwd=ROOT).stdout.split() == ["True", "None"]
+    job = Job(hosts, tmp_path)
+    for name in hosts.names:
+        job.start(name, name, ["scripts/torchrun_bounded.py", *torchrun_across(hosts, 1, endpoint=f"nodea:{PORT}",
+                                                                               launcher=()),
+                               "distributed.py", *TINY, "--train-samples", "64", "--batch-size", "32",
+                               "--dist-timeout", "20"])  # loader workers as by default
+    job.wait(120)
+    assert "done: 2 steps" in job.log("nodeb"), job.log("nodeb")  # global rank 0
+    [decided] = [line for line in job.log("nodeb").splitlines() if line.startswith("torchrun_bounded.py on nodeb: ")]
+    assert "is_host" not in decided and f"--local_addr={hosts.address('nodeb')}" in decided.split(), decided
+
+
 def test_two_agents_of_a_job_on_one_host_meet_as_torchrun_would(make_hosts, tmp_path):
     """A job of 2 nodes whose two torchrun agents run on node A (a machine split in two, or a first try of
     several nodes on one machine), through the launcher: torchrun guesses both to be the store's host, and

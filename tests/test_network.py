@@ -19,7 +19,11 @@ def on_host(monkeypatch):
     def describe(name, known, names, own_ipv6=()):
         monkeypatch.setattr(network.socket, "gethostname", lambda: name)
         monkeypatch.setattr(network, "interfaces", lambda: dict(known))
-        monkeypatch.setattr(network, "can_bind", lambda address: address in [*known.values(), "::1", *own_ipv6])
+        own = [*known.values(), "::1", *own_ipv6]
+        monkeypatch.setattr(network, "can_bind", lambda address: address in own)
+        # The kernel's source toward an address: the address itself where it is this host's own; no route to
+        # another's (the tests that need one give it).
+        monkeypatch.setattr(network, "source_toward", lambda address: address if address in own else None)
 
         def resolve(host, family=socket.AF_INET):  # a host's addresses in the resolver's order, IPv6 ones too
             found = names.get(host, [host])

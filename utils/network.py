@@ -79,7 +79,7 @@ def loopback_for_several_nodes(host: str) -> bool:
 
 
 def can_bind(address: str) -> bool:
-    """Whether `address` (IPv4 or IPv6) is one of this host's own (a socket can listen on it)."""
+    """Whether a socket can listen on `address` (IPv4 or IPv6), as gloo asks; any can under ip_nonlocal_bind=1."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     with contextlib.suppress(OSError), socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((address, 0))
@@ -87,25 +87,27 @@ def can_bind(address: str) -> bool:
     return False
 
 
+def source_toward(address: str):
+    """This host's address that a connection to `address` leaves from (a UDP socket only picks its route:
+    nothing is sent), `address` itself where it is this host's own; None: no route."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with contextlib.suppress(OSError), socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((address, 9))
+        return s.getsockname()[0]
+    return None
+
+
 def own_address(host: str):
-    """The first address `host` resolves to here (IPv4 or IPv6) that is this host's own; None: not this host."""
-    return next((address for address in resolve(host, socket.AF_UNSPEC) if can_bind(address)), None)
+    """The first address `host` resolves to here (IPv4 or IPv6) that is this host's own (loopback, or its own
+    route's source: not one that binds); None: not this host."""
+    return next((a for a in resolve(host, socket.AF_UNSPEC) if is_loopback(a) or source_toward(a) == a), None)
 
 
 def route_toward(host: str, known: dict):
-    """(interface, address) of this host that reaches `host`: its own, or the one the route to it
-    leaves from (a UDP socket only picks its route: nothing is sent); (None, None) if unknown."""
+    """(interface, address) of this host that reaches `host`: its own, or its route's source; (None, None): unknown."""
     source = (resolve(host) or ["127.0.0.1"])[0]  # none: as unknown as a loopback address
-    if is_loopback(source):
-        return None, None
-    if not can_bind(source):
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                s.connect((source, 9))
-                source = s.getsockname()[0]
-        except OSError:
-            return None, None
-    return next((name for name, own in known.items() if own == source), None), source
+    source = None if is_loopback(source) else source_toward(source)
+    return next((name for name, own in known.items() if own == source), None) if source else None, source
 
 
 def way_out(host, known: dict = None):
@@ -127,7 +129,7 @@ def gloo_listens_on(known: dict = None):
         names = [name for name in chosen.split(",") if name]
         return known[names[0]] if names and set(names) <= set(known) else None, f"GLOO_SOCKET_IFNAME={chosen}"
     name = socket.gethostname()
-    if address := own_address(name):  # as gloo looks it up: "::1 nodea" comes first, say
+    if address := next((a for a in resolve(name, socket.AF_UNSPEC) if can_bind(a)), None):  # "::1 nodea" first, say
         return address, f"the address of this host's name {name}"
     return "127.0.0.1", f"this host's name {name} resolves to no address of its own"
 
