@@ -729,26 +729,39 @@ def test_the_launcher_names_node_0_as_the_endpoint_not_as_node_0_resolves_its_na
         assert not chosen or advised <= chosen, log
 
 
-def test_a_node_that_can_bind_any_address_is_not_taken_for_the_endpoints(make_hosts, tmp_path):
-    """Node B lets a socket bind addresses it does not have (net.ipv4.ip_nonlocal_bind=1, set where a floating
-    address moves between hosts): a bind to node A's address succeeds there, yet node B is not node A. Its
-    launcher decides neither is_host=1 nor --local_addr=nodea (which had the ranks look for node B's store on
-    node A) but its own address, which sorts before "nodea": node B is node rank 0, and the job trains."""
+def test_a_floating_address_is_the_endpoint_of_the_node_that_holds_it_alone(make_hosts, tmp_path):
+    """The endpoint is a floating address (keepalived's, Pacemaker's): node A holds it as a secondary address
+    in its subnet, whose route's source is node A's primary address, and both nodes let a socket bind addresses
+    they do not have (net.ipv4.ip_nonlocal_bind=1, so that the address can move). A bind to it succeeds on both,
+    yet only node A is its node: node A's launcher decides is_host=1 (torchrun's own guess, by node A's name,
+    is no), node B's neither is_host=1 nor --local_addr=<the endpoint>, and the job trains, node A, whose
+    --local_addr 10.231.0.100 sorts first, as node rank 0. (A bind took node B for the endpoint's node; the
+    route's source alone missed node A.) distributed_mp.py's node 0 with --ip at the address: on node A alone."""
     hosts = make_hosts()
-    a = hosts.address("nodea")
-    hosts.run("nodeb", ["sysctl", "-q", "-w", "net.ipv4.ip_nonlocal_bind=1"]).check_returncode()
-    probe = "import sys; from utils import network; print(network.can_bind(sys.argv[1]), network.own_address('nodea'))"
-    assert hosts.run("nodeb", [sys.executable, "-c", probe, a], cwd=ROOT).stdout.split() == ["True", "None"]
+    floating = "10.231.0.100"
+    hosts.run("nodea", ["ip", "addr", "add", f"{floating}/24", "dev", hosts.link_interface]).check_returncode()
+    for name in hosts.names:
+        hosts.run(name, ["sysctl", "-q", "-w", "net.ipv4.ip_nonlocal_bind=1"]).check_returncode()
+    probe = ("import sys\nfrom utils import cli, network, spawn\na = sys.argv[1]\n"
+             "try:\n    node_0 = spawn.bind_port(a) and 'yes'\nexcept cli.UsageError:\n    node_0 = 'refused'\n"
+             "print(network.can_bind(a), network.source_toward(a), network.own_address(a), node_0)")
+    seen = {name: hosts.run(name, [sys.executable, "-c", probe, floating], cwd=ROOT).stdout.split()
+            for name in hosts.names}
+    assert seen == {"nodea": ["True", hosts.address("nodea"), floating, "yes"],
+                    "nodeb": ["True", hosts.address("nodeb"), "None", "refused"]}, seen
     job = Job(hosts, tmp_path)
     for name in hosts.names:
-        job.start(name, name, ["scripts/torchrun_bounded.py", *torchrun_across(hosts, 1, endpoint=f"nodea:{PORT}",
+        job.start(name, name, ["scripts/torchrun_bounded.py", *torchrun_across(hosts, 1, endpoint=f"{floating}:{PORT}",
                                                                                launcher=()),
                                "distributed.py", *TINY, "--train-samples", "64", "--batch-size", "32",
                                "--dist-timeout", "20"])  # loader workers as by default
     job.wait(120)
-    assert "done: 2 steps" in job.log("nodeb"), job.log("nodeb")  # global rank 0
-    [decided] = [line for line in job.log("nodeb").splitlines() if line.startswith("torchrun_bounded.py on nodeb: ")]
-    assert "is_host" not in decided and f"--local_addr={hosts.address('nodeb')}" in decided.split(), decided
+    assert "done: 2 steps" in job.log("nodea"), job.log("nodea")  # global rank 0
+    decided = {name: next(line for line in job.log(name).splitlines()
+                          if line.startswith(f"torchrun_bounded.py on {name}: ")).split()[3:] for name in hosts.names}
+    assert "is_host=1" in decided["nodea"] and f"--local_addr={floating}" in decided["nodea"], decided
+    assert "is_host=1" not in decided["nodeb"] and f"--local_addr={hosts.address('nodeb')}" in decided["nodeb"], \
+        decided
 
 
 def test_two_agents_of_a_job_on_one_host_meet_as_torchrun_would(make_hosts, tmp_path):

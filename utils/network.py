@@ -17,6 +17,7 @@ Linux (interface addresses are read with ioctl)."""
 import contextlib
 import ipaddress
 import os
+import re
 import socket
 import struct
 from dataclasses import dataclass
@@ -97,16 +98,25 @@ def source_toward(address: str):
     return None
 
 
+def is_own(address: str) -> bool:
+    """Whether `address` (IPv4 or IPv6) is one of this host's own: loopback, its own route's source, or a local
+    route's address (IPv4's secondary addresses, a floating one among them, have the primary as their source)."""
+    if is_loopback(address) or source_toward(address) == address:
+        return True
+    with contextlib.suppress(OSError), open("/proc/net/fib_trie") as trie:  # "|-- ADDRESS", then "/32 host LOCAL"
+        return re.search(rf"\|-- {re.escape(address)}\n(\s+/.*\n)*?\s+/32 host LOCAL\n", trie.read()) is not None
+    return False
+
+
 def own_address(host: str):
-    """The first address `host` resolves to here (IPv4 or IPv6) that is this host's own (loopback, or its own
-    route's source: not one that binds); None: not this host."""
-    return next((a for a in resolve(host, socket.AF_UNSPEC) if is_loopback(a) or source_toward(a) == a), None)
+    """The first address `host` resolves to here (IPv4 or IPv6) that is this host's own; None: not this host."""
+    return next((address for address in resolve(host, socket.AF_UNSPEC) if is_own(address)), None)
 
 
 def route_toward(host: str, known: dict):
     """(interface, address) of this host that reaches `host`: its own, or its route's source; (None, None): unknown."""
     source = (resolve(host) or ["127.0.0.1"])[0]  # none: as unknown as a loopback address
-    source = None if is_loopback(source) else source_toward(source)
+    source = None if is_loopback(source) else source if is_own(source) else source_toward(source)
     return next((name for name, own in known.items() if own == source), None) if source else None, source
 
 

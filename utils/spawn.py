@@ -18,7 +18,7 @@ from urllib.parse import urlparse
 import torch
 import torch.multiprocessing as mp
 
-from . import cli, distributed as dist_utils, lifecycle
+from . import cli, distributed as dist_utils, lifecycle, network
 
 
 def add_flags(parser):
@@ -121,8 +121,9 @@ def _bind(host, port) -> int:
     program holds on one address is taken), once `host` is known to be this machine's; let go. SO_REUSEADDR: a
     port in TIME_WAIT is free."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as s:
-        s.bind((host, 0))  # EADDRNOTAVAIL if host is not this machine's
+    socket.getaddrinfo(host, None, family)  # socket.gaierror if it does not resolve
+    if network.own_address(host) is None:  # not a bind: any address binds under net.ipv4.ip_nonlocal_bind=1
+        raise OSError(errno.EADDRNOTAVAIL, "not this machine's")
     with socket.socket(family) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", port))
