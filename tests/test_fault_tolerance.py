@@ -790,26 +790,34 @@ def test_a_rank_whose_peer_never_comes_on_one_node_says_so_in_one_line():
 
 
 @pytest.mark.parametrize("launch", ["torchrun", "mp.spawn"])
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_a_stop_signal_to_a_rank_waiting_for_its_peer_ends_it_at_once_saying_what_it_waited_for(tmp_path, sig,
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm", "launcher-killed"])
+def test_a_stop_signal_to_a_rank_waiting_for_its_peer_ends_it_at_once_saying_what_it_waited_for(tmp_path, stop,
                                                                                                   launch):
     """Ctrl-C, or a launcher's SIGTERM (torchrun's agent stops its ranks so when another node's agent ends), to
     the process group of a rank that waits for a peer that never comes: started with torchrun's variables, or
     node 0 of two under mp.spawn. Its main thread waits in the store's C++ call, where a Python handler does
     not run: Ctrl-C did nothing until --dist-timeout (here 120 s; 30 min by default), and SIGTERM killed it
     without a word. It ends at once, with one line (also in torchrun's error file; under mp.spawn, the
-    parent's "process 0 terminated with exit code 143" no more) and the status of that signal."""
+    parent's "process 0 terminated with exit code 143" no more) and the status of that signal.
+
+    Or its launcher is killed (SIGKILL, to it alone): mp.spawn's parent, or a parent that starts the rank as
+    torchrun's agent does (a child process with TORCHELASTIC_RUN_ID). The rank's line then names the launcher
+    that died (mp.spawn's SIGINT to its workers, lifecycle.watch_launcher's SIGTERM), not a peer."""
     port, error_file = free_port(), tmp_path / "error.json"
     if launch == "torchrun":
         address, script, flags = "127.0.0.1", "distributed.py", []
         env = subprocess_env(RANK=0, LOCAL_RANK=0, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2, MASTER_ADDR=address,
-                             MASTER_PORT=port, TORCHELASTIC_ERROR_FILE=str(error_file))
+                             MASTER_PORT=port, TORCHELASTIC_ERROR_FILE=str(error_file),
+                             **({"TORCHELASTIC_RUN_ID": "by-hand"} if stop == "launcher-killed" else {}))
     else:
         iface, address = two_nodes_here()
         script, env = "distributed_mp.py", subprocess_env(GLOO_SOCKET_IFNAME=iface)
         flags = ["--nodes", "2", "--node-rank", "0", "--nproc-per-node", "1", "--ip", address, "--port", str(port)]
-    with subprocess.Popen([sys.executable, script, *SMALL, *flags, "--dist-timeout", "120"], cwd=ROOT, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
+    argv = [sys.executable, script, *SMALL, *flags, "--dist-timeout", "120"]
+    if stop == "launcher-killed" and launch == "torchrun":  # the agent: a parent that waits for its child
+        argv = ["bash", "-c", '"$@" & wait', "launcher", *argv]
+    with subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
         try:
             deadline = time.monotonic() + 90  # the imports, on a busy machine
             while True:  # waiting to join: its store takes connections
@@ -817,18 +825,26 @@ def test_a_stop_signal_to_a_rank_waiting_for_its_peer_ends_it_at_once_saying_wha
                     break
                 assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
                 time.sleep(0.2)
-            os.killpg(proc.pid, sig)
+            if stop == "launcher-killed":
+                os.kill(proc.pid, signal.SIGKILL)
+            else:
+                os.killpg(proc.pid, signal.SIGINT if stop == "ctrl-c" else signal.SIGTERM)
             sent = time.monotonic()
-            stderr = proc.communicate(timeout=60)[1]
+            stderr = proc.communicate(timeout=60)[1]  # until the rank, which holds the pipe too, has ended
             took = time.monotonic() - sent
         finally:
-            proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the rank too, if the test failed
+    sig = {"ctrl-c": signal.SIGINT, "sigterm": signal.SIGTERM}.get(
+        stop, signal.SIGINT if launch == "mp.spawn" else signal.SIGTERM)
+    why = (re.escape(f"its launcher (pid {proc.pid}) died") if stop == "launcher-killed" else
+           rf"a rank did not come \(it failed before joining, or cannot reach {re.escape(address)}\), or cannot be "
+           r"reached by the others; scripts/preflight\.py checks each node's network")
     lines = [line for line in stderr.splitlines() if line.strip()]
-    assert proc.returncode == 128 + sig and took < 15 and len(lines) == 1, (proc.returncode, took, stderr)
-    assert re.fullmatch(
-        rf"{re.escape(script)}: error: rank 0 was stopped by {sig.name} after waiting \d+ s to join the gloo "
-        rf"process group: a rank did not come \(it failed before joining, or cannot reach {re.escape(address)}\), "
-        r"or cannot be reached by the others; scripts/preflight\.py checks each node's network", lines[0]), lines[0]
+    status = -signal.SIGKILL if stop == "launcher-killed" else 128 + sig  # the launcher's, killed: not the rank's
+    assert proc.returncode == status and took < 15 and len(lines) == 1, (proc.returncode, took, stderr)
+    assert re.fullmatch(rf"{re.escape(script)}: error: rank 0 was stopped by {sig.name} after waiting \d+ s to join "
+                        rf"the gloo process group: {why}", lines[0]), lines[0]
     if launch == "torchrun":
         assert json.loads(error_file.read_text())["message"]["message"] == lines[0]
 

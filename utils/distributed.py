@@ -194,9 +194,9 @@ def setup(job: DistEnv, device: torch.device, timeout_s: float = 1800.0) -> Dist
         return dataclasses.replace(job, device=device)
     global _store, _agreements
     tell_refusals_to(job)
-    lifecycle.watch_launcher()
+    launcher = lifecycle.watch_launcher()
     backend, timeout = dist.get_default_backend_for_device(device), datetime.timedelta(seconds=timeout_s)
-    with joining(job, timeout_s, backend):
+    with joining(job, timeout_s, backend, launcher):
         # init_process_group(init_method=...)'s own rendezvous (distributed_c10d.py), its store kept for agreements.
         store, _, _ = next(dist.rendezvous(job.init_method, job.rank, job.world_size, timeout=timeout))
         store.set_timeout(timeout)
@@ -227,11 +227,11 @@ def _rank_0s_store(job: DistEnv, shared, key: str, timeout):
 
 
 @contextlib.contextmanager
-def joining(job: DistEnv, timeout_s: float, backend: str):
+def joining(job: DistEnv, timeout_s: float, backend: str, launcher: int = None):
     """Around forming the group: a rank not joined `timeout_s` + JOIN_GRACE_S later ends with one line and status 1;
     one whose peer refused to start (lifecycle.tell_the_job) with that peer's line and status 2, also if stopped then;
-    one given a stop signal (Ctrl-C, a launcher's SIGTERM) at once, saying what it waited for, with status 128 + the
-    signal's number; a rank 0 whose port was taken, status 2; a failure to join is one line, not a trace from gloo."""
+    one stopped (Ctrl-C, a launcher's SIGTERM) at once, saying what it waited for or that `launcher` (its pid) died,
+    status 128 + the signal's number; a rank 0 whose port was taken, status 2; any failure in one line, no trace."""
     joined, answered, said = threading.Event(), threading.Event(), threading.Event()
 
     def watch():  # another rank's refusal, at once and every second
@@ -267,9 +267,10 @@ def joining(job: DistEnv, timeout_s: float, backend: str):
         while byte := os.read(signals, 1):
             if byte[0] in stops and said.is_set():  # this rank's line is the refusal's, said: no second one
                 os._exit(2)
-            if byte[0] in stops:
+            if byte[0] in stops:  # a launcher that died sends it too (lifecycle.watch_launcher, mp.spawn's SIGINT)
+                why = f"its launcher (pid {launcher}) died" if launcher and os.getppid() != launcher else cause()
                 line = error_line(f"rank {job.rank} was stopped by {signal.Signals(byte[0]).name} after waiting "
-                                  f"{time.monotonic() - began:.0f} s to join the {backend} process group: {cause()}")
+                                  f"{time.monotonic() - began:.0f} s to join the {backend} process group: {why}")
                 if job.local_rank == 0:
                     print_line(line)
                 lifecycle.record_for_torchrun(line)
