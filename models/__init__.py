@@ -1,13 +1,11 @@
 """Model zoo: `build_model(name, num_classes)` returns a CIFAR ResNet."""
 from .resnet import BasicBlock, Bottleneck, ResNet
 
-# name -> (block, blocks per stage, base width)
-_ARCHS = {
+_ARCHS = {  # name -> (block, blocks per stage, base width)
     "resnet18": (BasicBlock, [2, 2, 2, 2], 64),
     "resnet34": (BasicBlock, [3, 4, 6, 3], 64),
     "resnet50": (Bottleneck, [3, 4, 6, 3], 64),
-    # One block per stage, 8 channels wide (~80 k parameters): for tests and smoke
-    # runs on a CPU, where ResNet-18 would make every test take minutes.
+    # One block per stage, 8 channels wide (~80 k parameters): tests and CPU smoke runs, where ResNet-18 takes minutes.
     "resnet_tiny": (BasicBlock, [1, 1, 1, 1], 8),
 }
 MODEL_NAMES = tuple(_ARCHS)

@@ -1,6 +1,5 @@
-"""Full-state checkpoints (TrainingRun.save, utils/run.py: all that continuing with the exact next batch
-needs), written atomically. Only tensors and plain values go in, so `torch.load(path, weights_only=True)`
-reads it without running pickled code."""
+"""Full-state checkpoints (TrainingRun.save, utils/run.py: all that continuing with the exact next batch needs),
+written atomically. Only tensors and plain values go in: `torch.load(path, weights_only=True)` runs no pickled code."""
 import contextlib
 import errno
 import fcntl

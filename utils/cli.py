@@ -101,10 +101,9 @@ def build_parser(doc: str, model_names, own_data: bool = False, images: bool = T
     """The command line every script shares, grouped; each script adds its own group. model_names: the choices
     of --model. own_data: the script trains on a data set of its own (data.own_datasets): no --dataset nor
     --data-on-gpu, nor CIFAR in the data flags' help. images: its inputs are N x C x H x W (--channels-last)."""
-    first_line = doc.strip().splitlines()[0] if doc else None
     # allow_abbrev=False: the launchers read some flags from the extra arguments themselves
     # (scripts/slurm.sbatch: --checkpoint-dir), which an abbreviation (--checkpoint-d) would pass unseen.
-    parser = Parser(description=first_line, formatter_class=Help, allow_abbrev=False)
+    parser = Parser(description=doc.strip().splitlines()[0] if doc else None, formatter_class=Help, allow_abbrev=False)
     parser.own_data, parser.images = own_data, images
 
     g = parser.add_argument_group("data")
@@ -176,9 +175,8 @@ def build_parser(doc: str, model_names, own_data: bool = False, images: bool = T
 
 
 def add_fast_path_flags(parser, data_on_gpu: bool = False, torch_compile: bool = True):
-    """Speed for the DDP scripts; --channels-last where the data is images, --data-on-gpu
-    (our CIFAR images held in device memory) where the script asks for it, and --compile,
-    --compile-mode unless it cannot compile (torch_compile=False)."""
+    """Speed for the DDP scripts; --channels-last where the data is images, --data-on-gpu (our CIFAR images held
+    in device memory) if asked, and --compile, --compile-mode unless the script cannot compile (torch_compile=False)."""
     g = parser.add_argument_group("fast path")
     parser.set_defaults(data_on_gpu=False, channels_last=False, compile=False)  # what a script without them reads
     if data_on_gpu and not getattr(parser, "own_data", False):

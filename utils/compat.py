@@ -1,6 +1,5 @@
-"""What differs between the PyTorch releases the scripts run on (2.11, the oldest, to the
-newest), chosen here by feature, each with the same behaviour on both sides. When the oldest
-supported release moves past one, its branch goes."""
+"""What differs between PyTorch releases the scripts run on (2.11, the oldest, to the newest), chosen here by feature,
+each with the same behaviour on both sides. When the oldest supported release moves past one, its branch goes."""
 import atexit
 import inspect
 

@@ -128,10 +128,9 @@ def _cifar100(data_dir: str, train: bool) -> CIFAR100:
 
 
 def _download_lock(data_dir: str):
-    """One download into `data_dir` at a time, however many processes (or nodes) share it; the others
-    then find the files. A folder where no lock can be taken (read-only; a file system without locks: NFS
-    without its lock daemon, ENOLCK; Lustre mounted noflock, ENOSYS) is read without one: the context is
-    then the OSError, and nothing may be downloaded there."""
+    """One download into `data_dir` at a time, however many processes (or nodes) share it; the others then find the
+    files. A folder where no lock can be taken (read-only; no file locks: NFS without its lock daemon, ENOLCK; Lustre
+    mounted noflock, ENOSYS) is read without one: the context is the OSError, and nothing may be downloaded there."""
     lock = None
     try:
         os.makedirs(data_dir, exist_ok=True)
@@ -301,9 +300,8 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
 
 
 class SeededSamples(_View):
-    """Training view of any data set: key (index, epoch) loads `base[index]` with torch's CPU, Python's
-    and NumPy's global generators seeded by sample_seed for its random transforms, then put back, so
-    that --workers 0 leaves the training's random numbers alone."""
+    """Training view of any data set: key (index, epoch) loads `base[index]` with the global generators (torch CPU,
+    Python, NumPy) seeded by sample_seed for its transforms, then restored: with --workers 0 they are the training's."""
 
     def __getitem__(self, key):
         index, epoch = key
@@ -359,8 +357,7 @@ class TrainSampler(Sampler):
     def epoch_indices(self) -> torch.Tensor:
         """This rank's remaining sample indices of the epoch, in order."""
         g = torch.Generator().manual_seed((self.seed + self.epoch) % 2**64)  # seeds are 64-bit
-        mine = torch.randperm(self.num_samples, generator=g)[self.rank::self.world_size][:self._per_rank]
-        return mine[self._start:]
+        return torch.randperm(self.num_samples, generator=g)[self.rank::self.world_size][self._start:self._per_rank]
 
     def __iter__(self):
         return iter([(index, self.epoch) for index in self.epoch_indices().tolist()])

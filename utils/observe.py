@@ -43,8 +43,7 @@ class Observers:
             self._profiler.start()
         if getattr(args, "tensorboard", None) and env.is_main:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
-            # A resumed run may repeat steps that an earlier attempt had logged after the checkpoint:
-            # purge_step hides those, so each step shows one value.
+            # A resume repeats the steps that an earlier attempt logged after the checkpoint: purge_step hides those.
             self._writer = SummaryWriter(args.tensorboard, purge_step=start_step + 1 if start_step else None)
 
     def _write_trace(self, profiler):

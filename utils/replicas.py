@@ -42,9 +42,8 @@ def verify_sync(module: nn.Module):
         dist.all_reduce(differs, op=dist.ReduceOp.MAX)
         if differs.item():
             names.append(name)
-    world = dist.get_world_size()
     shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
     batch_norm = all(n.endswith(("running_mean", "running_var", "num_batches_tracked")) for n in names)
-    print0(f"verify-sync: all parameters and buffers agree across {world} ranks" if not names else
-           f"verify-sync: {len(names)} tensors differ across {world} ranks: {shown}"
+    print0(f"verify-sync: all parameters and buffers agree across {dist.get_world_size()} ranks" if not names else
+           f"verify-sync: {len(names)} tensors differ across {dist.get_world_size()} ranks: {shown}"
            + (" (batch-norm running statistics differ unless --sync-bn)" if batch_norm else ""))

@@ -135,8 +135,7 @@ class TrainingRun:
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.state = state or checkpoint.WholeState(model, optimizer)  # or sharded across ranks (utils/sharded.py)
         self.extra_record = dict(extra_record or {})
-        # The epoch in progress (0-based), the optimizer steps already taken in it and in the whole run.
-        self.epoch = self.step_in_epoch = self.global_step = 0
+        self.epoch = self.step_in_epoch = self.global_step = 0  # epoch (0-based); optimizer steps in it, in the run
         self.meter = self.last_record = self._partial_sums = self._bar = self._timing = None
         self._stop = self._restarted_into = False
         self._saved = None  # whether rank 0 sees a checkpoint in --checkpoint-dir (_check_shared), when distributed
@@ -313,8 +312,7 @@ class TrainingRun:
         self.timer.step()
         self.observers.step(self.global_step)
         ends = self.step_in_epoch >= self.steps_per_epoch or self.done()  # the epoch, or the run (--max-steps)
-        if ends:
-            # Training ends here: stop the clock before the script's evaluation, so images/s measures training.
+        if ends:  # stop the clock before the script's evaluation, so images/s measures training
             self._timing = self.timer.stop()
         if self._bar is not None and self.global_step % self.args.log_every == 0:
             loss_sum, _, n = self.meter.sums.tolist()  # this rank's: one device sync
@@ -406,8 +404,7 @@ class StopSignal:
 
     def __init__(self, distributed: bool, check_every: int = 10):
         self.received, self._first, self._received_at = None, None, None  # this process's own first: which, when
-        # One agreement per `check_every` steps: each waits for the slowest rank.
-        self.check_every = check_every if distributed else 1
+        self.check_every = check_every if distributed else 1  # one agreement per check_every steps: each waits for all
         self._previous = {sig: signal.signal(sig, self._handler) for sig in stop_signals()}
 
     def close(self):
