@@ -21,6 +21,7 @@ def on_host(monkeypatch):
         monkeypatch.setattr(network, "interfaces", lambda: dict(known))
         own = [*known.values(), "::1", *own_ipv6]
         monkeypatch.setattr(network, "can_bind", lambda address: address in own)
+        monkeypatch.setattr(network, "is_own", lambda address: address in own)
         # The kernel's source toward an address: the address itself where it is this host's own; no route to
         # another's (the tests that need one give it).
         monkeypatch.setattr(network, "source_toward", lambda address: address if address in own else None)

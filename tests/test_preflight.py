@@ -297,8 +297,7 @@ def test_this_host_as_the_endpoint_is_recognised_by_any_of_its_addresses(monkeyp
     monkeypatch.setattr(socket, "gethostname", lambda: "nodea")
     monkeypatch.setattr(network, "resolve", lambda host, family=socket.AF_INET: [
         a for a in names.get(host, []) if family == socket.AF_UNSPEC or (":" in a) == (family == socket.AF_INET6)])
-    monkeypatch.setattr(network, "source_toward", lambda address: address if address in ("10.0.0.1", "fd00:57::1")
-                        else "10.0.0.1")  # the route to any other address leaves from 10.0.0.1
+    monkeypatch.setattr(network, "is_own", lambda address: address in ("10.0.0.1", "fd00:57::1"))
     monkeypatch.setattr(rendezvous_utils, "_matches_machine_hostname", lambda host: torchrun_hosts)
     found = preflight.endpoint_findings(endpoint)
     assert len(found) == (1 if fix else 0) and all(f.fix.startswith(fix) for f in found), found

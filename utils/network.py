@@ -1,6 +1,6 @@
-"""The one network decision of a job on several nodes, before any process group exists: can this node's
-ranks join a job that meets at HOST, and if not, why and what to do. `findings(host, uses_gloo)` answers it
-for the scripts' check (so --check-args and slurm.sbatch's pre-check), preflight.py and torchrun_bounded.py.
+"""The one network decision of a job on several nodes, before any process group exists: can this node's ranks join a
+job that meets at HOST, and if not, why and what to do. `findings(host, uses_gloo)` answers it for the scripts'
+check (so --check-args and slurm.sbatch's pre-check), preflight.py and torchrun_bounded.py.
 
 What the libraries do, as their sources say:
 - The store (TCPStore): every rank connects to MASTER_ADDR:MASTER_PORT (distributed_mp.py: --ip, --port);
@@ -12,12 +12,10 @@ What the libraries do, as their sources say:
   address: with the name on a loopback line (Debian's `127.0.1.1 nodea`), none of them can reach it.
 - NCCL chooses its interfaces by rules of its own (NCCL_SOCKET_IFNAME overrides them, NCCL_DEBUG=INFO
   prints them): nothing here imitates it.
-IPv4 only where the job meets (of one that meets at an IPv6 address, only gloo's address is checked);
-Linux (interface addresses are read with ioctl)."""
+IPv4 only where the job meets (at an IPv6 address, only gloo's address is checked); Linux (ioctl, netlink)."""
 import contextlib
 import ipaddress
 import os
-import re
 import socket
 import struct
 from dataclasses import dataclass
@@ -89,8 +87,7 @@ def can_bind(address: str) -> bool:
 
 
 def source_toward(address: str):
-    """This host's address that a connection to `address` leaves from (a UDP socket only picks its route:
-    nothing is sent), `address` itself where it is this host's own; None: no route."""
+    """This host's address that a connection to `address` leaves from (a UDP socket picks it, sending nothing)."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     with contextlib.suppress(OSError), socket.socket(family, socket.SOCK_DGRAM) as s:
         s.connect((address, 9))
@@ -99,13 +96,16 @@ def source_toward(address: str):
 
 
 def is_own(address: str) -> bool:
-    """Whether `address` (IPv4 or IPv6) is one of this host's own: loopback, its own route's source, or a local
-    route's address (IPv4's secondary addresses, a floating one among them, have the primary as their source)."""
-    if is_loopback(address) or source_toward(address) == address:
-        return True
-    with contextlib.suppress(OSError), open("/proc/net/fib_trie") as trie:  # "|-- ADDRESS", then "/32 host LOCAL"
-        return re.search(rf"\|-- {re.escape(address)}\n(\s+/.*\n)*?\s+/32 host LOCAL\n", trie.read()) is not None
-    return False
+    """Whether `address` (IPv4 or IPv6) is this host's own: the kernel routes it here (`ip route get` says local), a
+    floating one too. Not a bind, which any address passes under net.ipv4.ip_nonlocal_bind=1 (floating ones need it)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with contextlib.suppress(OSError), socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0) as s:  # NETLINK_ROUTE
+        dst = socket.inet_pton(family, address)
+        query = struct.pack("=BB6xI", family, 8 * len(dst), 0) + struct.pack("=HH", 4 + len(dst), 1) + dst  # RTA_DST
+        s.send(struct.pack("=IHHII", 16 + len(query), 26, 1, 0, 0) + query)  # RTM_GETROUTE, a request
+        reply = s.recv(4096)  # RTM_NEWROUTE (24) whose rtm_type is RTN_LOCAL (2), or an error
+        return is_loopback(address) or struct.unpack_from("=H", reply, 4)[0] == 24 and reply[23] == 2
+    return is_loopback(address)
 
 
 def own_address(host: str):
@@ -114,10 +114,11 @@ def own_address(host: str):
 
 
 def route_toward(host: str, known: dict):
-    """(interface, address) of this host that reaches `host`: its own, or its route's source; (None, None): unknown."""
+    """(interface, address) of this host that reaches `host`: its route's source (`host` itself where it is this
+    host's primary address; for a secondary one, a floating one, the primary: it moves); (None, None): unknown."""
     source = (resolve(host) or ["127.0.0.1"])[0]  # none: as unknown as a loopback address
-    source = None if is_loopback(source) else source if is_own(source) else source_toward(source)
-    return next((name for name, own in known.items() if own == source), None) if source else None, source
+    way = None if is_loopback(source) else source_toward(source)
+    return next((name for name, own in known.items() if own == way), None) if way else None, way
 
 
 def way_out(host, known: dict = None):
