@@ -227,3 +227,23 @@ def test_is_host_is_read_as_torchrun_reads_it(on_host, monkeypatch, is_host):
     assert launched(monkeypatch, [*job, *SCRIPT])[0] == "torchrun"
     what, env = launched(monkeypatch, [*job, *SCRIPT, "--check-args"])
     assert what == "check" and env["MASTER_ADDR"] == "10.0.0.2", (what, env)
+
+
+def test_where_netlink_is_refused_the_hosts_primary_addresses_are_still_its_own(monkeypatch):
+    """is_own asks the kernel's route lookup over netlink; where a sandbox refuses netlink sockets (gVisor, a
+    seccomp profile), it falls back to the route's source, which names a primary address: the answers for this
+    host's first network address and for an address of no host here are the same both ways."""
+    own = next((a for a in network.interfaces().values() if not network.is_loopback(a)), None)
+    if own is None:
+        pytest.skip("this host has no network address but loopback")
+    foreign = next(f"198.51.100.{i}" for i in range(1, 255) if not network.is_own(f"198.51.100.{i}"))
+    assert network.is_own(own) and not network.is_own(foreign) and network.is_own("::1")
+    real = socket.socket
+
+    def without_netlink(family=socket.AF_INET, *args, **kwargs):
+        if family == socket.AF_NETLINK:
+            raise PermissionError(1, "Operation not permitted")
+        return real(family, *args, **kwargs)
+    monkeypatch.setattr(network.socket, "socket", without_netlink)
+    assert network.is_own(own) and not network.is_own(foreign) and network.is_own("::1")
+    assert not network.is_own("not an address")
