@@ -232,7 +232,7 @@ def joining(job: DistEnv, timeout_s: float, backend: str, launcher: int = None):
     one whose peer refused to start (lifecycle.tell_the_job) with that peer's line and status 2, also if stopped then;
     one stopped (Ctrl-C, a launcher's SIGTERM) at once, saying what it waited for or that `launcher` (its pid) died,
     status 128 + the signal's number; a rank 0 whose port was taken, status 2; any failure in one line, no trace."""
-    joined, answered, said = threading.Event(), threading.Event(), threading.Event()
+    joined, answered, said, told = threading.Event(), threading.Event(), threading.Event(), threading.Event()
 
     def watch():  # another rank's refusal, at once and every second
         store = [None]
@@ -243,10 +243,11 @@ def joining(job: DistEnv, timeout_s: float, backend: str, launcher: int = None):
             if refused is not None and not joined.is_set():
                 peer, line = refused.split("\n", 1)
                 line = error_line(f"rank {job.rank} could not join: rank {peer} refused to start: {line}")
+                said.set()  # before the line: a stop signal from here on (a launcher ending the job) adds none
                 if job.local_rank == 0:
                     print_line(line)
                 lifecycle.record_for_torchrun(line)
-                said.set()  # a stop signal from here on (a launcher ending the job) ends this rank as the refusal does
+                told.set()
                 lifecycle.refusal_said(store)  # the refusing rank may end now: nothing after this uses the store
                 os._exit(2)
             soon = job.rendezvous.startswith("tcp://") and not answered.is_set()  # a rank may wait for it
@@ -265,7 +266,8 @@ def joining(job: DistEnv, timeout_s: float, backend: str, launcher: int = None):
 
     def stopped(signals):  # a stop signal's number, one byte each (signal.set_wakeup_fd)
         while byte := os.read(signals, 1):
-            if byte[0] in stops and said.is_set():  # this rank's line is the refusal's, said: no second one
+            if byte[0] in stops and said.is_set():  # this rank's line is the refusal's: no second one
+                told.wait(5.0)  # until it is printed and in torchrun's error file
                 os._exit(2)
             if byte[0] in stops:  # a launcher that died sends it too (lifecycle.watch_launcher, mp.spawn's SIGINT)
                 why = f"its launcher (pid {launcher}) died" if launcher and os.getppid() != launcher else cause()
