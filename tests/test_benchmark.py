@@ -50,8 +50,9 @@ def quick_run(tmp_path_factory):
     env = subprocess_env(TMPDIR=str(tmp_path_factory.mktemp("tmp")))  # where the synthetic files go
     env.pop("PYTHONPATH")
     started = time.perf_counter()
+    # Every row, one after another: 364 s once in the full suite on a slower 2-core machine.
     proc = run_script([TOOL, "--quick", "--device", "cpu", "--peak-tflops", PEAK_TFLOPS, "--out", out],
-                      timeout=420, check=False, env=env)
+                      timeout=720, check=False, env=env)
     print(f"benchmark --quick took {time.perf_counter() - started:.0f} s")
     assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
     assert "the synthetic set written as CIFAR-100 files" in proc.stdout
@@ -958,7 +959,7 @@ def test_a_row_whose_processes_do_not_exit_keeps_its_figures_and_its_stacks(tool
     log = (tmp_path / "ddp-hangs.log").read_text()
     assert result["status"] == "ok" and result["median_images_per_second"] > 0, (result, log)
     assert "hang-at-exit on rank 1" in log, log
-    assert result["wall_seconds"] < 60, result  # ended by the exit rule, long before the timeout
+    assert result["wall_seconds"] < 100, result  # ended by the exit rule, before the timeout
     assert re.fullmatch(r"wrote its figures, but its processes had not exited \d+ s after its end record: they were "
                         r"ended; their stacks are in its log", result["did_not_exit"]), result
     stacks = log.split("the Python stacks of its processes follow (SIGABRT) ---", 1)[1]
@@ -1094,15 +1095,15 @@ def with_own_row(tmp_path, text: str, exit_seconds: float = None) -> list:
 
 @pytest.mark.parametrize("text", [STUBBORN_ROW, LEAVES_A_STUBBORN_CHILD], ids=["hangs", "leaves-a-child"])
 def test_the_time_budget_bounds_the_benchmark(tmp_path, text):
-    """--time-budget 80 with a row that ignores SIGTERM and never ends, or whose launcher exits 0
-    leaving such a process: the benchmark ends within the 80 s, counted from its start (the
-    row is cut short, not a failure), and nothing outlives it. (80: the row starts only with
-    REPORT_SECONDS + min_row_seconds, 30 s, left, and the imports and the FLOP count before it
-    take 2 s on an idle CPU but took more than 20 s in the full suite, 4 workers on 2 cores. The
+    """--time-budget 90 with a row that ignores SIGTERM and never ends, or whose launcher exits 0
+    leaving such a process: the benchmark ends within the 90 s, counted from its start, its
+    interpreter's exit included (the row is cut short, not a failure), and nothing outlives it.
+    (90: the row starts only with REPORT_SECONDS + min_row_seconds, 40 s, left, and the imports
+    and the FLOP count before it take 2 s on an idle CPU but 24 s beside eight busy processes. The
     processes left have 10 minutes to follow their launcher, not EXIT_SECONDS, 30 s: only the
     budget ends that wait here, however long the start took; with the 30 s they are ended
     first where the start was quick, and the row fails, as it should, with its processes named.)"""
-    budget = 80
+    budget = 90
     started = time.monotonic()
     proc = run_script([*with_own_row(tmp_path, text, exit_seconds=600.0), "--quick", "--device", "cpu", "--rows",
                        "ddp-1proc-noddp", "--time-budget", str(budget), "--out", tmp_path / "out"],
