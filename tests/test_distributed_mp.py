@@ -209,7 +209,7 @@ def test_a_node_waiting_where_no_store_answers_says_so(tmp_path, listening):
                 said = time.monotonic() - started
                 # It ends too: after its store probe's 10 s at most (held: the probe hangs in the store's
                 # handshake) and the interpreter's teardown, seconds of CPU on a busy machine.
-                rest = proc.communicate(timeout=2 + 10 + 30)[1]
+                rest = proc.communicate(timeout=2 + 10 + 60)[1]
             finally:
                 hung.cancel()
             stderr = first + rest

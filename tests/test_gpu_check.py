@@ -38,16 +38,18 @@ def test_stages_keep_to_their_time_and_out_holds_at_most_8_files(tmp_path):
     began = time.monotonic()
     # Two pytest-xdist workers, not the default 4: the stop still reaches every worker (the
     # stage's timeout signals its whole process group), at half the imports on this small CPU.
-    # 240 s in all: the benchmark stage is started only with 60 s left of it, after 45 s kept
-    # for the end, and the stages before it took 49 s under a loaded CPU (150 s was too few).
-    # The stages end early when their work is done, so the larger budget costs no time here.
-    proc = run_check(out, 330, GPU_CHECK_REQUIRE_CUDA="0", GPU_CHECK_SECONDS="240", GPU_CHECK_PYTEST_SECONDS="8",
+    # 360 s in all: the benchmark stage is started only with 60 s left of it, after 45 s kept
+    # for the end, and the stages before it took 49 s under a loaded CPU (150 s was too few); in
+    # the full suite on a slower 2-core machine, 240 s left the benchmark's row too little and
+    # it was cut short. The stages end early when their work is done, so the larger budget
+    # costs no time here.
+    proc = run_check(out, 450, GPU_CHECK_REQUIRE_CUDA="0", GPU_CHECK_SECONDS="360", GPU_CHECK_PYTEST_SECONDS="8",
                      GPU_CHECK_PYTEST_WORKERS="2", GPU_CHECK_PYTEST_ARGS=str(hang),
                      GPU_CHECK_MEMORY_ARGS="--device cpu --model resnet_tiny --world-sizes 1 --memory-batch 2",
                      GPU_CHECK_BENCH_ARGS="--quick --device cpu --rows ceiling-fp32")
     took = time.monotonic() - began
     assert proc.returncode == 1, proc.stdout + proc.stderr  # the test stage ran out of time
-    assert took < 240, took
+    assert took < 360, took
     log = (out / "gpu_check.log").read_text()
     assert "== pytest: timed out after 8 s" in log, log
     assert "== benchmark: ok" in log and "== memory: ok" in log, log

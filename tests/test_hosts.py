@@ -64,7 +64,7 @@ class Job:
                                            env=subprocess_env(**env), stdout=log, stderr=subprocess.STDOUT)
         return self.procs[key]
 
-    def wait_for(self, *paths, timeout=120):
+    def wait_for(self, *paths, timeout=240):
         """Until every path exists (a marker the processes write), failing with the logs if one of
         them ends first."""
         deadline = time.monotonic() + timeout
@@ -503,8 +503,9 @@ LOOPBACK_FORMS = {"loopback": "127.0.1.1",   # Debian's and Ubuntu's installers:
                   "localhost": "127.0.0.1",  # a hand edit: 127.0.0.1 localhost nodea
                   "fqdn": "::1"}             # cloud-init's Red Hat template: 127.0.0.1 and ::1 nodea.cluster nodea
 # s from the start of both nodes' torchrun to the end of every process: far below their --dist-timeout (300 s), with
-# room for a loaded machine (in the full suite on 2 cores, a rank's start alone took 25 s)
-REFUSED_WITHIN = 45
+# room for a loaded machine (in the full suite on 2 cores, a rank's start alone took 25 s, and on a slower machine a
+# refusal took 46 s in all)
+REFUSED_WITHIN = 90
 SLOW_START = 3  # s: node B's process starts that much later than node A's
 BY_HAND_S = 15  # s: node B started later by hand, within a refusal's lifecycle.DELIVERY_S
 QUICK = [*TINY, "--train-samples", "256", "--batch-size", "32", "--workers", "1"]
@@ -808,7 +809,7 @@ def test_an_endpoint_that_takes_no_connection_is_one_line_within_torchruns_own_w
     alone = Job(hosts, tmp_path)
     started = time.monotonic()
     alone.start("nodeb", "nodeb", launcher(3))
-    alone.wait(60, expect=1)
+    alone.wait(100, expect=1)
     log = alone.log("nodeb")
     errors = [line for line in log.splitlines() if "error" in line.lower()]
     why = "Connection refused" if endpoint_port == "closed" else "timed out"
@@ -816,7 +817,8 @@ def test_an_endpoint_that_takes_no_connection_is_one_line_within_torchruns_own_w
                       f"({why}): start its node's launcher with the same --rdzv-endpoint, and let the nodes reach "
                       f"each other on every TCP port, {PORT} and those torchrun, gloo and NCCL pick (python3 "
                       f"scripts/preflight.py --rdzv-endpoint nodea:{PORT} checks it from here)"], log
-    assert "Traceback" not in log and "frame #" not in log and time.monotonic() - started < 40, log
+    # Within far less than torchrun's own two minutes, on a loaded machine too (its imports came first).
+    assert "Traceback" not in log and "frame #" not in log and time.monotonic() - started < 90, log
     if endpoint_port == "dropped":
         hosts.firewall("nodea", None)
     late = Job(hosts, tmp_path / "late")
@@ -838,7 +840,7 @@ def job_behind_a_firewall(make_hosts, tmp_path, dist_timeouts):
         job.start(name, name, ["scripts/torchrun_bounded.py", *torchrun_across(hosts, 1, launcher=()),
                                "distributed.py", *TINY, "--train-samples", "64", "--batch-size", "32",
                                "--dist-timeout", timeout])  # loader workers as by default
-    job.wait(75, expect=1)
+    job.wait(150, expect=1)
     return hosts, job
 
 
@@ -861,7 +863,7 @@ def test_a_firewall_open_only_at_the_endpoint_is_named_by_the_job_and_by_preflig
     for name in hosts.names:
         check.start(name, name, [*torchrun_across(hosts, 1), "scripts/preflight.py", "--workers", "0",
                                  "--timeout", "10"])
-    check.wait(90, expect=1)
+    check.wait(180, expect=1)
     store_port_fix = "let the nodes reach each other on every TCP port: torchrun's c10d rendezvous serves"
     report = check.log("nodea")
     assert "rank 1 did not report within --timeout 10 s" in report and store_port_fix in report, report
@@ -879,7 +881,7 @@ def test_a_rank_its_agent_stops_while_it_waits_to_join_says_what_it_waited_for(m
     --dist-timeout): node A's agent, its rank failed, ends and takes the rendezvous store with it; node B's
     agent then stops its rank (SIGTERM), which had died without a word. It says that nothing ever answered
     at the ranks' store, where it waited."""
-    hosts, job = job_behind_a_firewall(make_hosts, tmp_path, ("10", "120"))
+    hosts, job = job_behind_a_firewall(make_hosts, tmp_path, ("10", "300"))
     lines = [line for line in job.log("nodeb").splitlines() if line.startswith("distributed.py: error:")]
     assert len(lines) == 1 and re.fullmatch(
         rf"distributed\.py: error: rank 1 was stopped by SIGTERM after waiting \d+ s to join the gloo process group: "
@@ -910,7 +912,7 @@ def test_a_check_of_the_arguments_that_refuses_tells_no_job(make_hosts, tmp_path
     check = job.start("check", "nodeb", ["distributed_mp.py", *QUICK, "--nodes", 2, "--node-rank", 1,
                                          "--nproc-per-node", 1, "--ip", hosts.address("nodea"), "--port", PORT,
                                          "--check-args"])
-    assert check.wait(60) == 2, job.log("check")
+    assert check.wait(120) == 2, job.log("check")
     assert "distributed_mp.py: error: gloo will listen on 127.0.1.1" in job.log("check"), job.log("check")
     done.touch()
     assert job.wait(30, expect=None)["store"] == 0, job.log("store")
@@ -952,7 +954,7 @@ def test_a_refusal_read_as_its_store_goes_is_the_only_line(make_hosts, tmp_path)
     for rank in (0, 1):  # two "nodes" of one process each, both on node A
         job.start(f"rank{rank}", "nodea", [program], RANK=rank, WORLD_SIZE=2, LOCAL_RANK=0, LOCAL_WORLD_SIZE=1,
                   MASTER_ADDR=hosts.address("nodea"), MASTER_PORT=PORT)
-    assert job.wait(60, expect=2) == {"rank0": 2, "rank1": 2}
+    assert job.wait(150, expect=2) == {"rank0": 2, "rank1": 2}
     errors = [line for line in job.log("rank1").splitlines() if ": error:" in line]
     assert len(errors) == 1 and "rank 0 refused to start: rank 0's own refusal" in errors[0], job.log("rank1")
 
@@ -987,7 +989,7 @@ def test_the_store_stays_until_every_rank_has_read_a_refusal(make_hosts, tmp_pat
     for rank in (0, 1, 2):  # three "nodes" of one process each, all on node A
         job.start(f"rank{rank}", "nodea", [program], RANK=rank, WORLD_SIZE=3, LOCAL_RANK=0, LOCAL_WORLD_SIZE=1,
                   MASTER_ADDR=hosts.address("nodea"), MASTER_PORT=PORT)
-    assert job.wait(60, expect=2) == {"rank0": 2, "rank1": 2, "rank2": 2}, job.log("rank1")
+    assert job.wait(150, expect=2) == {"rank0": 2, "rank1": 2, "rank2": 2}, job.log("rank1")
     for rank in (0, 1):
         errors = [line for line in job.log(f"rank{rank}").splitlines() if ": error:" in line]
         assert len(errors) == 1 and "rank 2 refused to start: rank 2's own refusal" in errors[0], job.log(f"rank{rank}")

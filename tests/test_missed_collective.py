@@ -50,7 +50,7 @@ lifecycle.run_main(main)
 
 def test_the_waiting_rank_names_the_call_it_waited_in(tmp_path):
     """The stop agreement goes through the job's store, on GPUs too: its wait is bounded by
-    --dist-timeout (the test's 120 s would end first otherwise)."""
+    --dist-timeout (the test's 180 s would end first otherwise)."""
     program = tmp_path / "loop.py"
     program.write_text(PROGRAM.format(root=str(ROOT)))
     env = subprocess_env()
@@ -59,7 +59,7 @@ def test_the_waiting_rank_names_the_call_it_waited_in(tmp_path):
     # connectFullMesh timed out), so 20 s, as the other tests that wait for a lost peer use.
     proc = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", program,
                        "--epochs", "1", "--batch-size", "4", "--workers", "0", "--dist-timeout", "20"],
-                      check=False, timeout=120, env=env)
+                      check=False, timeout=180, env=env)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output
     # torchrun reports rank 0 as the first failure, with the message of its error file.
