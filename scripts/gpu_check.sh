@@ -78,7 +78,13 @@ FAILED=()
 STOPPED=0 STAGE_PID=
 stop() {
     STOPPED=$1
-    [ -n "$STAGE_PID" ] && kill -s "$2" "$STAGE_PID" 2>/dev/null
+    [ -n "$STAGE_PID" ] || return
+    # A stage's `timeout` ignores SIGINT until it has set its handlers (bash starts background
+    # commands so), and it starts its command only after: until then SIGTERM, which ends it.
+    local sig="$2" caught
+    caught="$(awk '/^SigCgt:/ {print $2}' "/proc/$STAGE_PID/status" 2>/dev/null)"
+    [ "$sig" = INT ] && (( (16#${caught:-0} & 2) == 0 )) && sig=TERM
+    kill -s "$sig" "$STAGE_PID" 2>/dev/null
 }
 trap 'stop 130 INT' INT
 trap 'stop 143 TERM' TERM

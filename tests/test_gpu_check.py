@@ -4,6 +4,7 @@ script's environment knobs. What it runs on a GPU is tested by the gpu-marked te
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -85,20 +86,29 @@ def processes_in_session(sid):
     return found
 
 
-def test_ctrl_c_stops_the_running_stage_and_skips_the_rest(tmp_path):
+@pytest.mark.parametrize("slow_start", [False, True], ids=["running", "starting"])
+def test_ctrl_c_stops_the_running_stage_and_skips_the_rest(tmp_path, slow_start):
     """Ctrl-C reaches the script's process group, which `timeout` has taken each stage out of:
     the script must hand it on, skip the stages left and end with 130, leaving no process behind.
-    An earlier run's reports in the folder are gone, not passed off as this run's."""
+    An earlier run's reports in the folder are gone, not passed off as this run's.
+    starting: the stage's `timeout` starts 6 s late (as an exec stalled on a loaded machine once
+    seemed to: the stage then ran on to its own timeout), so that Ctrl-C comes before it has set
+    its handlers, while it still ignores SIGINT."""
     out = tmp_path / "out"
     out.mkdir()
     (out / "benchmark.md").write_text("an earlier run's figures\n")
     hang = tmp_path / "test_hang.py"
     hang.write_text("import time\n\ndef test_hangs():\n    time.sleep(600)\n")
+    env = subprocess_env(PYTHON=sys.executable, OUT=str(out), GPU_CHECK_REQUIRE_CUDA="0", GPU_CHECK_SECONDS="400",
+                         GPU_CHECK_PYTEST_SECONDS="200", GPU_CHECK_PYTEST_WORKERS="0", GPU_CHECK_PYTEST_ARGS=str(hang))
+    if slow_start:
+        late = tmp_path / "bin"
+        late.mkdir()
+        (late / "timeout").write_text(f'#!/bin/bash\nsleep 6\nexec {shutil.which("timeout")} "$@"\n')
+        (late / "timeout").chmod(0o755)
+        env["PATH"] = f"{late}{os.pathsep}{env['PATH']}"
     proc = subprocess.Popen(["bash", str(SCRIPT)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True,
-                            env=subprocess_env(PYTHON=sys.executable, OUT=str(out), GPU_CHECK_REQUIRE_CUDA="0",
-                                               GPU_CHECK_SECONDS="400", GPU_CHECK_PYTEST_SECONDS="200",
-                                               GPU_CHECK_PYTEST_WORKERS="0", GPU_CHECK_PYTEST_ARGS=str(hang)))
+                            text=True, start_new_session=True, env=env)
     try:
         log = out / "gpu_check.log"
         deadline = time.monotonic() + 120
@@ -106,7 +116,7 @@ def test_ctrl_c_stops_the_running_stage_and_skips_the_rest(tmp_path):
             time.sleep(0.2)
         assert "== pytest: at most" in log.read_text()
         assert not (out / "benchmark.md").exists()
-        time.sleep(3)  # into the hanging test
+        time.sleep(3)  # into the hanging test (starting: into the late start of its `timeout`)
         began = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C sends it: to the foreground process group
         output, _ = proc.communicate(timeout=60)
