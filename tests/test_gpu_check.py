@@ -86,9 +86,10 @@ def processes_in_session(sid):
     return found
 
 
-# A shell starts a job in a terminal with SIGINT at its default and unblocked; this process (a pytest-xdist
-# worker) may have either changed by the time the test runs (twice in full runs under load: the script, started
-# with SIGINT ignored, could not trap it, and Ctrl-C was lost), and a child inherits both through exec.
+# A terminal's shell starts a job with SIGINT at its default and unblocked. The suite itself may not have that: a
+# non-interactive shell starts `make test &` with SIGINT ignored, every process of the run inherits it, and the
+# script, started so, could not trap Ctrl-C (twice in full runs started in the background). Set back here, as exec
+# keeps both.
 AS_A_TERMINAL_STARTS_IT = [sys.executable, "-c", "import os, signal, sys; signal.pthread_sigmask(signal.SIG_SETMASK, "
                            "[]); signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])"]
 
