@@ -139,9 +139,9 @@ def stop_under_way():
 def watch_launcher(grace_s: float = 30.0, poll_s: float = 1.0):
     """End this process when its launcher (torchrun's agent, the mp.spawn parent) dies: a SIGTERM to itself, which
     checkpoints at the next agreed step, then SIGKILL `grace_s` later (a peer that died with the launcher never agrees).
-    Polling the parent's pid, unlike PR_SET_PDEATHSIG, ignores the forking thread. An mp.spawn worker's parent is the
-    one multiprocessing names: it may have died while the worker started. Only under those two: the shell of a rank
-    started by hand may end first (`RANK=0 ... nohup python distributed.py &`). Returns the pid watched, or None."""
+    Polls the parent's pid (PR_SET_PDEATHSIG follows the forking thread); an mp.spawn worker's is multiprocessing's,
+    dead already if it died while the worker started. Not a rank's shell (`nohup python distributed.py &` outlives it),
+    nor pid 1 (torchrun may be a container's: an agent dead before this looks the same). Returns the pid or None."""
     parent, started_by = os.getppid(), multiprocessing.parent_process()
     if started_by is not None and not started_by.is_alive():  # adopted already (forkserver's: its fork server)
         parent = started_by.pid
