@@ -2,6 +2,8 @@
 localhost, TCP or shared-file rendezvous; bad input stops in the parent, before any
 process starts, with one line and exit status 2."""
 import os
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -151,6 +153,25 @@ def test_port_in_use_is_one_line_and_exit_2(capsys, monkeypatch, held_on):
     assert f"port {port} on 127.0.0.1 is already in use" in line and "--port" in line.split("use;")[1]
 
 
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ip"),
+                    reason="a network and a hosts file of its own: root, unshare, ip")
+def test_ip_may_name_a_host_that_has_an_ipv6_address_only(tmp_path):
+    """--ip NAME where NAME has only an IPv6 address: in a network namespace of the test's own, fd00:57::2 on its
+    loopback interface, named in a hosts file bind-mounted over /etc/hosts (::1 would not do: glibc answers an IPv4
+    lookup of a name on a ::1 line with 127.0.0.1). The run trains there (TCPStore and gloo take such a name). The
+    check of the port looked NAME up for IPv4 alone, and refused it with "cannot resolve"."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"127.0.0.1 localhost {socket.gethostname()}\nfd00:57::2 v6only\n")
+    args = ["--dataset", "synthetic", "--model", "resnet_tiny", "--train-samples", "64", "--test-samples", "32",
+            "--batch-size", "32", "--epochs", "1", "--nproc-per-node", "2", "--ip", "v6only"]
+    run = (f"ip link set lo up && ip address add fd00:57::2/128 dev lo && mount --bind {shlex.quote(str(hosts))} "
+           f"/etc/hosts && exec {shlex.join([sys.executable, 'distributed_mp.py', *args])}")
+    proc = subprocess.run(["unshare", "--net", "--mount", "sh", "-c", run], cwd=ROOT, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "rendezvous at tcp://v6only:" in proc.stdout, proc.stdout + proc.stderr
+    assert "done: 2 steps" in proc.stdout and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+
+
 def test_port_in_use_on_node_0_says_the_other_nodes_wait(capsys, monkeypatch):
     """The other nodes would hear of node 0's refusal at that very port: none can be told, and the
     line says what they do meanwhile (rank 0's store could not listen to tell them)."""
@@ -182,6 +203,27 @@ def test_two_runs_started_at_once_on_one_port_one_trains_and_the_other_says_the_
     assert "rank 0 could not join" in lines[0] and "took the port after it was checked" in lines[0] \
         or f"port {port} on 127.0.0.1 is already in use" in lines[0], said
     assert "did not come" not in lines[0] and "Traceback" not in said, said
+
+
+@pytest.mark.parametrize("libuv", ["1", "0"], ids=["libuv", "USE_LIBUV=0"])
+def test_rank_0_whose_port_was_taken_after_the_check_says_so_with_status_2(libuv):
+    """Rank 0 joining at a port that another program took after the launcher found it free (two runs started at
+    once): one line that says so, status 2, whichever TCPStore server (libuv's, the default, or the older one, which
+    USE_LIBUV=0 or ?use_libuv=0 chooses, and which words it differently), not "another rank did not come"."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        join = ("import torch; from utils import distributed as d; "
+                f"d.setup(d.DistEnv(0, 0, 2, 2, distributed=True, init_method='tcp://127.0.0.1:{port}'), "
+                "torch.device('cpu'), timeout_s=60)")
+        proc = subprocess.run([sys.executable, "-c", join], cwd=ROOT, capture_output=True, text=True, timeout=180,
+                              env=dict(os.environ, OMP_NUM_THREADS="1", USE_LIBUV=libuv))
+    *logged, line = proc.stderr.strip().splitlines()  # the older server logs its failed binds first (socket.cpp)
+    assert proc.returncode == 2 and all("] [c10d] " in entry for entry in logged) and bool(logged) == (libuv == "0")
+    assert line.startswith("-c: error: rank 0 could not join the gloo process group (DistNetworkError: "), proc.stderr
+    assert line.endswith("another program (another run?) took the port after it was checked: start again on "
+                         "another port"), line
 
 
 @pytest.mark.parametrize("listening", [True, False], ids=["held", "closed"])

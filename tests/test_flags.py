@@ -236,12 +236,15 @@ SCRIPT_FLAGS = {
                                          Refused([FLAG, "1"], "node ranks go from 0 to 0"),
                                          Elsewhere("tests/test_hosts.py::test_mp_spawn_across_hosts_by_tcp_and_by_a_shared_file")],
         ("--ip",): [Works([FLAG, "127.0.0.1"], lambda r: "rendezvous at tcp://127.0.0.1:" in r.stdout),
-                    Refused([FLAG, "192.0.2.1"], "is not an address of this machine")],
+                    Refused([FLAG, "192.0.2.1"], "is not an address of this machine"),
+                    Refused([FLAG, "10.0.0..1"], "cannot resolve 10.0.0..1 (--ip)")],  # not idna's traceback
         ("--port",): [Works([FLAG, "{port}"], lambda r: f"rendezvous at tcp://127.0.0.1:{r.port}" in r.stdout),
                       Refused([FLAG, "70000"], "1 .. 65535")],
         ("--init-method", "--init_method"): [
             Works([FLAG, "file://{tmp}/rendezvous"], lambda r: f"rendezvous at file://{r.tmp}/rendezvous" in r.stdout),
-            Refused([FLAG, "file://{tmp}/rendezvous", "--port", "{port}"], "leave out --ip and --port")],
+            Refused([FLAG, "file://{tmp}/rendezvous", "--port", "{port}"], "leave out --ip and --port"),
+            Refused([FLAG, "tcp://192.0.2.1:{port}"], "must run on the host that --init-method names"),
+            Refused([FLAG, "tcp://node..a:{port}"], "cannot resolve node..a (--init-method)")],
         ("--local-rank", "--local_rank"): [Refused([FLAG, "0"], "starts and numbers its own processes")],
     },
     "distributed_fsdp.py": {

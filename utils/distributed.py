@@ -300,7 +300,7 @@ def joining(job: DistEnv, timeout_s: float, backend: str, launcher: int = None):
         # The store's and the backend's own waits end at --dist-timeout, before the deadline above: a rank that
         # did not come. Several nodes: under torchrun the ranks' store is at a port it picks on node 0, and gloo
         # and NCCL listen on ports of their own: a firewall that lets only the endpoint's port through stops here.
-        busy = "EADDRINUSE" in str(err)  # rank 0's store: its port was free when checked, then taken by another
+        busy = "address already in use" in str(err).lower()  # rank 0's store (libuv's or not): free when checked
         why = ("another program (another run?) took the port after it was checked: start again on another port"
                if busy else ("the nodes must reach each other on every TCP port, not only the rendezvous endpoint's"
                              if job.several_nodes else "another rank did not come in time (it failed or was slow to "

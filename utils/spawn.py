@@ -52,8 +52,8 @@ def check_launch(args) -> int:
     if args.node_rank >= args.nodes:
         raise cli.UsageError(f"--node-rank {args.node_rank} with --nodes {args.nodes}: "
                              f"node ranks go from 0 to {args.nodes - 1}")
-    world_size = args.nodes * args.nproc_per_node
-    if args.init_method is None:
+    world_size, given_url = args.nodes * args.nproc_per_node, args.init_method is not None
+    if not given_url:
         if args.nodes > 1 and not cli.given(args, "ip"):
             raise cli.UsageError(f"--nodes {args.nodes} needs --ip: node 0's address, which every node reaches, "
                                  "the same on every node")
@@ -94,7 +94,7 @@ def check_launch(args) -> int:
                              f"visible: use {gpus} or fewer (one process per GPU), or --device cpu", met_by="node")
     if url.scheme == "tcp" and args.node_rank == 0:  # rank 0 listens there: check now that it can
         try:
-            bind_port(host, port)
+            bind_port(host, port, "--init-method" if given_url else "--ip")
         except cli.UsageError as refusal:
             if args.nodes == 1 or args.check_args:  # (--check-args: no other node runs)
                 raise
@@ -120,8 +120,9 @@ def _bind(host, port) -> int:
     """Bind `port` as rank 0's store will, on every address (TCPStore's server listens on all: a port that another
     program holds on one address is taken), once `host` is known to be this machine's; let go. SO_REUSEADDR: a
     port in TIME_WAIT is free."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    socket.getaddrinfo(host, None, family)  # socket.gaierror if it does not resolve
+    family = socket.AF_INET if ":" not in host and network.resolve(host) else socket.AF_INET6  # a name: IPv4 first
+    if not network.resolve(host, family):  # (and a malformed name, which getaddrinfo meets with a UnicodeError)
+        raise socket.gaierror(f"cannot resolve {host}")
     if network.own_address(host) is None:  # not a bind: any address binds under net.ipv4.ip_nonlocal_bind=1
         raise OSError(errno.EADDRNOTAVAIL, "not this machine's")
     with socket.socket(family) as s:
@@ -130,19 +131,19 @@ def _bind(host, port) -> int:
         return s.getsockname()[1]
 
 
-def bind_port(host, port=0) -> int:
-    """_bind, bad input raised as UsageError; returns the port (port 0: any free one)."""
+def bind_port(host, port=0, flag="--ip") -> int:
+    """_bind, bad input raised as UsageError (`flag` named host); returns the port (port 0: any free one)."""
     try:
         return _bind(host, port)
     except socket.gaierror:
-        raise cli.UsageError(f"cannot resolve --ip {host}") from None
+        raise cli.UsageError(f"cannot resolve {host} ({flag})") from None
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             raise cli.UsageError(f"port {port} on {host} is already in use; choose another "
                                  f"--port, e.g. --port {free_port(host)}") from None
         if exc.errno == errno.EADDRNOTAVAIL:
             raise cli.UsageError(f"{host} is not an address of this machine: node 0 (--node-rank 0) "
-                                 "must run on the host that --ip names") from None
+                                 f"must run on the host that {flag} names") from None
         raise cli.UsageError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
 
 
