@@ -4,7 +4,8 @@ jobs avoided, and a bound on how long it outlives its training processes.
     python scripts/torchrun_bounded.py [torchrun's arguments]     # in place of `torchrun ...`
 
 It is torchrun itself (torch.distributed.run, in this process), plus, with a c10d rendezvous
-(--rdzv-backend=c10d --rdzv-endpoint=HOST:PORT), what this node decides before it starts:
+at a TCP store (--rdzv-backend=c10d --rdzv-endpoint=HOST:PORT; a shared file, --rdzv-conf
+store_type=file, has no host to decide), what this node decides before it starts:
 
 - whether it hosts the rendezvous store, where torchrun's own guess is wrong: --rdzv-conf
   is_host=1 on the node that HOST names (0 on another). torchrun takes HOST for itself when it is
@@ -87,11 +88,13 @@ def node_settings(argv: list) -> tuple:
     from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
 
     from utils import network
-    try:  # the host as torchrun reads it ("[IPV6]" with or without a port: the brackets go)
+    try:
+        settings = _parse_rendezvous_config(args.rdzv_conf)  # as torchrun reads them: keys and values stripped
+        if settings.get("store_type", "tcp").lower() != "tcp":  # store_type=file: the endpoint is a shared file
+            return argv, "", None
+        # The host as torchrun reads it ("[IPV6]" with or without a port: the brackets go).
         host, port = rendezvous_utils.parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=DEFAULT_PORT)
-        # --rdzv-conf as torchrun reads it: keys and values stripped, is_host 1, true, yes, y...
-        conf = RendezvousParameters(args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id, 1, 1,
-                                    **_parse_rendezvous_config(args.rdzv_conf))
+        conf = RendezvousParameters(args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id, 1, 1, **settings)
         given, read_timeout = conf.get_as_bool("is_host"), conf.get_as_int("read_timeout", 60)
     except ValueError as err:
         print_line(f"torchrun_bounded.py: error: {err}")
@@ -106,7 +109,8 @@ def node_settings(argv: list) -> tuple:
         guess = None
     if given is None and network.resolve(host, socket.AF_UNSPEC) and here != guess:
         merged = f"{args.rdzv_conf},is_host={int(here)}" if args.rdzv_conf else f"is_host={int(here)}"
-        argv = [f"--rdzv-conf={merged}", *[a for i, a in enumerate(argv) if not _is_rdzv_conf(argv, i)]]
+        script = len(argv) - len(args.training_script_args) - 1  # last before it: torchrun keeps the last value
+        argv = [*argv[:script], f"--rdzv-conf={merged}", *argv[script:]]
         decided.append(f"is_host={int(here)}")
         given = here
     rendezvous = Rendezvous(host, port, bool(guess) if given is None else given, read_timeout)
@@ -178,16 +182,6 @@ def _uses_gloo(script_args: list) -> bool:
     except UsageError:  # the script refuses it, in its own line
         return False
     return dist.get_default_backend_for_device(device) == "gloo"
-
-
-def _is_rdzv_conf(argv: list, i: int) -> bool:
-    """Whether argv[i] is (part of) an --rdzv-conf option, which node_settings puts back merged."""
-    for flag in ("--rdzv-conf", "--rdzv_conf"):
-        if argv[i] == flag or argv[i].startswith(flag + "="):
-            return True
-        if i > 0 and argv[i - 1] == flag:
-            return True
-    return False
 
 
 def _record_states():

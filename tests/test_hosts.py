@@ -730,6 +730,22 @@ def test_the_launcher_names_node_0_as_the_endpoint_not_as_node_0_resolves_its_na
         assert not chosen or advised <= chosen, log
 
 
+def test_a_c10d_rendezvous_in_a_shared_file_trains_through_the_launcher(make_hosts, tmp_path):
+    """torchrun's c10d rendezvous with --rdzv-conf store_type=file: the endpoint is a file both hosts see (the
+    test's folder), not HOST:PORT. torchrun_bounded.py leaves it to torchrun (it read the path as a host: a path
+    with a slash was refused, status 2), and the job trains."""
+    hosts = make_hosts()
+    job = Job(hosts, tmp_path)
+    for name in hosts.names:
+        job.start(name, name, ["scripts/torchrun_bounded.py",
+                               *torchrun_across(hosts, 1, endpoint=tmp_path / "rendezvous", rdzv=["--rdzv-conf",
+                                                                                                  "store_type=file"],
+                                                launcher=()),
+                               "distributed.py", *TINY, "--train-samples", "64", "--batch-size", "32"])
+    job.wait(150)
+    assert "done: 2 steps" in job.log("nodea") + job.log("nodeb"), job.log("nodea") + job.log("nodeb")
+
+
 def test_a_floating_address_is_the_endpoint_of_the_node_that_holds_it_alone(make_hosts, tmp_path):
     """The endpoint is a floating address (keepalived's, Pacemaker's): node A holds it as a secondary address
     in its subnet, whose route's source is node A's primary address, and both nodes let a socket bind addresses

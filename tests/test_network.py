@@ -164,6 +164,23 @@ def test_is_host_is_given_only_where_torchruns_guess_is_wrong(on_host, monkeypat
     assert ("is_host" in decided) == bool(given), decided
 
 
+def test_is_host_joins_the_users_rdzv_conf_however_spelt_and_leaves_the_scripts_arguments_alone(on_host, monkeypatch):
+    """The --rdzv-conf with is_host added is the one torchrun reads: the last before the training script (an
+    abbreviation, which torchrun's parser takes, was left after it, and won without is_host), and the training
+    script's own arguments are its own, an --rdzv-conf among them too (it was removed)."""
+    from scripts import torchrun_bounded
+    from torch.distributed.elastic.rendezvous import utils as rendezvous_utils
+    from torch.distributed.run import get_args_parser
+    on_host("nodea", NODE_A, {"nodea": "10.0.1.1"})
+    monkeypatch.setattr(rendezvous_utils, "_matches_machine_hostname", lambda host: False)
+    script = ["train.py", "--rdzv-conf", "theirs", "--out", "o"]
+    argv, decided, _ = torchrun_bounded.node_settings(["--nnodes=2", "--rdzv-backend=c10d", "--rdzv_c",
+                                                       "join_timeout=900", "--rdzv-endpoint=nodea:29500", *script])
+    args = get_args_parser().parse_args(argv)
+    assert "is_host=1" in decided and args.rdzv_conf == "join_timeout=900,is_host=1", argv
+    assert [args.training_script, *args.training_script_args] == script, argv
+
+
 def launched(monkeypatch, argv: list):
     """scripts/torchrun_bounded.py ARGV to where it starts torchrun (stubbed: nothing starts), with every
     connection to the endpoint refused: ("torchrun", its argv), ("check", the first check's environment),
