@@ -286,16 +286,19 @@ def main():
     args = get_args_parser().parse_args(argv)
     several_nodes = rendezvous is not None and str(args.nnodes).split(":")[-1] != "1"
     checking = "--check-args" in args.training_script_args  # check them, start nothing
-    if checking:
-        check_args(args, rendezvous)  # first: its line names a bad flag
-    if several_nodes:
-        refuse_what_no_setting_saves(args, rendezvous.host, warn=not checking)
-    if checking:
-        sys.exit(0)
-    if decided:
-        print_line(f"torchrun_bounded.py on {socket.gethostname()}: {decided}")
-    if several_nodes and not rendezvous.hosts_store:
-        wait_for_the_store(rendezvous)
+    try:
+        if checking:
+            check_args(args, rendezvous)  # first: its line names a bad flag
+        if several_nodes:
+            refuse_what_no_setting_saves(args, rendezvous.host, warn=not checking)
+        if checking:
+            sys.exit(0)
+        if decided:
+            print_line(f"torchrun_bounded.py on {socket.gethostname()}: {decided}")
+        if several_nodes and not rendezvous.hosts_store:
+            wait_for_the_store(rendezvous)
+    except KeyboardInterrupt:  # Ctrl-C before torchrun started (waiting for the store: 2 minutes by default)
+        sys.exit(130)  # nothing started, nothing to say: the status of a Ctrl-C, without a traceback
     # Each attempt in a store of its own (kept where given): torchrun's agent lends the workers its store, which
     # outlives a restart, and its nodes may count attempts apart (an agent whose workers were healthy when another
     # node's failed restarts them as a membership change, not counted): those ranks would look for each other under

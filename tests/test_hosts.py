@@ -837,6 +837,21 @@ def test_an_endpoint_that_takes_no_connection_is_one_line_within_torchruns_own_w
     assert "Traceback" not in log and "frame #" not in log and time.monotonic() - started < 90, log
     if endpoint_port == "dropped":
         hosts.firewall("nodea", None)
+    # Ctrl-C while it waits (here up to 2 minutes): status 130 at once, no traceback. Started as a terminal's shell
+    # starts a job, SIGINT at its default (a suite started in the background has it ignored, and Python keeps that).
+    stopped = Job(hosts, tmp_path / "stopped")
+    (tmp_path / "stopped").mkdir()
+    proc = stopped.start("nodeb", "nodeb", ["-c", "import runpy, signal, sys; signal.signal(signal.SIGINT, "
+                                            "signal.default_int_handler); sys.argv = sys.argv[1:]; "
+                                            "runpy.run_path(sys.argv[0], run_name='__main__')", *launcher(60)])
+    deadline = time.monotonic() + 90
+    while "torchrun_bounded.py on nodeb: " not in stopped.log("nodeb"):  # what it decided, said before the wait
+        assert proc.poll() is None and time.monotonic() < deadline, stopped.log("nodeb")
+        time.sleep(0.2)
+    time.sleep(1)
+    os.killpg(proc.pid, signal.SIGINT)
+    stopped.wait(30, expect=130)
+    assert "Traceback" not in stopped.log("nodeb") and "error" not in stopped.log("nodeb"), stopped.log("nodeb")
     late = Job(hosts, tmp_path / "late")
     (tmp_path / "late").mkdir()
     late.start("nodeb", "nodeb", launcher(15))
