@@ -252,7 +252,8 @@ def check_args(args, rendezvous):
     run with: a batch that 2 and 4 nodes split, 3 may not. Exits with its status where that is not 0. The
     launchers run it before torchrun: a refused worker would be restarted."""
     import subprocess
-    from torch.distributed.run import determine_local_world_size
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.run import determine_local_world_size, parse_min_max_nnodes
     # Without c10d: --master-port, None by default in 2.14, 29500 in 2.11
     host, port, hosts_store = rendezvous[:3] if rendezvous else (args.master_addr, args.master_port or 29500, False)
     try:
@@ -260,12 +261,17 @@ def check_args(args, rendezvous):
     except ValueError as err:
         print_line(f"torchrun_bounded.py: error: --nproc_per_node={args.nproc_per_node}: {err}")
         sys.exit(2)
+    try:  # N or MIN:MAX, read and refused as torchrun does (MIN above MAX too)
+        fewest, most = parse_min_max_nnodes(str(args.nnodes))
+        RendezvousParameters(args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id, fewest, most)
+    except (ValueError, RuntimeError) as err:
+        print_line(f"torchrun_bounded.py: error: --nnodes={args.nnodes}: {err}")
+        sys.exit(2)
     # TORCHELASTIC_RUN_ID, as torchrun sets it: a --checkpoint-dir that this job (its --rdzv-id) holds is no refusal
     # (a node that joins it, or comes back), one that another run holds is.
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE=str(nprocs), MASTER_PORT=str(port),
                MASTER_ADDR=args.local_addr if args.local_addr and hosts_store else host, TORCHELASTIC_RUN_ID=args.rdzv_id)
-    fewest, _, most = str(args.nnodes).partition(":")  # N, or MIN:MAX
-    for nodes in range(int(most or fewest), int(fewest) - 1, -1):  # the most first: a fixed job's line
+    for nodes in range(most, fewest - 1, -1):  # the most first: a fixed job's line
         env["WORLD_SIZE"] = str(nodes * nprocs)
         status = subprocess.run([sys.executable, args.training_script, *args.training_script_args], env=env).returncode
         if status:

@@ -353,6 +353,17 @@ def test_an_elastic_job_is_checked_at_every_node_count_it_may_run_with(monkeypat
     assert sizes == checked and (refused is None or refused.value.code == 2)
 
 
+@pytest.mark.parametrize("nnodes, why", [("4:2", "must be greater than or equal to the minimum"),
+                                         ("2:4:6", 'is not in "MIN:MAX" format'), ("two", "invalid literal")])
+def test_a_check_of_the_arguments_refuses_an_nnodes_that_torchrun_would(nnodes, why):
+    """--nnodes as torchrun reads and refuses it: MAX below MIN was checked at no node count, and passed; a third
+    number or a word was a traceback. One line, status 2, as the script's own refusals."""
+    proc = run_script(["scripts/torchrun_bounded.py", f"--nnodes={nnodes}", "--nproc-per-node=1", "distributed.py",
+                       "--dataset", "synthetic", "--check-args"], check=False, timeout=120)
+    assert_one_line_error(proc, f"torchrun_bounded.py: error: --nnodes={nnodes}: ", why)
+    assert "arguments OK" not in proc.stdout, proc.stdout
+
+
 # --- SLURM ---------------------------------------------------------------------------------
 
 SLURM_ENV = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "cifar", "SLURM_JOB_NODELIST": "gpu[01-02]",
