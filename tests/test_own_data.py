@@ -99,6 +99,21 @@ def test_sample_seeds_differ_by_seed_epoch_and_index():
     assert data.sample_seed(2**64 - 1, 10**6, 10**7) < 2**64
 
 
+def test_numpy_transforms_are_seeded_with_all_64_bits_of_the_sample_seed():
+    class NumpyDraws(Dataset):  # a transform that draws from NumPy's global generator, as many libraries do
+        def __getitem__(self, index):
+            return np.random.random(), index
+
+    seen = {}  # two samples of one epoch whose seeds agree in their low 32 bits (a birthday: within 10**5)
+    for index in range(10**6):
+        first = seen.setdefault(data.sample_seed(0, 0, index) & 0xFFFF_FFFF, index)
+        if first != index:
+            break
+    samples = data.SeededSamples(NumpyDraws(), seed=0)
+    assert samples[(first, 0)][0] != samples[(index, 0)][0], (first, index)
+    assert samples[(first, 0)] == samples[(first, 0)]
+
+
 def test_a_plain_data_set_handed_to_train_loader_is_seen_through_seeded_samples():
     class Pairs(Dataset):
         def __len__(self):

@@ -310,7 +310,7 @@ class SeededSamples(_View):
         try:
             torch.default_generator.manual_seed(seed)
             random.seed(seed)
-            np.random.seed(seed & 0xFFFF_FFFF)  # NumPy's legacy seed is 32-bit
+            np.random.seed([seed & 0xFFFF_FFFF, seed >> 32])  # an int must fit in 32 bits; a list carries all 64
             return self.base[index]
         finally:
             torch.set_rng_state(torch_state)
