@@ -235,11 +235,13 @@ COMPARISONS = [
     ("fsdp2-bf16", "ddp-bf16", "FSDP2 bf16 policy against DDP bf16 autocast"),
     ("fast-bf16", "ddp-bf16", "data on the device (channels_last) against the loader (the default layout), bf16"),
     ("fast-bf16-compile", "fast-bf16", "torch.compile against eager"),
-    ("fast-bf16-compile-1024", "fast-bf16-compile", "1024 against 512 images per device, compiled"),
-    ("fast-bf16-cudagraphs", "fast-bf16-compile", "CUDA graphs (one process) against plain torch.compile"),
+    ("fast-bf16-compile-1024", "fast-bf16-compile", "1024 images per device against the run's batch, compiled"),
+    ("fast-bf16-cudagraphs-ddp", "fast-bf16-compile", "CUDA graphs against plain torch.compile, both under DDP"),
     ("fast-bf16-cudagraphs-ddp", "fast-bf16-cudagraphs", "CUDA graphs under DDP against without it"),
     ("ceiling-bf16-channels-last", "ceiling-bf16-nchw", "channels_last against NCHW, the step alone, bf16"),
-    ("ceiling-bf16-cudagraphs", "ceiling-bf16-channels-last", "CUDA graphs against eager, the step alone, bf16"),
+    ("ceiling-bf16-compile", "ceiling-bf16-channels-last", "torch.compile against eager, the step alone, bf16"),
+    ("ceiling-bf16-cudagraphs", "ceiling-bf16-compile", "CUDA graphs against plain torch.compile, the step alone, "
+                                                        "bf16"),
     ("ddp-bf16", "ceiling-bf16-channels-last", "the loader path (the default layout) against the channels_last "
                                                "step alone, bf16"),
 ]
@@ -252,7 +254,9 @@ COMPARISONS += [(c.mirrors, c.name, f"{c.mirrors} against its step alone ({c.abo
 # TF32 (float32 range, a 10-bit mantissa in the multiply, float32 sums) came with Ampere.
 TF32_MIN_CAPABILITY = (8, 0)
 # The scripts that also let float32 matmuls use TF32 (torch.backends.cuda.matmul.allow_tf32 is
-# False by default); the ceilings' own process does as distributed_apex.py does.
+# False by default); the ceilings' own process does as distributed_apex.py does. Every row
+# inherits this process's environment, where TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 turns them on
+# everywhere (torch.get_float32_matmul_precision() is then "high").
 MATMUL_TF32_SCRIPTS = ("distributed_apex.py",)
 
 
@@ -276,7 +280,7 @@ def row_precision(row, plan) -> tuple:
         amp = flag_value(row, "--amp", "fp32")
         if flag_value(row, "--mp-policy") == "bf16":
             return "bf16", "bf16 (FSDP2 MixedPrecisionPolicy: bf16 compute, fp32 gradient reduction)"
-        matmul_tf32 = row.script in MATMUL_TF32_SCRIPTS
+        matmul_tf32 = row.script in MATMUL_TF32_SCRIPTS or torch.get_float32_matmul_precision() != "highest"
     if amp == "bf16":
         return amp, "bf16 autocast"
     if amp == "fp16":

@@ -353,6 +353,12 @@ def test_precision_labels_follow_the_flags_and_the_device(tool, monkeypatch):
         cpu_label = "fp32" if amp == "fp32" else label
         assert tool.row_precision(rows[name], on_cpu) == (amp, cpu_label), name
     assert tool.base_result(rows["fsdp2-bf16"], on_gpu)["amp"] == "bf16"
+    # TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1, which every row inherits, turns TF32 matmuls on in all of them.
+    overridden = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_float32_matmul_precision())"],
+                                env={**os.environ, "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1"},
+                                capture_output=True, text=True, check=True).stdout.strip()
+    monkeypatch.setattr(tool.torch, "get_float32_matmul_precision", lambda: overridden)
+    assert tool.row_precision(rows["ddp"], on_gpu) == ("fp32", "fp32 (TF32 convolutions and matmuls)")
     # Which GPUs have TF32: Ampere (8.0) and newer.
     monkeypatch.setattr(tool.torch.cuda, "get_device_capability", lambda device=None: (7, 0))
     assert tool.tf32_convolutions(True) is False
@@ -736,6 +742,25 @@ def cpu_plan(tool, **changes):
     return dataclasses.replace(plan, **changes)
 
 
+def test_each_named_ratio_compares_rows_that_differ_in_what_it_names(tool):
+    """A ratio credited to one change compares rows that differ in that change alone: two
+    ceilings differ in one of precision, layout, compilation, CUDA graphs or batch; two script
+    rows under different launchers (with DDP and without) say so; no caption names a per-device
+    batch that --batch-size changes."""
+    rows = {r.name: r for r in [*tool.ROWS, *tool.CEILINGS]}
+
+    def ceiling_traits(c):
+        return c.dtype, c.channels_last, c.compile_mode != "", c.compile_mode == "reduce-overhead", c.per_device_batch
+
+    for a, b, what in tool.COMPARISONS:
+        first, second = rows[a], rows[b]
+        if isinstance(first, tool.Ceiling) and isinstance(second, tool.Ceiling):
+            assert sum(x != y for x, y in zip(ceiling_traits(first), ceiling_traits(second))) == 1, (a, b, what)
+        elif isinstance(first, tool.Row) and isinstance(second, tool.Row) and first.launcher != second.launcher:
+            assert "DDP" in what, (a, b, what)
+        assert not re.search(r"\b(128|256|512)\b", what), (a, b, what)
+
+
 def test_ratios_against_the_baseline_on_hand_made_rows(tool):
     rates = {"ddp": 10_000, "ddp-bf16": 17_000, "fast-bf16": 40_000, "ceiling-bf16-channels-last": 50_000,
              "dp": 5_000}
@@ -754,10 +779,10 @@ def test_ratios_against_the_baseline_on_hand_made_rows(tool):
     # device's, twice ddp's per device (not a quarter of its total).
     rows = [{"name": "ddp", "status": "ok", "median_images_per_second": 80_000, "devices": 8},
             {"name": "fast-bf16-cudagraphs", "status": "ok", "median_images_per_second": 20_000, "devices": 1},
-            {"name": "fast-bf16-compile", "status": "ok", "median_images_per_second": 96_000, "devices": 8}]
+            {"name": "fast-bf16-cudagraphs-ddp", "status": "ok", "median_images_per_second": 96_000, "devices": 8}]
     tool.add_derived(rows, {"train_step_per_image": 3e9}, 1000.0)
     assert [r["vs_baseline"] for r in rows] == [pytest.approx(1.0), pytest.approx(2.0), pytest.approx(1.2)]
-    assert [c["ratio"] for c in tool.comparisons(rows)] == [pytest.approx(20 / 12)]  # cudagraphs / compile
+    assert [c["ratio"] for c in tool.comparisons(rows)] == [pytest.approx(12 / 20)]  # under DDP / without
     # Without the baseline row there is no ratio to it.
     rows = [r for r in rows if r["name"] != "ddp"]
     tool.add_derived(rows, {"train_step_per_image": 3e9}, None)
