@@ -373,6 +373,57 @@ def test_compile_is_not_offered(run_in_process):
         assert_refused(run_in_process("distributed_fsdp.py", [*SMALL, *flags]), f"unrecognized arguments: {flags[0]}")
 
 
+def test_a_ctrl_c_inside_a_sharded_save_or_load_is_a_ctrl_c(run_in_process, one_process, tmp_path, monkeypatch):
+    # DCP turns any BaseException of a rank into a CheckpointException on every rank. A Ctrl-C that
+    # lands while DCP reads or writes (raised where a shard's bytes move) ends the run as any Ctrl-C
+    # does, with status 130 and nothing more: not "does not fit" (a resume then refused, the
+    # checkpoint looking broken), nor a failed save's traceback.
+    import torch.distributed.checkpoint as dcp
+
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    saved = one_process / "distributed_fsdp.py" / "checkpoint.pt"
+    with monkeypatch.context() as patch:
+        patch.setattr(dcp.FileSystemReader, "read_data", ctrl_c)
+        code, out, err = run_in_process("distributed_fsdp.py", [*ONE, "--resume", saved, "--checkpoint-dir",
+                                                                tmp_path / "resumed"])
+        assert code == 130 and "Traceback" not in err and "checkpoint" not in err, (code, err)
+        with pytest.raises(KeyboardInterrupt):
+            sharded.load_full(str(saved))
+    with monkeypatch.context() as patch:
+        patch.setattr(dcp.FileSystemWriter, "write_data", ctrl_c)
+        code, out, err = run_in_process("distributed_fsdp.py", [*ONE, "--checkpoint-dir", tmp_path / "saved"])
+        assert code == 130 and "Traceback" not in err and "SaveFailed" not in err, (code, err)
+
+
+def test_the_sharded_metadata_is_on_disk_before_the_save_returns(tmp_path, monkeypatch):
+    # fsync makes a file's bytes durable. 2.11 fsyncs .metadata before it flushes Python's buffer,
+    # which a small metadata (a small model's, under the buffer's size) has not left: after a power
+    # loss it may come back empty, with checkpoint.pt naming its folder and the old one gone.
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    synced, fsync = [], os.fsync
+
+    def recording(fd):
+        synced.append((os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), os.fstat(fd).st_size))
+        return fsync(fd)
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = fully_shard(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+        monkeypatch.setattr(os, "fsync", recording)
+        sharded.save_sharded(model, optimizer, str(tmp_path / "shards"))
+    finally:
+        dist.destroy_process_group()
+    size = (tmp_path / "shards" / ".metadata").stat().st_size
+    assert 0 < size < 4096 and ((".metadata", size) in synced or (".metadata.tmp", size) in synced), synced
+
+
 def test_a_failed_sharded_save_names_each_ranks_error(tmp_path):
     # Rank 1 may write files of 100 kB at most (a quota; Python ignores SIGXFSZ: the write fails
     # with EFBIG); its shards take 400 kB. No loader worker: their batches would hit it too.

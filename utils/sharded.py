@@ -125,6 +125,16 @@ def save_sharded(model, optimizer, folder: str) -> list:
             except Exception as exc:
                 raise storage_error(exc) from exc
 
+        def finish(self, *args, **kwargs):
+            super().finish(*args, **kwargs)
+            # 2.11's finish fsyncs .metadata before it flushes Python's buffer (2.14's flushes first): an
+            # empty file's. Its bytes must be on disk before checkpoint.pt names the folder and the old one goes.
+            fd = os.open(os.path.join(self.path, ".metadata"), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
     model_state, optim_state = get_state_dict(model, optimizer)
     # Buffers (batch-norm statistics) are whole on every rank but differ between ranks; DCP
     # writes one copy of such a tensor, by default from whichever rank has the least to write.
@@ -135,6 +145,7 @@ def save_sharded(model, optimizer, folder: str) -> list:
                  storage_writer=Writer(folder, overwrite=False),
                  planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
     except dcp.CheckpointException as exc:  # a BaseException, which no handler of failures would see
+        interrupted(exc)
         raise SaveFailed(f"the sharded checkpoint could not be written to {folder}: {causes(exc)}") from None
     return optim_state["param_groups"]
 
@@ -155,6 +166,14 @@ def storage_error(exc: Exception) -> StorageError:
     while cause is not None and not isinstance(cause, OSError):
         cause = cause.__cause__ or cause.__context__
     return StorageError(first_line(cause or exc, typed=True))
+
+
+def interrupted(exc):
+    """DCP catches any BaseException of a rank's save or load and raises a CheckpointException on every
+    rank (checkpoint/utils.py, _DistWrapper): a Ctrl-C (KeyboardInterrupt) in it is a Ctrl-C again, not a
+    checkpoint that failed or does not fit."""
+    if any(isinstance(err, KeyboardInterrupt) for err, _ in exc.failures.values()):
+        raise KeyboardInterrupt from None
 
 
 def causes(exc) -> str:
@@ -262,6 +281,7 @@ def load_sharded(model, optimizer, folder: str, param_groups: list, metadata):
     try:
         dcp.load(state, storage_reader=_checked_reader(folder, metadata))
     except dcp.CheckpointException as exc:  # on every rank: a shard unreadable, a missing key, another shape
+        interrupted(exc)
         what = (f"cannot read sharded checkpoint {folder}" if any(isinstance(err, StorageError) for err, _ in
                 exc.failures.values()) else f"sharded checkpoint {folder} does not fit this model/optimizer")
         raise UsageError(f"{what}: {causes(exc)}") from None
@@ -285,6 +305,7 @@ def read_sharded(folder: str) -> dict:
         try:
             dcp.load(state, storage_reader=_checked_reader(folder, metadata), no_dist=True)
         except dcp.CheckpointException as exc:  # a BaseException: `except Exception` would miss it
+            interrupted(exc)
             # The template is the metadata's own: it fits. This one process is DCP's "rank 0".
             cause = causes(exc).removeprefix("rank 0: ")
             raise UsageError(f"cannot read sharded checkpoint {folder}: {cause}") from None
