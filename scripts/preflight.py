@@ -302,16 +302,20 @@ def endpoint_findings(endpoint: str) -> list:
     endpoint as the others do (c10d_rendezvous_backend._create_tcp_store)."""
     from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
-    here = network.own_address(endpoint)  # the endpoint's address that is this host's
-    with contextlib.suppress(OSError):  # OSError: this host's own name does not resolve, so it is not recognised
-        if not here or _matches_machine_hostname(endpoint):
+    here, name = network.own_address(endpoint), socket.gethostname()  # the endpoint's address that is this host's
+    if not here:
+        return []
+    try:
+        if _matches_machine_hostname(endpoint):
             return []
-    name = socket.gethostname()
+        what = (f"torchrun's c10d rendezvous will not host its store here: it recognises itself by its name, and "
+                f"{name} resolves to {', '.join(network.resolve(name))}; every node then waits for a store that "
+                "nobody serves, and fails 1.5 to 3 minutes later with RendezvousConnectionError")
+    except OSError:  # its getaddrinfo of this host's own name, outside any try in torch (2.11 to 2.14)
+        what = (f"{name}, this host's name, does not resolve: torchrun's c10d rendezvous looks it up to tell "
+                "whether to host the store, and fails here at once (socket.gaierror)")
     return [network.Finding(
-        True, f"this host is the rendezvous endpoint {endpoint}, but torchrun's c10d rendezvous will not host "
-              f"its store here: it recognises itself by its name, and {name} resolves to "
-              f"{', '.join(network.resolve(name)) or 'nothing'}; every node then waits for a store that "
-              "nobody serves, and fails 1.5 to 3 minutes later with RendezvousConnectionError",
+        True, f"this host is the rendezvous endpoint {endpoint}, but {what}",
         f"map {name} to {here} in /etc/hosts; or add --rdzv-conf is_host=1 to torchrun on this node only "
         "(scripts/torchrun_bounded.py, which the launchers use, does); or use the static rendezvous: "
         f"--master-addr {endpoint} --master-port PORT --node-rank 0 here (1, 2... elsewhere)")]
@@ -489,13 +493,23 @@ def check_this_rank(role: Role, args) -> int:
     result, hung = communicate(role, args, device, facts.get("node_facts")) if all(all_facts.values()) else ({}, False)
     post("result", role.rank, result)
     if role.rank == 0:
-        code = 1 if report(all_facts, collect("result", role.world_size, args.timeout + 10), args, role) else 0
+        results = collect("result", role.world_size, args.timeout + 10)
+        code = 1 if report(all_facts, results, args, role) else 0
         post("verdict", 0, code)
+        # Where rank 0 serves the store (a launcher without torchrun's agent store, as with
+        # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), its exit takes the store away: a rank still reading the
+        # verdict would fail. It waits, 10 s at most, until every rank that reported has read it.
+        readers, until = sum(r is not None for r in results.values()) - 1, time.monotonic() + 10
+        with contextlib.suppress(Exception):
+            while STORE.add("read", 0) < readers and time.monotonic() < until:
+                time.sleep(0.01)
     else:
         # Wait for rank 0 to print: under torchrun, a rank that ends first with an error
         # would get rank 0 killed before its report.
         verdict = collect("verdict", 1, 3 * args.timeout + 30)[0]
         code = 1 if verdict is None else verdict
+        with contextlib.suppress(Exception):
+            STORE.add("read", 1)
     sys.stdout.flush()
     sys.stderr.flush()
     if hung:
@@ -877,8 +891,11 @@ class Report:
             print(f"  node {node}: " + (" ".join(f"{k}={v}" for k, v in env.items()) or "none set"))
         for what, fix in self.bad_interface_variables():
             self.problem(what, fix)
-        if len({json.dumps(env, sort_keys=True) for env in envs.values()}) > 1:
-            self.problem("the nodes have different NCCL_*/GLOO_* variables",
+        # An interface's name is each node's own (scripts/torchrun_bounded.py sets GLOO_SOCKET_IFNAME per node),
+        # checked above against that node's interfaces; the rest must agree.
+        shared = [{k: v for k, v in env.items() if not k.endswith("_SOCKET_IFNAME")} for env in envs.values()]
+        if len({json.dumps(env, sort_keys=True) for env in shared}) > 1:
+            self.problem("the nodes have different NCCL_*/GLOO_* variables (other than *_SOCKET_IFNAME)",
                          "export the same ones on every node (in the job script, not a login shell)")
 
 
@@ -962,15 +979,24 @@ def main(argv=None):
     # Under torchrun the agent hosts the rendezvous store (TORCHELASTIC_USE_AGENT_STORE);
     # with a launcher that does not, rank 0 hosts it, as env:// initialisation would.
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # as torch reads it (rendezvous.py)
-    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    addr, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+    if not (port.strip().isdigit() and 0 < int(port) <= 65535):
+        raise UsageError(f"MASTER_PORT={port!r} is not a TCP port (1 .. 65535): the launcher (torchrun) sets it")
     try:
-        connect_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), role.world_size, args.timeout,
-                      host_it=role.rank == 0 and not agent)
+        connect_store(addr, int(port), role.world_size, args.timeout, host_it=role.rank == 0 and not agent)
     except RuntimeError as err:  # torch's DistNetworkError: no report can come from this rank
+        # Why, as the run itself would say it: the port this rank was to serve taken (USE_LIBUV=0's wording
+        # too); on several nodes, MASTER_ADDR (bare torchrun's c10d: node 0's name) unresolvable or loopback
+        # here; else a firewall.
+        busy = "address already in use" in str(err).lower()
+        certain = [f.line for f in network.findings(addr, uses_gloo=False)
+                   if f.certain] if job.several_nodes and not busy else []
+        why = (f"port {port} is already in use on this host: stop what holds it (ss -ltnp 'sport = :{port}') or "
+               "use another" if busy else (certain or [STORE_PORT_FIX])[0])
         if role.local_rank == 0:
-            print(f"preflight: rank {role.rank} ({socket.gethostname()}) cannot reach the ranks' store at {where} "
-                  f"({cli.first_line(err, typed=True)}): {STORE_PORT_FIX}", file=sys.stderr)
-        sys.exit(1)
+            print(f"preflight: rank {role.rank} ({socket.gethostname()}) cannot {'serve' if busy else 'reach'} the "
+                  f"ranks' store at {addr}:{port} ({cli.first_line(err, typed=True)}): {why}", file=sys.stderr)
+        sys.exit(2 if busy else 1)
     sys.exit(check_this_rank(role, args))
 
 

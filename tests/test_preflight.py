@@ -17,7 +17,8 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, assert_one_line_error, fake_accelerator, free_port, run_script, subprocess_env, torchrun
+from conftest import (ROOT, assert_one_line_error, fake_accelerator, free_port, on_rank_1, run_script, subprocess_env,
+                      torchrun)
 from scripts import preflight
 from utils import distributed as dist_utils, spawn
 from utils.cli import UsageError
@@ -53,6 +54,17 @@ def test_under_torchrun_uses_the_launchers_processes():
     assert "(resnet_tiny's gradient" in out and "bus bandwidth" in out
     assert out.rstrip().endswith("all checks passed")
     assert_one_report(out)
+
+
+def test_a_rank_slow_to_read_the_verdict_from_rank_0s_store_still_passes(tmp_path):
+    """With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (the launchers set it), torchrun's c10d rendezvous leaves
+    the ranks' store to rank 0, whose exit takes it away. Rank 1 reads the verdict 3 s after it came."""
+    slow = ("import time, torch.distributed as d; get = d.PrefixStore.get; d.PrefixStore.get = lambda self, key: "
+            "(time.sleep(3) if key.startswith('verdict') else None, get(self, key))[1]")
+    proc = torchrun(2, on_rank_1(tmp_path, SCRIPT, slow), ["--workers", "0", "--iters", "3", "--model", "resnet_tiny"],
+                    env={**subprocess_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.rstrip().endswith("all checks passed")
 
 
 def test_problems_are_listed_with_their_fixes_and_a_stuck_rank_times_out(tmp_path):
@@ -197,6 +209,8 @@ def test_bad_arguments_exit_2_before_starting_anything(argv, fragment, capsys):
     ({"WORLD_SIZE": "2"}, ["--nproc", "2"], "under torchrun use --nproc_per_node"),
     ({"WORLD_SIZE": "two"}, [], "WORLD_SIZE='two' is not a rank or size"),
     ({"WORLD_SIZE": "2"}, [], "WORLD_SIZE is set but MASTER_ADDR or MASTER_PORT is not"),
+    ({"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "abc"}, [], "MASTER_PORT='abc' is not a TCP port"),
+    ({"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "70000"}, [], "MASTER_PORT='70000' is not a TCP"),
 ])
 def test_launcher_variables_that_cannot_be_right_are_refused(monkeypatch, capsys, env, argv, fragment):
     for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -208,6 +222,47 @@ def test_launcher_variables_that_cannot_be_right_are_refused(monkeypatch, capsys
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and fragment in err, err
+
+
+@pytest.mark.parametrize("master_addr, cause", [
+    # Bare torchrun's c10d: node 0's own name (socket.getfqdn() there), which this node cannot resolve.
+    ("nodea.invalid", "MASTER_ADDR nodea.invalid, where the ranks meet, does not resolve on this host"),
+    ("localhost", "MASTER_ADDR localhost is 127.0.0.1 here, a loopback address"),
+])
+def test_a_rank_of_another_node_that_cannot_reach_the_store_is_told_why(monkeypatch, capsys, master_addr, cause):
+    """Rank 1 of node 1 under torchrun: what keeps it from node 0's store is named as the run would
+    name it (utils/network.py), not a firewall; one line, status 1."""
+    with socket.socket() as closed:  # a port nobody listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    env = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "1",
+           "GROUP_WORLD_SIZE": "2", "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": master_addr,
+           "MASTER_PORT": str(port)}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exit_:
+        preflight.lifecycle.run_main(preflight.main, ["--timeout", "2", "--workers", "0"])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 1 and len(err.splitlines()) == 1, err
+    assert f"rank 1 ({socket.gethostname()}) cannot reach the ranks' store at {master_addr}:{port}" in err, err
+    assert cause in err and preflight.STORE_PORT_FIX not in err, err
+
+
+def test_rank_0_whose_stores_port_is_taken_says_so_with_status_2(monkeypatch, capsys):
+    """A launcher without torchrun's agent store: rank 0 serves the store at MASTER_PORT, held here."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        for name, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+        with pytest.raises(SystemExit) as exit_:
+            preflight.lifecycle.run_main(preflight.main, ["--timeout", "2", "--workers", "0"])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1, err
+    assert f"cannot serve the ranks' store at 127.0.0.1:{port}" in err and f"port {port} is already in use" in err, err
 
 
 def test_bounded_returns_raises_or_gives_up():
@@ -303,6 +358,21 @@ def test_this_host_as_the_endpoint_is_recognised_by_any_of_its_addresses(monkeyp
     assert len(found) == (1 if fix else 0) and all(f.fix.startswith(fix) for f in found), found
 
 
+def test_this_host_as_the_endpoint_whose_own_name_does_not_resolve_makes_torchrun_fail_at_once(monkeypatch):
+    """torchrun looks up this host's own name to tell whether to host the store, outside any try
+    (rendezvous/utils.py, _matches_machine_hostname): its gaierror ends torchrun, nobody waits."""
+    from utils import network
+    monkeypatch.setattr(socket, "gethostname", lambda: "nodea.invalid")
+    monkeypatch.setattr(network, "is_own", lambda address: address == "127.0.0.2")
+    monkeypatch.setattr(network, "resolve", lambda host, family=socket.AF_INET: ["127.0.0.2"] * (host == "node0"))
+    with pytest.raises(socket.gaierror):  # torch's own check, as torchrun would run it here
+        from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+        _matches_machine_hostname("node0")
+    [found] = preflight.endpoint_findings("node0")
+    assert "nodea.invalid, this host's name, does not resolve" in found.what and "fails here at once" in found.what
+    assert "1.5 to 3 minutes" not in found.what and found.fix.startswith("map nodea.invalid to 127.0.0.2 in /etc/hosts")
+
+
 def test_a_loopback_endpoint_is_named_as_the_user_gave_it():
     """--rdzv-endpoint localhost: the finding names the endpoint and its fix, not MASTER_ADDR's."""
     role = preflight.Role(rank=0, world_size=2, local_rank=0, local_world_size=2, node=0, launcher="python")
@@ -379,7 +449,8 @@ def test_report_two_gpus_that_hang_get_nccl_p2p_disable_and_docker_shm(capsys):
 
 def test_report_two_nodes_with_different_versions_and_variables(capsys):
     role = preflight.Role(0, 2, 0, 1, 0, "torchrun", nodes=2)
-    facts = {0: rank_facts(0, 0, local=node_facts(["H100"], None, 2**34, env={"NCCL_SOCKET_IFNAME": "ib"})),
+    facts = {0: rank_facts(0, 0, local=node_facts(["H100"], None, 2**34, env={"NCCL_SOCKET_IFNAME": "ib",
+                                                                               "NCCL_IB_DISABLE": "1"})),
              1: rank_facts(1, 1, torch_version="2.10.0", local=node_facts(["H100"], None, 2**34))}
     facts[0]["rendezvous"] = "host0:29500"
     for f in facts.values():
@@ -396,6 +467,11 @@ def test_report_two_nodes_with_different_versions_and_variables(capsys):
     assert len(problems) == 3, problems
     # The heading names every kind of variable listed under it.
     assert f"environment ({', '.join(prefix + '*' for prefix in preflight.ENV_PREFIXES)})" in out, out
+    # Each node's own interface, named on one node only (torchrun_bounded.py sets it where it must): no problem.
+    for node, env in enumerate(({"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"}, {})):
+        facts[node]["node_facts"]["env"] = env
+    facts[1]["torch"] = "2.11.0"
+    assert preflight.report(facts, passed([0, 1]), args_for(sample_shape=(3, 32, 32)), role) == []
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "python"])
