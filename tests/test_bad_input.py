@@ -28,6 +28,9 @@ import numpy as np
     (["--seed", "-1"], "--seed: must be in 0 .. 2**64-1"),
     (["--seed", str(2**64)], "--seed: must be in 0 .. 2**64-1"),
     (["--checkpoint-dir", ""], "--checkpoint-dir is empty"),
+    (["--metrics", ""], "--metrics is empty: name a file"),  # --metrics "$UNSET": no record, and status 0
+    (["--profile", " "], "--profile is empty: name a directory"),
+    (["--tensorboard", ""], "--tensorboard is empty: name a directory"),
     (["--resume", "", "--checkpoint-dir", "x"], "--resume is empty"),
 ])
 def test_bad_flag_values_are_one_line(capsys, argv, fragment):

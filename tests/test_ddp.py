@@ -208,6 +208,39 @@ def test_rank_0s_buffers_reach_every_rank_once_when_wrapped_and_never_before_a_f
     assert all(not torch.equal(rank0["after_forwards"][name], rank1["after_forwards"][name]) for name in means)
 
 
+def _verify_sync_worker(rank, world_size, port, out_dir):
+    import contextlib
+    import io
+
+    from utils import replicas
+    join_group(rank, world_size, port)
+    try:
+        model = nn.Linear(2, 2)
+        with torch.no_grad():
+            model.weight.copy_(torch.tensor([[float("nan"), 1.0], [2.0, float("inf")]]))  # alike on both ranks
+            model.bias.copy_(torch.tensor([0.0, float(rank)]))  # rank 1's differs
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            replicas.verify_sync(model)
+            with torch.no_grad():
+                model.bias.zero_()
+            replicas.verify_sync(model)
+        with open(os.path.join(out_dir, f"said{rank}.txt"), "w") as f:
+            f.write(printed.getvalue())
+    finally:
+        dist_utils.cleanup()
+
+
+def test_verify_sync_names_what_differs_and_takes_nan_on_every_rank_for_agreement(tmp_path):
+    """Weights that diverged to NaN alike on every rank are in sync (torch.equal calls NaN unequal to
+    itself); a tensor that one rank holds otherwise is named."""
+    spawn(_verify_sync_worker, 2, (2, free_port(), str(tmp_path)))
+    assert (tmp_path / "said0.txt").read_text().splitlines() == [
+        "verify-sync: 1 tensors differ across 2 ranks: bias",
+        "verify-sync: all parameters and buffers agree across 2 ranks"]
+    assert (tmp_path / "said1.txt").read_text() == ""  # rank 0 speaks for all
+
+
 def _grad_layout_worker(rank, world_size, port, out_dir, device, channels_last):
     """A DDP model compiled as the scripts compile it (bf16 autocast on a GPU), trained 2 steps:
     the layout of every gradient as it reaches AccumulateGrad (a hook on each parameter), and

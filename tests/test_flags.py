@@ -105,7 +105,13 @@ COMMON = {
     ("--workers",): [Works([FLAG, "1"], lambda r: r.worker_loaders > 0)],
     ("--model",): [Works([FLAG, "resnet_tiny", "--checkpoint-dir", "{tmp}/ck"],
                          lambda r: r.state()["model"]["fc.weight"].shape == (100, 64))],  # resnet18's is 512 wide
-    ("--epochs",): [Works([FLAG, "2", "--max-steps", "3"], lambda r: r.records[-2]["epoch"] == 2)],
+    ("--epochs",): [
+        Works([FLAG, "2", "--max-steps", "3"], lambda r: r.records[-2]["epoch"] == 2),
+        # x0.2 from step 6 of 20 (30%): each epoch's record gives the rate its last step trained at, not the next.
+        Works([FLAG, "10", "--warmup-epochs", "0", "--max-steps", "8"],
+              lambda r: [e["lr"] for e in r.records if e["event"] == "epoch"]
+              == pytest.approx([0.1 * 8 / 128] * 3 + [0.02 * 8 / 128])),
+    ],
     ("--batch-size", "--batch_size"): [
         Works([FLAG, "16", "--train-samples", "32"], lambda r: r.last["global_batch"] == 16),
         Refused([FLAG, "0"], "at least 1"),
@@ -124,9 +130,9 @@ COMMON = {
                                lambda r: optimizer_group(r)["nesterov"] is False)],
     ("--weight-decay", "--weight_decay"): [Works([FLAG, "0.01", "--checkpoint-dir", "{tmp}/ck"],
                                                  lambda r: optimizer_group(r)["weight_decay"] == 0.01)],
-    # 8 warm-up steps: the rate at step 2 is 3/8 of the full one.
+    # 8 warm-up steps: the second step trains at 2/8 of the full rate.
     ("--warmup-epochs",): [Works([FLAG, "4", "--epochs", "10"],
-                                 lambda r: r.last["lr"] == pytest.approx(0.1 * 8 / 128 * 3 / 8))],
+                                 lambda r: r.last["lr"] == pytest.approx(0.1 * 8 / 128 * 2 / 8))],
     ("--seed",): [Works([FLAG, "1"], loss_differs)],
     ("--clip-grad-norm", "--clip-grad"): [Works([FLAG, "1"], lambda r: r.last["grad_norm"] > 0)],
     ("--max-steps",): [Works([FLAG, "1"], lambda r: r.last["step"] == 1)],

@@ -212,11 +212,11 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
     args._given = frozenset(name for name, value in vars(marked).items() if value is not marker)
     if args.local_rank is not None and "LOCAL_RANK" not in os.environ:
         os.environ["LOCAL_RANK"] = str(args.local_rank)
-    if args.checkpoint_dir is not None and not args.checkpoint_dir.strip():
-        parser.error("--checkpoint-dir is empty: name a directory")
-    if args.resume is not None and not args.resume.strip():
-        parser.error("--resume is empty: name a checkpoint file, or give --resume alone to continue "
-                     "--checkpoint-dir's checkpoint")
+    for name, what in (("checkpoint_dir", "a directory"), ("metrics", "a file"), ("profile", "a directory"),
+                       ("tensorboard", "a directory"), ("resume", "a checkpoint file, or give --resume alone to "
+                                                        "continue --checkpoint-dir's checkpoint")):
+        if str(getattr(args, name, None)).strip() == "":  # "$UNSET" (None: not given): nothing would be written
+            parser.error(f"--{name.replace('_', '-')} is empty: name {what}")
     if args.resume == "auto" and not args.checkpoint_dir:
         parser.error("--resume without a PATH needs --checkpoint-dir")
     if args.checkpoint_every is not None and not args.checkpoint_dir:

@@ -38,7 +38,8 @@ def verify_sync(module: nn.Module):
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
         reference = tensor.detach().clone()
         dist.broadcast(reference, src=0)
-        differs = torch.tensor([0 if torch.equal(reference, tensor.detach()) else 1], device=tensor.device)
+        same = torch.allclose(reference, tensor.detach(), rtol=0, atol=0, equal_nan=True)  # exact; NaN agrees with NaN
+        differs = torch.tensor([0 if same else 1], device=tensor.device)
         dist.all_reduce(differs, op=dist.ReduceOp.MAX)
         if differs.item():
             names.append(name)

@@ -136,7 +136,7 @@ class TrainingRun:
         self.state = state or checkpoint.WholeState(model, optimizer)  # or sharded across ranks (utils/sharded.py)
         self.extra_record = dict(extra_record or {})
         self.epoch = self.step_in_epoch = self.global_step = 0  # epoch (0-based); optimizer steps in it, in the run
-        self.meter = self.last_record = self._partial_sums = self._bar = self._timing = None
+        self.meter = self.last_record = self._partial_sums = self._bar = self._timing = self.lr = None
         self._stop = self._restarted_into = False
         self._saved = None  # whether rank 0 sees a checkpoint in --checkpoint-dir (_check_shared), when distributed
         self._launches = set()  # every node's torchrun: _check_shared gathers them (under torchrun: distributed)
@@ -285,14 +285,13 @@ class TrainingRun:
                 self.epoch, self.step_in_epoch = self.epoch + 1, 0
 
     def progress(self, loader):
-        if not (self.env.is_main and sys.stderr.isatty()):
-            yield from loader
-            return
-        from tqdm import tqdm
-        with tqdm(loader, total=len(loader), desc=f"epoch {self.epoch + 1}/{self.args.epochs}",
-                  leave=False, dynamic_ncols=True) as self._bar:
-            yield from self._bar
-        self._bar = None
+        if self.env.is_main and sys.stderr.isatty():
+            from tqdm import tqdm
+            loader = self._bar = tqdm(loader, desc=f"epoch {self.epoch + 1}/{self.args.epochs}", leave=False,
+                                      dynamic_ncols=True)  # its total: len(loader)
+        for batch in loader:  # tqdm's iterator closes its bar when it ends, or is let go (the next epoch's replaces it)
+            self.lr = self.optimizer.param_groups[0]["lr"]  # this step's rate, the record's (the scheduler moves on)
+            yield batch
 
     def clip_grad_norm(self, parameters):
         """--clip-grad-norm (nothing without it): scale the gradients down to that global L2 norm if theirs is
@@ -348,7 +347,7 @@ class TrainingRun:
         self.last_record = record = {
             "event": "epoch", "epoch": self.epoch + 1, "step": self.global_step,
             "epoch_complete": self.step_in_epoch >= self.steps_per_epoch, **train, **eval_metrics, **timing,
-            "lr": self.optimizer.param_groups[0]["lr"], **memory,  # this epoch's peaks, on GPUs
+            "lr": self.lr, **memory,  # the rate of the epoch's last step; this epoch's peaks, on GPUs
             "world_size": self.env.world_size, "global_batch": self.args.batch_size,
             "strategy": self.strategy, "device": device_name(self.env.device), **self.extra_record}
         # Checkpoint first, then record: a record that fails to write loses no training.

@@ -1,5 +1,5 @@
-"""The learning-rate schedule of the recipe: linear warm-up, then x0.2 at 30%, 60% and 80% of training (epochs
-60/120/160 of 200, as in weiaicunzai/pytorch-cifar100). Stepped once per optimizer step."""
+"""The recipe's learning rate: linear warm-up, then x0.2 at 30%, 60% and 80% of training (epochs 60/120/160 of 200,
+as in weiaicunzai/pytorch-cifar100; one within the warm-up applies where it ends). Stepped once per optimizer step."""
 import torch
 
 MILESTONES = (0.3, 0.6, 0.8)
