@@ -190,10 +190,14 @@ def train(args, env, per_device_batch, precision):
             with autocast():  # forward and loss only: backward follows the forward's dtypes
                 logits = ddp_model(images)
                 loss = F.cross_entropy(logits, targets)  # autocast computes the loss in float32
-            optimizer.zero_grad(set_to_none=True)
             if apex_amp is None:
+                optimizer.zero_grad(set_to_none=True)
                 scaler.scale(loss).backward()  # DDP's hooks all-reduce the (scaled) gradients here
             else:
+                # apex.amp's O2 replaces optimizer.zero_grad with one that takes no set_to_none and detaches
+                # gradients in place, which DDP's bucket views refuse: the model's go first, its fp32 copies then.
+                model.zero_grad(set_to_none=True)
+                optimizer.zero_grad()
                 with apex_amp.scale_loss(loss, optimizer) as scaled_loss:  # unscales on exit
                     scaled_loss.backward()
             if args.clip_grad_norm is not None:  # the norm of the averaged gradient, on every rank

@@ -311,14 +311,24 @@ def test_precision_with_apex(fake_apex, monkeypatch):
         precision.choose_precision(flags(amp_impl="apex", opt_level="O3"), "cuda")
 
 
-def test_the_apex_amp_branch_of_the_loop(tmp_path, monkeypatch, run_in_process):
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_the_apex_amp_branch_of_the_loop(tmp_path, monkeypatch, run_in_process, level):
     """The loop with apex.amp, on the CPU, through a stand-in with apex.amp's interface:
     amp.initialize before DDP, backward inside amp.scale_loss, clipping on
-    amp.master_params, FusedSGD as the optimizer, amp's state in the checkpoint."""
+    amp.master_params, FusedSGD as the optimizer, amp's state in the checkpoint. At O2 (fp32
+    master weights) apex replaces optimizer.zero_grad with its own, which takes no set_to_none
+    and detaches the model's gradients in place (apex/amp/_process_optimizer.py)."""
     calls = {"initialize": [], "scale_loss": 0, "master_params": 0, "load_state_dict": []}
 
     def initialize(model, optimizer, opt_level, verbosity=1):
         calls["initialize"].append((type(optimizer), opt_level))
+        if opt_level == "O2":
+            def new_zero_grad(self):
+                for param in model.parameters():
+                    if param.grad is not None:
+                        param.grad.detach_()
+                        param.grad.zero_()
+            optimizer.zero_grad = types.MethodType(new_zero_grad, optimizer)
         return model, optimizer
 
     @contextlib.contextmanager
@@ -336,14 +346,14 @@ def test_the_apex_amp_branch_of_the_loop(tmp_path, monkeypatch, run_in_process):
                   load_state_dict=lambda state: calls["load_state_dict"].append(state))
     # The CPU has no real apex: hand train() the precision that a GPU with an old apex would get.
     monkeypatch.setattr(apex_script, "choose_precision",
-                        lambda args, device_type: precision.Precision("fp16", None, "O1", FakeFusedSGD, amp))
+                        lambda args, device_type: precision.Precision("fp16", None, level, FakeFusedSGD, amp))
     common = [*SMALL, "--amp-impl", "apex", "--clip-grad", "1.0", "--checkpoint-dir", tmp_path / "ckpt"]
     expect_ok(run_in_process(SCRIPT, [*common, "--max-steps", "2", "--metrics", tmp_path / "m.jsonl"]))
-    assert calls["initialize"] == [(FakeFusedSGD, "O1")]
+    assert calls["initialize"] == [(FakeFusedSGD, level)]
     assert calls["scale_loss"] == calls["master_params"] == 2
     record = end_record(tmp_path / "m.jsonl")
     assert (record["strategy"], record["amp"], record["amp_impl"], record["opt_level"]) == \
-        ("ddp-amp-apex", "fp16", "apex", "O1")
+        ("ddp-amp-apex", "fp16", "apex", level)
     saved = torch.load(tmp_path / "ckpt" / "checkpoint.pt", weights_only=True)
     assert saved["scaler"] == {"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 2}}
     expect_ok(run_in_process(SCRIPT, [*common, "--max-steps", "3", "--resume"]))
