@@ -234,9 +234,9 @@ def joining(job: DistEnv, timeout_s: float, backend: str, launcher: int = None):
     status 128 + the signal's number; a rank 0 whose port was taken, status 2; any failure in one line, no trace."""
     joined, answered, said, told = threading.Event(), threading.Event(), threading.Event(), threading.Event()
 
-    def watch():  # another rank's refusal, at once and every second, until a second before the store's own wait
-        store = [None]  # ends (--dist-timeout): rank 0's store ends with it, and a call then prints a C++ trace
-        while not joined.is_set() and time.monotonic() < began + timeout_s - 1.0:
+    def watch():  # another rank's refusal, at once and every second; on rank 0 until a second before the store's
+        store = [None]  # own wait ends (--dist-timeout): its store ends with it, and a call then prints a C++ trace
+        while not joined.is_set() and not (job.rank == 0 and time.monotonic() > began + timeout_s - 1.0):
             refused = lifecycle.refusal_of_a_peer(job.rendezvous, store)
             if store[0] is not None:  # a store answers at the rendezvous
                 answered.set()
