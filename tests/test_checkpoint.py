@@ -287,6 +287,29 @@ def test_check_args_refuses_what_the_resume_would(tmp_path, run_in_process):
     assert checkpoint.load(str(ck / "checkpoint.pt"))["global_step"] == 2  # refused, never overwritten
 
 
+@pytest.mark.parametrize("saved_in, loaded_in", [(torch.channels_last, torch.contiguous_format),
+                                                  (torch.contiguous_format, torch.channels_last)])
+def test_a_momentum_saved_in_another_layout_is_loaded_in_its_parameters(saved_in, loaded_in):
+    """distributed_mp.py on a recent NVIDIA GPU trains in channels_last, dataparallel.py in NCHW, and a flag or
+    another GPU changes it: optimizer.load_state_dict keeps a buffer's saved strides, which CUDA's fused SGD
+    refuses beside a parameter of other strides (a traceback at the first step of the resume)."""
+    from models import build_model
+    models, optimizers = [], []
+    for layout in (saved_in, loaded_in):
+        torch.manual_seed(0)
+        models.append(build_model("resnet_tiny", 10).to(memory_format=layout))
+        optimizers.append(torch.optim.SGD(models[-1].parameters(), lr=0.1, momentum=0.9))
+    images = torch.randn(4, 3, 32, 32).contiguous(memory_format=saved_in)
+    torch.nn.functional.cross_entropy(models[0](images), torch.arange(4)).backward()
+    optimizers[0].step()
+    state = checkpoint.WholeState(models[0], optimizers[0]).save(1, "")
+    checkpoint.WholeState(models[1], optimizers[1]).load(state, "")
+    for saved, loaded in zip(models[0].parameters(), models[1].parameters()):
+        momentum, expected = (optimizers[1].state[loaded]["momentum_buffer"],
+                              optimizers[0].state[saved]["momentum_buffer"])
+        assert momentum.stride() == loaded.stride() and torch.equal(momentum, expected)
+
+
 def test_rng_state_round_trip():
     checkpoint.set_rng_state(checkpoint.rng_state())  # exercises the numpy/python conversions
     saved = checkpoint.rng_state()

@@ -218,12 +218,12 @@ class WholeState:
     def load(self, state: dict, path: str, own: bool = False):
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        # A buffer keeps its saved layout (channels_last or not); CUDA's fused SGD needs its parameter's strides.
+        for param, slots in self.optimizer.state.items():
+            slots.update({k: torch.empty_like(param, dtype=v.dtype).copy_(v) for k, v in slots.items()
+                          if torch.is_tensor(v) and v.shape == param.shape and v.stride() != param.stride()})
 
     def save(self, step: int, path: str) -> dict:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
 
-    def saved(self, path: str):
-        pass
-
-    def tidy(self, path: str):
-        pass
+    saved = tidy = lambda self, path: None  # nothing beside checkpoint.pt to keep or remove
