@@ -44,6 +44,6 @@ job=(scripts/torchrun_bounded.py --nnodes="$NNODES" --nproc_per_node="$NPROC_PER
      --max-restarts="$MAX_RESTARTS" "$SCRIPT" "${SCRIPT_ARGS[@]}" "$@")
 # Bad arguments end here in one line: torchrun would restart the workers that refuse them
 # MAX_RESTARTS times. The check runs as the first process of this node would, in its settings.
-"$PYTHON" "${job[@]}" --check-args >/dev/null || exit 2
+"$PYTHON" "${job[@]}" --check-args >/dev/null || exit  # its status: 2 refused, 130 Ctrl-C
 set -x
 exec "$PYTHON" "${job[@]}"

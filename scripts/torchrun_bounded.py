@@ -48,7 +48,7 @@ With --check-args among the training script's arguments it starts no torchrun: i
 script's check of its arguments once, as this node's first process would run it, in the
 settings above (slurm.sbatch does, before srun).
 
-It gives each restart attempt a fresh rendezvous store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, unless
+It gives each restart attempt a fresh store for its workers (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, unless
 set; see main). scripts/launch_multi_node.sh and scripts/slurm.sbatch start torchrun through this file.
 """
 import errno

@@ -142,9 +142,18 @@ STUB = textwrap.dedent("""\
         time.sleep(60)
         sys.exit(3)
     if name == "scancel":
-        # What `scancel --signal=TERM JOB` does to the step: SIGTERM to its processes.
+        # A controller that does not answer in time, the first STUB_SCANCEL_FAILS times.
+        if sum(1 for line in open(os.environ["STUB_LOG"]) if '"scancel"' in line) <= int(
+                os.environ.get("STUB_SCANCEL_FAILS", "0")):
+            sys.exit("scancel: error: Socket timed out on send/recv operation")
+        # What `scancel --signal=TERM JOB` does to the step: SIGTERM to its processes; here the step
+        # ends before scancel returns, the batch shell's trap still running (as a fast step may).
         with open(os.environ["STUB_LOG"] + ".srun_pid") as f:
-            os.kill(int(f.read()), signal.SIGTERM)
+            pid = int(f.read())
+        os.kill(pid, signal.SIGTERM)
+        while os.path.exists(f"/proc/{{pid}}") and open(f"/proc/{{pid}}/stat").read().split(") ")[1][0] != "Z":
+            time.sleep(0.01)
+        time.sleep(0.2)
 """)
 
 
@@ -431,17 +440,21 @@ def test_slurm_without_a_venv_says_how_to_make_one(stubs, tmp_path):
     assert calls() == []
 
 
-@pytest.mark.parametrize("checkpoints, given", [(True, "env"), (True, "flag"), (True, "flag="), (False, "env"),
-                                                (True, "SCRIPT_ARGS")])
-def test_slurm_time_limit_signal_checkpoints_then_requeues(stubs, tmp_path, checkpoints, given):
+@pytest.mark.parametrize("checkpoints, given, scancel_fails", [
+    (True, "env", 0), (True, "flag", 0), (True, "flag=", 0), (False, "env", 0), (True, "SCRIPT_ARGS", 0),
+    (True, "env", 1), (True, "env", 3)])
+def test_slurm_time_limit_signal_checkpoints_then_requeues(stubs, tmp_path, checkpoints, given, scancel_fails):
     """The checkpoint folder named by CHECKPOINT_DIR, by a --checkpoint-dir among the extra flags
     (which the training takes, being the last), or by one edited into SCRIPT_ARGS: the batch script
-    watches that folder. Run in tmp_path: the default folder is checkpoints/4242 there."""
+    watches that folder. Run in tmp_path: the default folder is checkpoints/4242 there. A scancel that
+    fails (a busy controller) is tried again, 3 times in all; whatever fails in the trap, the batch
+    shell still waits for the step and decides."""
     env, calls = stubs
     mode = "until-signalled-then-checkpoint" if checkpoints else "until-signalled"
     folder = tmp_path / "ck"
     extra = {"flag": ["--checkpoint-dir", str(folder)], "flag=": [f"--checkpoint-dir={folder}"]}.get(given, [])
-    env = dict(env, STUB_SRUN=mode, **SLURM_ENV, **({"CHECKPOINT_DIR": str(folder)} if given == "env" else {}))
+    env = dict(env, STUB_SRUN=mode, STUB_SCANCEL_FAILS=str(scancel_fails), **SLURM_ENV,
+               **({"CHECKPOINT_DIR": str(folder)} if given == "env" else {}))
     script = ROOT / "scripts/slurm.sbatch"
     if given == "SCRIPT_ARGS":  # as a user edits the block that the header invites them to
         text = script.read_text()
@@ -457,20 +470,30 @@ def test_slurm_time_limit_signal_checkpoints_then_requeues(stubs, tmp_path, chec
             time.sleep(0.1)
         assert os.path.exists(pid_file), "srun never started"
         batch.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@120 does
+        if scancel_fails == 3:  # the step never told: at the time limit Slurm kills it
+            while sum(c["cmd"] == "scancel" for c in calls()) < 3 and time.time() < deadline + 30:
+                time.sleep(0.1)
+            time.sleep(0.5)
+            with open(pid_file) as f:
+                os.kill(int(f.read()), signal.SIGKILL)
         output, _ = batch.communicate(timeout=30)
     finally:
         batch.kill()
     assert "time limit near" in output
     # The step gets SIGTERM (not srun, which would SIGKILL it); once it has ended, the requeue,
     # but only when the stop checkpoint was written: a training that crashed fails visibly.
-    stop = [("scancel", ["--signal=TERM", "4242"]), ("srun ended", [])]
-    if checkpoints:
+    stop = [*[("scancel", ["--signal=TERM", "4242"])] * min(scancel_fails + 1, 3), ("srun ended", [])]
+    if scancel_fails == 3:
+        assert "failed 3 times" in output and "did not write its stop checkpoint (exit status 137)" in output, output
+        assert batch.returncode == 1 and [(c["cmd"], c["argv"]) for c in calls()][3:] == stop[:3], output
+    elif checkpoints:
         assert batch.returncode == 0, output
         assert [(c["cmd"], c["argv"]) for c in calls()][3:] == [*stop, ("scontrol", ["requeue", "4242"])]
         assert (folder / "checkpoint.pt").exists() and not (folder / ".stop-requested").exists()
         assert not (tmp_path / "checkpoints").exists()  # nothing looked for (or left) in the default
     else:
-        assert batch.returncode == 1 and "did not write its stop checkpoint" in output, output
+        # srun's own status, though it ended while the trap ran (torchrun's: 1), not the interrupted wait's
+        assert batch.returncode == 1 and "did not write its stop checkpoint (exit status 1)" in output, output
         assert [(c["cmd"], c["argv"]) for c in calls()][3:] == stop
 
 
