@@ -13,6 +13,9 @@ wrapped and an unwrapped model compare by their real names.
 
 Lists the tensors whose largest absolute difference exceeds --atol, the tensors
 present in only one file and those whose shapes differ, or says that they match.
+An optimizer's choice of kernel (fused, foreach, capturable, differentiable) is not
+compared: it does not change the state, and on a GPU the DDP scripts use fused=True
+where distributed_fsdp.py cannot.
 Exit status: 0 they match, 1 they differ, 2 a file cannot be read.
 """
 import os
@@ -67,6 +70,10 @@ def model_tensors(state: dict, path: str) -> dict:
     return {(k[len("module."):] if k.startswith("module.") else k): v for k, v in state["model"].items()}
 
 
+# How torch.optim runs the update, not what it computes (param_groups' flags).
+KERNEL_CHOICES = ("fused", "foreach", "capturable", "differentiable")
+
+
 def entries(state: dict, path: str, what: str) -> dict:
     found = {}
     if what in ("model", "all"):
@@ -76,7 +83,8 @@ def entries(state: dict, path: str, what: str) -> dict:
             raise UsageError(f"{path}: a shard folder alone is compared by its model; for the optimizer, name the "
                              "checkpoint.pt beside it" if os.path.isdir(path) else
                              f"{path} has no optimizer state (a plain state_dict holds only weights)")
-        found.update(flatten(state["optimizer"], "optimizer"))
+        found.update({k: v for k, v in flatten(state["optimizer"], "optimizer").items()
+                      if not (k.startswith("optimizer.param_groups.") and k.rsplit(".", 1)[1] in KERNEL_CHOICES)})
     return found
 
 

@@ -75,6 +75,20 @@ def test_another_learning_rate_is_named_in_the_optimizer_state(checkpoints, caps
     assert "model." not in out  # --what optimizer: the weights, different too, are not compared
 
 
+def test_the_optimizers_kernel_is_not_compared(checkpoints, tmp_path, capsys):
+    """On a GPU the DDP scripts save fused=True and distributed_fsdp.py fused=None (DTensor has no fused
+    SGD): the same state, which must match; a flag that changes the step (nesterov) still differs."""
+    state = torch.load(checkpoints["first"], weights_only=True)
+    for flags, name in (({"fused": True, "foreach": False}, "fused"), ({"nesterov": False}, "nesterov")):
+        changed = tmp_path / f"{name}.pt"
+        torch.save(dict(state, optimizer=dict(state["optimizer"], param_groups=[
+            dict(group, **flags) for group in state["optimizer"]["param_groups"]])), changed)
+        code = load_tool().main([str(checkpoints["first"]), str(changed), "--what", "all"])
+        out = capsys.readouterr().out
+        assert (code, "match:" in out) == ((0, True) if name == "fused" else (1, False)), out
+    assert "differs: optimizer.param_groups.0.nesterov True vs False" in out
+
+
 def test_corrupt_file_is_one_line_and_exit_2(checkpoints, tmp_path):
     corrupt = tmp_path / "corrupt.pt"
     corrupt.write_bytes(checkpoints["first"].read_bytes()[:1000])  # a save cut short
