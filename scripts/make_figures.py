@@ -377,7 +377,7 @@ def hardware() -> str:
         name = names[0] if names else name
     except OSError:
         pass
-    return f"{name}, {os.cpu_count()} CPU cores visible"
+    return f"{name}, {len(os.sched_getaffinity(0))} CPU cores visible"  # the affinity mask: taskset, Slurm
 
 
 def spans_from_chrome_trace(path: str, backward_ops: bool = True):

@@ -26,7 +26,7 @@ parameters, their gradients and SGD's momentum:
            hold the rank's rows only), about 12P / W in all.
 
     python scripts/memory_table.py --device cpu --out /tmp/mem   # 1, 2 and 4 CPU processes
-    python scripts/memory_table.py                               # on GPUs: 1, 2, 4, ... up to all of them
+    python scripts/memory_table.py                               # on GPUs: 1, 2, 4, ... and all of them
 
 memory.md and memory.json go to --out (default results/); each launch's log to --log-dir.
 """
@@ -161,7 +161,7 @@ def measure_strategy(name: str, reshard, mp_policy, spec: dict, env) -> dict:
 
     import distributed_fsdp
     from models import build_model
-    from utils import compat, distributed as dist_utils
+    from utils import compat, data, distributed as dist_utils
 
     use_cuda = env.device.type == "cuda"
     if use_cuda:
@@ -170,7 +170,12 @@ def measure_strategy(name: str, reshard, mp_policy, spec: dict, env) -> dict:
     allocated_before = torch.cuda.memory_allocated() if use_cuda else None
     dist_utils.seed_everything(spec["seed"])
     torch.backends.cudnn.benchmark = use_cuda  # as the scripts set it
+    # The scripts' layout on this device (NHWC on recent NVIDIA GPUs): the activations, and cuDNN's workspaces,
+    # are the peak's; distributed_fsdp.py keeps its weights NCHW (fully_shard wants them contiguous).
+    layout = data.memory_format(argparse.Namespace(channels_last=None), env.device)
     model = build_model(spec["model"], spec["num_classes"]).to(env.device)
+    if reshard is None:
+        model = model.to(memory_format=layout)
     shapes = [tuple(p.shape) for p in model.parameters()]
     if reshard is None:
         if env.distributed:  # as distributed.py wraps it: under a launcher, a group of one too
@@ -183,10 +188,10 @@ def measure_strategy(name: str, reshard, mp_policy, spec: dict, env) -> dict:
     # As the scripts build it: distributed.py fused on accelerators (one kernel, no foreach
     # temporaries); distributed_fsdp.py the default (foreach on GPUs: DTensor has no fused SGD).
     fused = reshard is None and env.device.type != "cpu"
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4,
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True, weight_decay=5e-4,
                                 fused=True if fused else None)
     generator = torch.Generator().manual_seed(spec["seed"] + env.rank)
-    images = torch.randn(spec["batch"], 3, 32, 32, generator=generator).to(env.device)
+    images = torch.randn(spec["batch"], 3, 32, 32, generator=generator).to(env.device, memory_format=layout)
     targets = torch.randint(0, spec["num_classes"], (spec["batch"],), generator=generator).to(env.device)
     peak = WholeParamsPeak(watched)
     for step in range(2):  # the first step creates the momentum buffers; the second is measured
@@ -367,8 +372,8 @@ def build_parser():
                         help="cpu: CPU processes even where GPUs are visible (default auto: GPUs when there are any)")
     parser.add_argument("--model", choices=MODEL_NAMES, default=None, help="default: the benchmark's, resnet18")
     parser.add_argument("--world-sizes", default=None, metavar="N,N,...",
-                        help="processes to measure at (default 1,2,4 on the CPU; on GPUs 1, 2, 4, ... up to the "
-                             "GPUs visible)")
+                        help="processes to measure at (default 1,2,4 on the CPU; on GPUs 1, 2, 4, ... and all "
+                             "the GPUs visible)")
     parser.add_argument("--memory-batch", type=cli.positive_int, default=None, metavar="N",
                         help="images per process in the measured steps (default 32 on the CPU; on GPUs the "
                              "benchmark's, 512)")
@@ -386,7 +391,7 @@ def build_parser():
 def sizes_to_measure(args, use_cuda: bool, gpus: int) -> list:
     from utils import cli
     if not args.world_sizes:
-        return [2 ** k for k in range(8) if 2 ** k <= gpus] if use_cuda else [1, 2, 4]
+        return sorted({2 ** k for k in range(8) if 2 ** k <= gpus} | {gpus}) if use_cuda else [1, 2, 4]
     try:
         sizes = [int(n) for n in args.world_sizes.split(",") if n.strip()]
     except ValueError:
@@ -437,6 +442,7 @@ def main(argv=None):
             else:
                 with open(out) as f:
                     results.append(json.load(f))
+                os.remove(out)  # folded into memory.json
         benchmark.install_stop_handlers(benchmark._record_stop_signal)
     except benchmark.Interrupted as stop:
         name, cut_short = signal.Signals(stop.signum).name, True

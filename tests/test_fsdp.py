@@ -634,6 +634,13 @@ def test_the_formula_splits_dim_0_as_torch_chunk_does():
                     (rows, world_size, rank)
 
 
+@pytest.mark.parametrize("gpus, sizes", [(1, [1]), (2, [1, 2]), (6, [1, 2, 4, 6]), (8, [1, 2, 4, 8])])
+def test_memory_table_measures_every_gpu_by_default(gpus, sizes):
+    args = memory_table.build_parser().parse_args([])
+    assert memory_table.sizes_to_measure(args, True, gpus) == sizes  # 6 GPUs: all six too, not only 4
+    assert memory_table.sizes_to_measure(args, False, 0) == [1, 2, 4]
+
+
 def test_memory_table_measures_what_each_rank_holds(tmp_path):
     """Three processes, so that dim 0 of resnet_tiny's tensors (8, 16, 32, 64, 100 rows) does
     not divide and the shards are padded, unevenly. The figures are read from the tool's
@@ -660,7 +667,7 @@ def test_memory_table_measures_what_each_rank_holds(tmp_path):
     mixed = [dict(r, world_size=1) if i == 0 else r for i, r in enumerate(report["rows"])]
     memory_table.write_markdown(str(tmp_path / "mixed.md"), dict(report, rows=mixed))
     assert memory_table.ONE_PROCESS_NOTE not in (tmp_path / "mixed.md").read_text()
-    assert not list(tmp_path.glob("memory-w*.json"))  # the raw files are folded into memory.json
+    assert not list(tmp_path.rglob("memory-w*.json"))  # the raw files (in logs/) are folded into memory.json
 
     model = build_model("resnet_tiny", 100)
     numel = sum(p.numel() for p in model.parameters())
