@@ -132,7 +132,6 @@ STUB = textwrap.dedent("""\
                         directory = argv[i + 1]
                     elif token.startswith("--checkpoint-dir="):
                         directory = token.split("=", 1)[1]
-                time.sleep(0.05)  # a later mtime than the stop marker, also on coarse clocks
                 os.makedirs(directory, exist_ok=True)
                 open(os.path.join(directory, "checkpoint.pt"), "w").close()
             with open(os.environ["STUB_LOG"], "a") as log:
@@ -441,17 +440,21 @@ def test_slurm_without_a_venv_says_how_to_make_one(stubs, tmp_path):
 
 
 @pytest.mark.parametrize("checkpoints, given, scancel_fails", [
-    (True, "env", 0), (True, "flag", 0), (True, "flag=", 0), (False, "env", 0), (True, "SCRIPT_ARGS", 0),
-    (True, "env", 1), (True, "env", 3)])
+    (True, "env", 0), (True, "flag", 0), (True, "flag=", 0), (False, "env", 0), ("stale", "env", 0),
+    (True, "SCRIPT_ARGS", 0), (True, "env", 1), (True, "env", 3)])
 def test_slurm_time_limit_signal_checkpoints_then_requeues(stubs, tmp_path, checkpoints, given, scancel_fails):
     """The checkpoint folder named by CHECKPOINT_DIR, by a --checkpoint-dir among the extra flags
     (which the training takes, being the last), or by one edited into SCRIPT_ARGS: the batch script
     watches that folder. Run in tmp_path: the default folder is checkpoints/4242 there. A scancel that
     fails (a busy controller) is tried again, 3 times in all; whatever fails in the trap, the batch
-    shell still waits for the step and decides."""
+    shell still waits for the step and decides. "stale": an earlier checkpoint is there, and the stop
+    writes none: not requeued either."""
     env, calls = stubs
-    mode = "until-signalled-then-checkpoint" if checkpoints else "until-signalled"
+    mode = "until-signalled-then-checkpoint" if checkpoints is True else "until-signalled"
     folder = tmp_path / "ck"
+    if checkpoints == "stale":
+        folder.mkdir()
+        (folder / "checkpoint.pt").write_bytes(b"an earlier one")
     extra = {"flag": ["--checkpoint-dir", str(folder)], "flag=": [f"--checkpoint-dir={folder}"]}.get(given, [])
     env = dict(env, STUB_SRUN=mode, STUB_SCANCEL_FAILS=str(scancel_fails), **SLURM_ENV,
                **({"CHECKPOINT_DIR": str(folder)} if given == "env" else {}))
@@ -486,10 +489,10 @@ def test_slurm_time_limit_signal_checkpoints_then_requeues(stubs, tmp_path, chec
     if scancel_fails == 3:
         assert "failed 3 times" in output and "did not write its stop checkpoint (exit status 137)" in output, output
         assert batch.returncode == 1 and [(c["cmd"], c["argv"]) for c in calls()][3:] == stop[:3], output
-    elif checkpoints:
+    elif checkpoints is True:
         assert batch.returncode == 0, output
         assert [(c["cmd"], c["argv"]) for c in calls()][3:] == [*stop, ("scontrol", ["requeue", "4242"])]
-        assert (folder / "checkpoint.pt").exists() and not (folder / ".stop-requested").exists()
+        assert os.listdir(folder) == ["checkpoint.pt"]  # and nothing of the batch script's
         assert not (tmp_path / "checkpoints").exists()  # nothing looked for (or left) in the default
     else:
         # srun's own status, though it ended while the trap ran (torchrun's: 1), not the interrupted wait's
