@@ -18,26 +18,34 @@ PY := $(VENV)/bin/python
 pip_install = for try in 1 2 3; do $(1) -m pip install --quiet $(2) && break; \
 	  if [ $$try = 3 ]; then exit 1; fi; echo "pip install failed (try $$try of 3); again in 30 s"; sleep 30; done
 
+# A venv is made again (--clear) when its Python cannot install: no pip (made without Debian's
+# python3-venv, or cut short) or older than 3.10 (PyPI has no torch 2.11 for it); else
+# `test -x` would keep it, and every pip call fail. The Python it is made from is checked first.
+usable = $(1) -c 'import sys, pip; sys.exit(sys.version_info < (3, 10))' 2>/dev/null
+make_venv = $(call usable,$(2)/bin/python) || { $(1) -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
+	|| { echo "make: $(1) is not Python 3.10 or newer, which PyTorch needs: name one, PYTHON=python3.X" >&2; \
+	exit 1; }; $(1) -m venv --clear $(2); }
+
 precompile = $(1) -m compileall -q -j0 "$$($(1) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null || true
 
 $(VENV)/.installed: requirements.txt requirements-test.txt
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(call pip_install,$(PY),--upgrade pip)
-	$(call pip_install,$(PY),--no-compile -r requirements.txt -r requirements-test.txt)
-	$(call precompile,$(PY))
+	$(call make_venv,$(PYTHON),$(VENV))
+	$(call pip_install,$(VENV)/bin/python,--upgrade pip)
+	$(call pip_install,$(VENV)/bin/python,--no-compile -r requirements.txt -r requirements-test.txt)
+	$(call precompile,$(VENV)/bin/python)
 	touch $@
 
 venv: $(VENV)/.installed
 
-# The same project on the oldest PyTorch the README lists (requirements-floor.txt pins it;
-# the constraint keeps requirements.txt's other packages as they are), made from FLOOR_PYTHON:
+# The same project on the oldest PyTorch the README lists (requirements-floor.txt pins it,
+# beside requirements.txt's other packages), made from FLOOR_PYTHON:
 # PYTHON unless told otherwise. CI gives it the system's own CPython where that is another
 # build than python3 (.ci/run), so that its two runs also cover two Python builds.
 FLOOR_PYTHON ?= $(PYTHON)
 FLOOR_VENV := .venv-floor
 FLOOR_PY := $(FLOOR_VENV)/bin/python
 $(FLOOR_VENV)/.installed: requirements.txt requirements-test.txt requirements-floor.txt
-	test -x $(FLOOR_PY) || $(FLOOR_PYTHON) -m venv $(FLOOR_VENV)
+	$(call make_venv,$(FLOOR_PYTHON),$(FLOOR_VENV))
 	$(call pip_install,$(FLOOR_PY),--upgrade pip)
 	$(call pip_install,$(FLOOR_PY),--no-compile -r requirements-floor.txt -r requirements.txt -r requirements-test.txt)
 	$(call precompile,$(FLOOR_PY))
@@ -78,7 +86,8 @@ test-floor: $(FLOOR_VENV)/.installed
 	OMP_NUM_THREADS=1 $(FLOOR_PY) -m pytest -q $(XDIST) -m "not stress and not not_on_floor" $(FLOOR_TESTS) $(PYTEST_ARGS)
 
 # Many short multi-process runs, several at a time, every rank required to exit 0: the
-# check for rare failures at exit. STRESS_RUNS=N per kind (default 20); PY=... for another venv.
+# check for rare failures at exit. STRESS_RUNS=N per kind (default 20); PY=... for another venv
+# (.venv is built with its own Python whatever PY says).
 test-stress: venv
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m stress tests/test_stress_exit.py $(PYTEST_ARGS)
 

@@ -22,10 +22,16 @@ else
           --workers 1)
 fi
 
-if $PY -c "import torchvision; torchvision.datasets.CIFAR100('./data', train=True, download=True); torchvision.datasets.CIFAR100('./data', train=False, download=True)" >/dev/null 2>&1; then
+# Bounded: torchvision's download has no timeout of its own (urlopen), and a stalled one would wait forever.
+# --foreground: in this process group, where a Ctrl-C reaches it (timeout otherwise makes its own).
+echo "CIFAR-100 in ./data: downloaded once (about 170 MB), 10 minutes at most; else synthetic data"
+status=0
+timeout --foreground 600 $PY -c "import torchvision; torchvision.datasets.CIFAR100('./data', train=True, download=True); torchvision.datasets.CIFAR100('./data', train=False, download=True)" >/dev/null 2>&1 || status=$?
+if [ "$status" -gt 128 ]; then exit "$status"; fi  # stopped (Ctrl-C: 130), not failed; 124: timed out
+if [ "$status" = 0 ]; then
   dataset=(--dataset cifar100 --data-dir ./data)
 else
-  echo "CIFAR-100 could not be downloaded to ./data (no network?): training on --dataset synthetic instead."
+  echo "CIFAR-100 could not be downloaded to ./data (no network, or too slow): training on --dataset synthetic instead."
   dataset=(--dataset synthetic)
 fi
 
