@@ -116,9 +116,13 @@ def test_device_evaluation_counts_every_sample_once():
         env = DistEnv(rank, rank, 3, 3, torch.device("cpu"), distributed=False)
         batches = list(device_data.DeviceEvalLoader(test_set, 3, env))
         assert all(images.shape == (3, 3, 32, 32) for images, _ in batches)
-        targets = torch.cat([t for _, t in batches])
-        shards.append(targets[targets != metrics.PAD_TARGET])
-        assert (targets == metrics.PAD_TARGET).sum() == len(targets) - len(shards[-1])
+        images, targets = (torch.cat(parts) for parts in zip(*batches))
+        real = targets != metrics.PAD_TARGET
+        shards.append(targets[real])
+        # Each rank's own samples, image with label, as the loader gives that rank.
+        loader_images, loader_targets = (torch.cat(parts) for parts in zip(*data.eval_loader(test_set, 3, env, args)))
+        assert torch.equal(targets[real], loader_targets) and torch.equal(images[real], loader_images)
+    assert [len(shard) for shard in shards] == [4, 4, 3]
     assert sorted(torch.cat(shards).tolist()) == sorted(test_set.base.targets)
     # evaluate() leaves the filling out: the same figures as the loader's variable-size batches.
     model = build_model("resnet_tiny", data.NUM_CLASSES).eval()

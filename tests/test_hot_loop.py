@@ -1,7 +1,8 @@
 """DESIGN: "Timing excludes warm-up and never adds barriers or .item() calls to the hot loop." The training
 steps of a real run, after the first, make no device sync and no collective of their own (the points where the
 design lets the ranks meet and the host read the device are the epoch's end, checkpoints and evaluation, all
-outside the steps watched here), and EpochTimer leaves the warm-up steps out of images/s."""
+outside the steps watched here; the stop-signal agreement every 10 steps is a store call on the host, also left
+out of the window), with clipping and autocast too, and EpochTimer leaves the warm-up steps out of images/s."""
 import collections
 import os
 import traceback
@@ -16,10 +17,14 @@ from utils import lifecycle, metrics
 from utils.run import TrainingRun
 
 
-# What makes the host wait for the device (a value read back), and the collectives a script could call from Python.
-SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "numpy", "cpu")
+# What makes the host wait for the device (a value read back, a sync), and the collectives a script could call
+# from Python (torch.distributed's and distributed_c10d's names, the same functions).
+SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "cpu", "nonzero")
+DEVICE_SYNCS = ((torch, "equal"), (torch.cuda, "synchronize"), (torch.accelerator, "synchronize"))
 COLLECTIVES = ("barrier", "monitored_barrier", "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
-               "reduce_scatter_tensor", "broadcast_object_list", "all_gather_object")
+               "reduce_scatter_tensor", "broadcast_object_list", "all_gather_object", "reduce", "gather", "scatter",
+               "reduce_scatter", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
+               "batch_isend_irecv", "gather_object", "scatter_object_list")
 # A process group of one, as torchrun starts it (MASTER_PORT added): DDP and the group's collectives are real.
 TORCHRUN_OF_ONE = {"RANK": 0, "WORLD_SIZE": 1, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 1, "MASTER_ADDR": "127.0.0.1"}
 # The loader's own work (sampling, a sample's augmentation): in its worker processes as users run it (--workers),
@@ -33,6 +38,8 @@ LOADER = os.path.join("torch", "utils", "data", "")
     ("distributed.py", "python", []),
     ("distributed_gradient_accumulation.py", "torchrun", ["--accum-steps", "2"]),
     ("dataparallel.py", "python", []),
+    ("distributed.py", "torchrun", ["--clip-grad-norm", "0.5"]),  # the global norm stays on the device
+    ("distributed_apex.py", "torchrun", ["--amp", "bf16"]),
 ])
 def test_the_training_steps_make_no_sync_and_no_collective(run_in_process, monkeypatch, script, launch, extra):
     watching = [False]
@@ -54,8 +61,11 @@ def test_the_training_steps_make_no_sync_and_no_collective(run_in_process, monke
 
     for name in SYNCS:
         spy(torch.Tensor, name)
+    for owner, name in DEVICE_SYNCS:
+        spy(owner, name)
     for name in COLLECTIVES:
         spy(dist, name)
+        spy(dist.distributed_c10d, name)
 
     # The window: from the end of the first step to the end of the last (step_done returning True), before the
     # script's evaluation and end_epoch. No checkpoint is due in it (no --checkpoint-dir), no epoch ends (16 steps
