@@ -195,11 +195,16 @@ if [ "$WORKERS" != 0 ] && "$PYTHON" -c 'import xdist' 2>/dev/null; then
     "$PYTHON" -c 'import pytest_benchmark' 2>/dev/null && plugin_args+=(-p no:benchmark)
 fi
 stage_seconds=$(( $(left) < PYTEST_SECONDS ? $(left) : PYTEST_SECONDS ))
-# SIGINT on time out: pytest then stops like after Ctrl-C and still writes its junit report.
-run_stage pytest "$stage_seconds" INT "$PYTHON" -m pytest -q -p no:cacheprovider "${plugin_args[@]}" \
-    --junitxml="$OUT/pytest.xml" -o junit_logging=all -o junit_log_passing_tests=false --durations=15 \
-    "${pytest_args[@]}"
-tail -n 25 "$WORK/pytest.out" 2>/dev/null
+if [ "$stage_seconds" -lt 30 ]; then  # `timeout 0` would not bound it at all, a negative one is refused
+    say "== pytest: not run, ${stage_seconds} s left"
+    FAILED+=("pytest (no time left)")
+else
+    # SIGINT on time out: pytest then stops like after Ctrl-C and still writes its junit report.
+    run_stage pytest "$stage_seconds" INT "$PYTHON" -m pytest -q -p no:cacheprovider "${plugin_args[@]}" \
+        --junitxml="$OUT/pytest.xml" -o junit_logging=all -o junit_log_passing_tests=false --durations=15 \
+        "${pytest_args[@]}"
+    tail -n 25 "$WORK/pytest.out" 2>/dev/null
+fi
 
 # --- 3. memory per rank ------------------------------------------------------------------
 if [ "$GPUS" -gt 1 ]; then
@@ -241,7 +246,8 @@ if [ -d "$WORK/benchmark-logs" ]; then
 fi
 
 # --- the end -------------------------------------------------------------------------------
-rm -f "$OUT"/*.tmp "$OUT"/*.tmp.png  # a report cut short mid-write leaves its temporary behind
+# A report cut short mid-write leaves its temporary behind (benchmark.py's names; OUT may hold others' files).
+rm -f "$OUT"/benchmark.md.tmp "$OUT"/benchmark.json.tmp "$OUT"/benchmark.png.tmp.png
 files=$(find "$OUT" -mindepth 1 | wc -l)
 [ "$files" -le 8 ] || say "warning: $files entries in $OUT, more than the 8 expected"
 if [ "$STOPPED" -ne 0 ]; then

@@ -75,6 +75,20 @@ def test_stages_keep_to_their_time_and_out_holds_at_most_8_files(tmp_path):
                                          "benchmark.json", "benchmark.png", "benchmark-logs.tar.gz"}
 
 
+def test_with_too_little_time_no_stage_runs_unbounded_and_others_files_stay(tmp_path):
+    """GPU_CHECK_SECONDS too short for any stage: each is said not run (pytest ran under `timeout 0`, no bound at
+    all, or a negative one, status 125); the clean-up removes the benchmark's temporaries only, in an OUT that
+    may be a shared folder."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mine.tmp").write_text("a user's")
+    proc = run_check(out, 120, GPU_CHECK_REQUIRE_CUDA="0", GPU_CHECK_SECONDS="40")
+    log = (out / "gpu_check.log").read_text()
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert all(f"== {stage}: not run" in log for stage in ("pytest", "memory", "benchmark")), log
+    assert "pytest (no time left)" in log and (out / "mine.tmp").read_text() == "a user's"
+
+
 def processes_in_session(sid):
     found = []
     for entry in os.listdir("/proc"):
