@@ -154,10 +154,13 @@ def plot(runs, out_path, title=None) -> list:
     for i, run in enumerate(runs):
         colour = colours[i % len(colours)]
         epochs = sorted(run.epochs)
-        whole = [index for index, epoch in enumerate(epochs) if not run.cut_short(epoch)]
         for ax, key in ((ax_loss, "test_loss"), (ax_acc, "test_acc1"), (ax_speed, "images_per_second")):
-            ax.plot(epochs, run.series(key), "-o", color=colour, markersize=3, markevery=whole)
-            if cut := [(epoch, value) for epoch, value in zip(epochs, run.series(key)) if run.cut_short(epoch)]:
+            # The epochs that have the value: with --eval-every N the others have no test figures, and NaN
+            # between them would leave dots, not a line.
+            shown = [(epoch, value) for epoch, value in zip(epochs, run.series(key)) if not math.isnan(value)]
+            whole = [index for index, (epoch, _) in enumerate(shown) if not run.cut_short(epoch)]
+            ax.plot(*(zip(*shown) if shown else ([], [])), "-o", color=colour, markersize=3, markevery=whole)
+            if cut := [(epoch, value) for epoch, value in shown if run.cut_short(epoch)]:
                 ax.plot(*zip(*cut), "o", color=colour, markersize=5, markerfacecolor="white")
         ax_loss.plot(epochs, run.series("train_loss"), "--", color=colour)
         ax_acc.plot(epochs, run.series("train_acc1"), "--", color=colour)
@@ -197,10 +200,9 @@ def summary(runs) -> str:
     # img/s: the median over whole epochs, which one slow epoch does not move (each epoch's warm-up is left
     # out already); an epoch cut short may have timed its warm-up steps too (utils/metrics.py, EpochTimer).
     for run in runs:
-        last = run.epochs[max(run.epochs)]
         speeds = [s for epoch, s in zip(sorted(run.epochs), run.series("images_per_second"))
                   if not run.cut_short(epoch) and not math.isnan(s)]
-        acc = last.get("test_acc1")
+        acc = next((a for a in reversed(run.series("test_acc1")) if not math.isnan(a)), None)  # the last evaluated
         whole = sum(not run.cut_short(epoch) for epoch in run.epochs)
         epochs = f"{whole}+" if whole < len(run.epochs) else str(whole)
         lines.append(f"{run.label:40s} {epochs:>6s} "

@@ -97,6 +97,24 @@ def test_a_missing_field_is_a_gap_not_an_error(tmp_path):
     assert plot_metrics.plot([run], str(tmp_path / "gap.png"))
 
 
+def test_epochs_without_evaluation_are_skipped_by_the_test_curves(tmp_path, monkeypatch):
+    """--eval-every 2: odd epochs record no test figures. The test curves join the evaluated epochs into a
+    line (NaN between them left dots), and the summary gives the last evaluated accuracy, not '-'."""
+    path = tmp_path / "every2.jsonl"
+    path.write_text("".join(json.dumps(record(epoch, **({"test_loss": None, "test_acc1": None} if epoch % 2 else
+                                                           {"test_acc1": 10.0 * epoch}))) + "\n"
+                            for epoch in range(1, 6)))
+    runs = plot_metrics.label_runs(plot_metrics.read_runs(str(path)))
+    assert plot_metrics.summary(runs).splitlines()[1].split()[3:5] == ["5", "40.00%"]
+    import matplotlib.pyplot as plt
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    plot_metrics.plot(runs, str(tmp_path / "every2.png"))
+    loss, acc, speed = (ax.get_lines()[0] for ax in figures[0].axes[:3])
+    assert list(loss.get_xdata()) == list(acc.get_xdata()) == [2, 4] and list(acc.get_ydata()) == [20.0, 40.0]
+    assert list(speed.get_xdata()) == [1, 2, 3, 4, 5]
+
+
 def test_a_missing_file_is_one_line_and_exit_2(tmp_path):
     proc = run_script(["scripts/plot_metrics.py", tmp_path / "nope.jsonl", "-o", tmp_path / "x.png"], check=False)
     assert_one_line_error(proc, "cannot read", "nope.jsonl")
