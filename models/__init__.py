@@ -5,8 +5,7 @@ _ARCHS = {  # name -> (block, blocks per stage, base width)
     "resnet18": (BasicBlock, [2, 2, 2, 2], 64),
     "resnet34": (BasicBlock, [3, 4, 6, 3], 64),
     "resnet50": (Bottleneck, [3, 4, 6, 3], 64),
-    # One block per stage, 8 channels wide (~80 k parameters): tests and CPU smoke runs, where ResNet-18 takes minutes.
-    "resnet_tiny": (BasicBlock, [1, 1, 1, 1], 8),
+    "resnet_tiny": (BasicBlock, [1, 1, 1, 1], 8),  # 1 block per stage, 8 wide (~80 k parameters): tests, CPU runs
 }
 MODEL_NAMES = tuple(_ARCHS)
 

@@ -97,15 +97,28 @@ def test_profile_two_ranks_shows_the_all_reduces_inside_backward(tmp_path):
             assert any(e["tid"] != launched[0]["tid"] and e["ts"] >= launched[0]["ts"] for e in comm), comm
 
 
-def test_run_too_short_to_profile_says_so(tmp_path, run_in_process):
+@pytest.mark.parametrize("max_steps", [3, profiled_steps(0)[0] - 1])  # far from the window, and its step before
+def test_run_too_short_to_profile_says_so(tmp_path, run_in_process, max_steps):
     profile_dir = tmp_path / "profile"
-    code, out, err = run_in_process("distributed.py", [*SMALL, "--max-steps", 3, "--profile", profile_dir])
+    code, out, err = run_in_process("distributed.py", [*SMALL, "--max-steps", max_steps, "--profile", profile_dir])
     assert code == 0, out + err
     line, = [line for line in out.splitlines() if line.startswith("--profile:")]
-    assert "too short to profile" in line and "ended at step 3" in line
+    assert "too short to profile" in line and f"ended at step {max_steps}" in line
     assert f"needs {observe.STEPS_TO_PROFILE} steps" in line
     assert os.listdir(profile_dir) == []
     assert "Traceback" not in err
+
+
+def test_a_run_ending_inside_the_window_traces_its_steps_and_not_what_follows(tmp_path, run_in_process):
+    """The run's last step ends the trace: the evaluation and checkpoint after it are not one more ProfilerStep."""
+    last = profiled_steps(0)[1]
+    code, out, err = run_in_process("distributed.py", [*SMALL, "--train-samples", "512", "--max-steps", last,
+                                                       "--profile", tmp_path / "profile", "--checkpoint-dir",
+                                                       tmp_path / "ck"])
+    assert code == 0, out + err
+    assert set(steps_of(load_trace(tmp_path / "profile" / "trace-rank0.json"))) == {
+        f"ProfilerStep#{n}" for n in range(min(WINDOW_NUMBERS), last)}
+    assert f"(ProfilerStep#{min(WINDOW_NUMBERS)} to #{last - 1}) (the run ended inside the window)" in out
 
 
 def test_resumed_run_profiles_after_its_own_warmup(tmp_path, capsys):
@@ -139,10 +152,11 @@ def test_run_ending_inside_the_window_writes_what_it_recorded(tmp_path, capsys):
     last = profiled_steps(0)[1]  # two steps into the window
     for step in range(1, last + 1):
         some_work()
-        observers.step(step)
+        observers.step(step, last=step == last)
+    some_work()  # after the last step (the evaluation, the checkpoint): in no ProfilerStep
     observers.close()
     recorded = steps_of(load_trace(tmp_path / "trace-rank0.json"))
-    assert WINDOW_NAMES > set(recorded) and len(recorded) >= 2
+    assert set(recorded) == {f"ProfilerStep#{n}" for n in range(min(WINDOW_NUMBERS), last)}  # the two steps only
     out = capsys.readouterr().out
     assert f"traced steps {profiled_steps(0)[0]} to {last} (ProfilerStep#{min(WINDOW_NUMBERS)} to #{last - 1}) " \
            "(the run ended inside the window)" in out

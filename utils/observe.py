@@ -1,6 +1,6 @@
 """--profile DIR: a torch.profiler trace of a few optimizer steps once the run is warm, in DIR/trace-rank{rank}.json
-(each ProfilerStep#N is one optimizer step, numbered from 0 at the run's start or resume); a run ending inside the
-window writes what it recorded.
+(each ProfilerStep#N is one optimizer step, numbered from 0 at the run's start or resume; an epoch's first also holds
+the evaluation before it); a run ending inside the window writes what it recorded, up to its last step.
 --tensorboard DIR: rank 0 writes each epoch record's scalars at its global step, flushed for a live `tensorboard
 --logdir DIR`. TrainingRun (utils/run.py) makes every call on every rank; none communicates."""
 import math
@@ -55,13 +55,13 @@ class Observers:
                f"#{self._step - first}){partial} in {os.path.join(self.profile_dir, 'trace-rank*.json')}: open one "
                "in https://ui.perfetto.dev or chrome://tracing")
 
-    def step(self, global_step: int):
+    def step(self, global_step: int, last: bool = False):  # last: the run's last step, or a stop's
         if self._profiler is not None:
             self._step = global_step
-            self._profiler.step()
-            if self._traced_up_to is not None:  # the window is written: stop profiling for good
-                self._profiler.stop()
-                self._profiler = None
+            if not last:  # else no ProfilerStep more: it would hold the evaluation and checkpoint that follow
+                self._profiler.step()
+            if last or self._traced_up_to is not None:  # the window is written: stop profiling for good
+                self.close(profiler_only=True)
 
     def epoch(self, record: dict):
         if self._writer is not None:
@@ -71,14 +71,14 @@ class Observers:
                     self._writer.add_scalar(tag, value, global_step=record["step"])
             self._writer.flush()
 
-    def close(self):
+    def close(self, profiler_only: bool = False):
         if self._profiler is not None:
             self._profiler.stop()  # inside the window this writes the steps recorded so far
             self._profiler = None
-            if self._traced_up_to is None:
+            if self._traced_up_to is None:  # written neither now nor before
                 print0(f"--profile: the run was too short to profile, no trace written: it ended at step "
                        f"{self._step}, the trace records steps {self._window[0]} to {self._window[-1]} "
                        f"(it needs {STEPS_TO_PROFILE} steps after the run's start)")
-        if self._writer is not None:
+        if self._writer is not None and not profiler_only:
             self._writer.close()
             self._writer = None

@@ -309,7 +309,6 @@ class TrainingRun:
         self.step_in_epoch += 1
         self.global_step += 1
         self.timer.step()
-        self.observers.step(self.global_step)
         ends = self.step_in_epoch >= self.steps_per_epoch or self.done()  # the epoch, or the run (--max-steps)
         if ends:  # stop the clock before the script's evaluation, so images/s measures training
             self._timing = self.timer.stop()
@@ -322,6 +321,7 @@ class TrainingRun:
             self.save()
         if self.stop_signal.should_stop(self.global_step,
                                         f"run.step_done() at step {self.global_step} (the stop-signal agreement)"):
+            self.observers.step(self.global_step, last=True)
             if ends:
                 # A complete epoch, or the run's last step (--max-steps): end_epoch evaluates, checkpoints and
                 # records it, then stops (done() is True); a resume would find nothing left to train, or record.
@@ -332,6 +332,7 @@ class TrainingRun:
             self.stop_signal.announce(self.global_step, self.checkpoint_path)
             self.finish()  # not trained(): it only closes the stop signal's handlers and the observers
             raise SystemExit(0)  # checkpointed: exit status 0; the script's `finally` still tears down
+        self.observers.step(self.global_step, last=self.done())
         return self.done()
 
     def end_epoch(self, eval_metrics: dict):
