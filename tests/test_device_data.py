@@ -109,6 +109,34 @@ def test_device_batches_are_the_loaders():
             assert device_images.dtype == torch.uint8 and torch.equal(device_images, images)
 
 
+def test_device_batches_are_each_ranks_of_cifar_files_cut_to_size(tmp_path):
+    """CIFAR-100 in its real files, cut by --train-samples and --test-samples (a Subset), at world size 2: each
+    rank's batches on the device are that rank's loader batches, training and evaluation."""
+    import numpy as np
+    from cifar_files import write_cifar100
+    rng = np.random.default_rng(0)
+    write_cifar100(tmp_path, rng.integers(0, 256, (40, 3, 32, 32), dtype=np.uint8), rng.integers(0, 100, 40),
+                   rng.integers(0, 256, (12, 3, 32, 32), dtype=np.uint8), rng.integers(0, 100, 12))
+    args = argparse.Namespace(dataset="cifar100", data_dir=str(tmp_path), train_samples=24, test_samples=7, seed=3,
+                              workers=0, channels_last=False)
+    for rank in range(2):
+        env = DistEnv(rank, rank, 2, 2, torch.device("cpu"), distributed=False)
+        train_set, test_set = data.build_datasets(args, env)
+        assert isinstance(train_set.base, torch.utils.data.Subset) and len(train_set) == 24
+        loader, on_device = data.train_loader(train_set, 4, 8, env, args), \
+            device_data.DeviceTrainLoader(train_set, 4, 8, env, args)
+        for epoch, start_step in ((0, 0), (1, 1)):
+            loader.sampler.set_epoch(epoch, start_step)
+            on_device.sampler.set_epoch(epoch, start_step)
+            for (images, targets), (device_images, device_targets) in zip(loader, on_device, strict=True):
+                assert torch.equal(device_targets, targets) and torch.equal(device_images, images)
+        images, targets = (torch.cat(parts) for parts in zip(*device_data.DeviceEvalLoader(test_set, 3, env)))
+        real = targets != metrics.PAD_TARGET
+        loader_images, loader_targets = (torch.cat(parts) for parts in zip(*data.eval_loader(test_set, 3, env, args)))
+        assert real.sum() == (4, 3)[rank] and torch.equal(targets[real], loader_targets)
+        assert torch.equal(images[real], loader_images)
+
+
 def test_device_evaluation_counts_every_sample_once():
     args, _, _, test_set = small_sets(test=11)
     shards = []
