@@ -377,7 +377,9 @@ def hardware() -> str:
         name = names[0] if names else name
     except OSError:
         pass
-    return f"{name}, {len(os.sched_getaffinity(0))} CPU cores visible"  # the affinity mask: taskset, Slurm
+    # The affinity mask (taskset, Slurm), where there is one (not on macOS).
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{name}, {cores} CPU cores visible"
 
 
 def spans_from_chrome_trace(path: str, backward_ops: bool = True):

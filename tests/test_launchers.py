@@ -134,6 +134,9 @@ STUB = textwrap.dedent("""\
                         directory = token.split("=", 1)[1]
                 os.makedirs(directory, exist_ok=True)
                 open(os.path.join(directory, "checkpoint.pt"), "w").close()
+                if "STUB_CLOCK_BEHIND" in os.environ:  # written by a node whose clock is behind the head node's
+                    past = time.time() - float(os.environ["STUB_CLOCK_BEHIND"])
+                    os.utime(os.path.join(directory, "checkpoint.pt"), (past, past))
             with open(os.environ["STUB_LOG"], "a") as log:
                 log.write(json.dumps({{"cmd": "srun ended", "argv": []}}) + "\\n")
             sys.exit(1)
@@ -441,15 +444,18 @@ def test_slurm_without_a_venv_says_how_to_make_one(stubs, tmp_path):
 
 @pytest.mark.parametrize("checkpoints, given, scancel_fails", [
     (True, "env", 0), (True, "flag", 0), (True, "flag=", 0), (False, "env", 0), ("stale", "env", 0),
-    (True, "SCRIPT_ARGS", 0), (True, "env", 1), (True, "env", 3)])
+    ("behind", "env", 0), (True, "SCRIPT_ARGS", 0), (True, "env", 1), (True, "env", 3)])
 def test_slurm_time_limit_signal_checkpoints_then_requeues(stubs, tmp_path, checkpoints, given, scancel_fails):
     """The checkpoint folder named by CHECKPOINT_DIR, by a --checkpoint-dir among the extra flags
     (which the training takes, being the last), or by one edited into SCRIPT_ARGS: the batch script
     watches that folder. Run in tmp_path: the default folder is checkpoints/4242 there. A scancel that
     fails (a busy controller) is tried again, 3 times in all; whatever fails in the trap, the batch
     shell still waits for the step and decides. "stale": an earlier checkpoint is there, and the stop
-    writes none: not requeued either."""
+    writes none: not requeued either. "behind": rank 0's node writes the stop checkpoint with a clock 5 s behind
+    the batch shell's (its mtime is that node's, on many shared file systems): requeued all the same."""
     env, calls = stubs
+    if checkpoints == "behind":
+        checkpoints, env = True, dict(env, STUB_CLOCK_BEHIND="5")
     mode = "until-signalled-then-checkpoint" if checkpoints is True else "until-signalled"
     folder = tmp_path / "ck"
     if checkpoints == "stale":
@@ -497,6 +503,7 @@ def test_slurm_time_limit_signal_checkpoints_then_requeues(stubs, tmp_path, chec
     else:
         # srun's own status, though it ended while the trap ran (torchrun's: 1), not the interrupted wait's
         assert batch.returncode == 1 and "did not write its stop checkpoint (exit status 1)" in output, output
+        assert sorted(os.listdir(folder) if folder.exists() else []) == (["checkpoint.pt"] if checkpoints else [])
         assert [(c["cmd"], c["argv"]) for c in calls()][3:] == stop
 
 
