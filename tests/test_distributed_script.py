@@ -99,6 +99,30 @@ def test_resume_continues_exactly(straight_four_steps, tmp_path, first_leg, run_
             assert b[key] == expected, (key, a["event"], a["epoch"])
 
 
+def test_resume_continues_the_random_numbers_a_model_draws(tmp_path, run_in_process, monkeypatch):
+    """The scripts' own steps draw nothing from the global generators (each sample's augmentation has its own
+    seed), but a model with dropout, or a loss with noise, does: a resumed run continues torch's, NumPy's and
+    Python's sequences from the checkpoint (a lost restore, or a re-seed after it, would replay the first steps'
+    draws, and train on otherwise). In training only: the first leg's --max-steps ends with an evaluation that the
+    straight run does not make there, and the checkpoint keeps the generators as they are after it."""
+    import random
+
+    import numpy as np
+    from models.resnet import ResNet
+    forward = ResNet.forward
+
+    def drawing(self, x):  # in training: dropout (torch's generator), a logit scale drawn from NumPy's and Python's
+        if not self.training:
+            return forward(self, x)
+        return torch.nn.functional.dropout(forward(self, x), 0.3) * (1 + 0.1 * (np.random.rand() + random.random()))
+    monkeypatch.setattr(ResNet, "forward", drawing)
+    expect_ok(run_in_process("distributed.py", [*RESUME_ARGS, "--max-steps", "4", "--checkpoint-dir", tmp_path / "a"]))
+    expect_ok(run_in_process("distributed.py", [*RESUME_ARGS, "--max-steps", "2", "--checkpoint-dir", tmp_path / "b"]))
+    expect_ok(run_in_process("distributed.py", [*RESUME_ARGS, "--max-steps", "4", "--checkpoint-dir", tmp_path / "b",
+                                                "--resume"]))
+    assert_same_training_state(tmp_path / "b" / "checkpoint.pt", tmp_path / "a" / "checkpoint.pt", global_step=4)
+
+
 @pytest.mark.parametrize("flag, value, said", [
     ("--seed", "1", "this run has --seed 1: resume with the same value"),
     ("--train-samples", "64", "was trained on 96 training samples, this run has 64: resume with the same data"),
