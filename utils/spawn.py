@@ -259,9 +259,9 @@ def forward_stop_signals(workers):
     """Pass the stop signals on to the workers, as torchrun does: they checkpoint at an agreed step
     and exit 0 (utils/run.py), and this parent, alive, reports their status and cleans up after them."""
     def forward(signum, frame):
-        for pid in workers.pids():
-            with contextlib.suppress(ProcessLookupError):  # already gone
-                os.kill(pid, signum)
+        for process in workers.processes:  # not pids(): a worker reaped already may have left its pid to another
+            if process.is_alive():  # not reaped: only this thread reaps, so its pid stays its own until then
+                os.kill(process.pid, signum)
     for sig in lifecycle.stop_signals():
         signal.signal(sig, forward)
 
