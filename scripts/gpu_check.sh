@@ -195,8 +195,8 @@ if [ "$WORKERS" != 0 ] && "$PYTHON" -c 'import xdist' 2>/dev/null; then
     "$PYTHON" -c 'import pytest_benchmark' 2>/dev/null && plugin_args+=(-p no:benchmark)
 fi
 stage_seconds=$(( $(left) < PYTEST_SECONDS ? $(left) : PYTEST_SECONDS ))
-if [ "$stage_seconds" -lt 30 ]; then  # `timeout 0` would not bound it at all, a negative one is refused
-    say "== pytest: not run, ${stage_seconds} s left"
+if [ "$(left)" -lt 30 ]; then  # `timeout 0` would not bound it at all, a negative one is refused
+    say "== pytest: not run, $(left) s left"
     FAILED+=("pytest (no time left)")
 else
     # SIGINT on time out: pytest then stops like after Ctrl-C and still writes its junit report.
