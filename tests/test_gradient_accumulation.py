@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from conftest import (SMALL, assert_refused, assert_same_training_state, free_port, keep_on_cpu, load_script,
+from conftest import (ROOT, SMALL, assert_refused, assert_same_training_state, free_port, keep_on_cpu, load_script,
                       max_difference, observing_entry, read_metrics, subprocess_env, torchrun, with_flag)
 from models import build_model
 
@@ -272,6 +272,42 @@ def test_torchrun_resume_continues_with_the_exact_next_batch(two_process_run, tm
     # The 5 steps left, each of 2 micro-batches and one all-reduce.
     assert [(count_dir / rank).read_text() for rank in ("0", "1")] == ["5", "5"]
     assert_same_training_state(straight / "ck" / "checkpoint.pt", ck / "checkpoint.pt", global_step=8)
+
+
+# torchrun's entry point: the script named first, its model built without batch norm (whose statistics
+# depend on how a rank's share is cut into micro-batches; with it, accumulation is not the big batch).
+NO_BATCH_NORM = """
+import runpy, sys
+sys.path.insert(0, {root!r})
+import models, torch
+build = models.build_model
+models.build_model = lambda name, classes: build(name, classes, norm_layer=torch.nn.Identity)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_two_processes_accumulate_like_distributed_py(tmp_path):
+    """At 2 processes, 2 micro-batches each: the weights of distributed.py's whole batches at 2 processes
+    (loader workers on, across an epoch's end). The micro-batches of both ranks make up distributed.py's
+    global batch, the loss is divided by k, the last micro-batch all-reduces. (No --clip-grad-norm: a clip on every
+    step would hide a loss not divided by k. It is tested with accumulation in tests/test_clip_grad.py.)"""
+    runner = tmp_path / "no_batch_norm.py"
+    runner.write_text(NO_BATCH_NORM.format(root=str(ROOT)))
+    # 128 samples, 32 a step: 4 steps an epoch, 6 in all
+    flags = [*with_flag(with_flag(SMALL, "--workers", 2), "--train-samples", 128), "--epochs", "2",
+             "--max-steps", "6", "--warmup-epochs", "0"]
+    for name, script, extra in (("big", "distributed.py", []), ("accum", SCRIPT, ["--accum-steps", "2"])):
+        torchrun(2, runner, [ROOT / script, *flags, *extra, "--checkpoint-dir", tmp_path / name], timeout=180)
+    big, accum = (torch.load(tmp_path / name / "checkpoint.pt", weights_only=True) for name in ("big", "accum"))
+    assert accum["global_step"] == big["global_step"] == 6
+    torch.manual_seed(0)  # --seed 0: the scripts' initial weights
+    initial = build_model("resnet_tiny", 100, norm_layer=torch.nn.Identity).state_dict()
+    assert max_difference(big["model"], initial) > 1e-3
+    worst = max_difference(accum["model"], big["model"])
+    print(f"largest difference {worst:.3g}")
+    assert worst < 1e-6
+    assert max_difference(accum["optimizer"]["state"], big["optimizer"]["state"]) < 1e-6
 
 
 def test_batch_not_divisible_by_accumulation_is_a_usage_error(run_in_process):
