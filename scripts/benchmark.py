@@ -228,8 +228,8 @@ COMPARISONS = [
                                      "(plain python)"),
     ("ddp", "ddp-1proc", "all devices against one, both under DDP (scaling efficiency; 1.00 is perfect)"),
     ("ddp-bf16", "ddp", "bf16 autocast against fp32, template path"),
-    ("ddp", "ddp-nchw", "the default layout against NCHW through the loader, fp32 (TF32): channels_last's "
-                        "gain on NVIDIA GPUs of compute capability 8.0+"),
+    ("ddp", "ddp-nchw", "the default layout against NCHW through the loader, fp32: channels_last's gain on "
+                        "NVIDIA GPUs of compute capability 8.0+ (elsewhere both are NCHW)"),
     ("ddp-bf16", "ddp-bf16-nchw", "the default layout against NCHW through the loader, bf16"),
     ("fsdp2", "ddp", "sharded (FSDP2) against replicated (DDP), fp32"),
     ("fsdp2-bf16", "ddp-bf16", "FSDP2 bf16 policy against DDP bf16 autocast"),
@@ -237,7 +237,8 @@ COMPARISONS = [
     ("fast-bf16-compile", "fast-bf16", "torch.compile against eager"),
     ("fast-bf16-compile-1024", "fast-bf16-compile", "1024 images per device against the run's batch, compiled"),
     ("fast-bf16-cudagraphs-ddp", "fast-bf16-compile", "CUDA graphs against plain torch.compile, both under DDP"),
-    ("fast-bf16-cudagraphs-ddp", "fast-bf16-cudagraphs", "CUDA graphs under DDP against without it"),
+    ("fast-bf16-cudagraphs-ddp", "fast-bf16-cudagraphs", "CUDA graphs, all devices under DDP against one without "
+                                                         "it (on one GPU DDP's own cost; on more, scaling too)"),
     ("ceiling-bf16-channels-last", "ceiling-bf16-nchw", "channels_last against NCHW, the step alone, bf16"),
     ("ceiling-bf16-compile", "ceiling-bf16-channels-last", "torch.compile against eager, the step alone, bf16"),
     ("ceiling-bf16-cudagraphs", "ceiling-bf16-compile", "CUDA graphs against plain torch.compile, the step alone, "
@@ -1183,8 +1184,8 @@ def write_markdown(path: str, report: dict):
     lines += ["", "## Notes", ""] + notes + [
         "- img/s after warm-up steps: the scripts' own figure, without the first min(10, steps // 4) steps of "
         "each epoch; whole-epoch img/s counts every step over the measured epoch (evaluation is off the clock).",
-        "- precision: fp32 rows " + ("run convolutions in TF32 on this GPU (cuDNN's default); distributed_apex.py "
-                                     "and the ceilings their matmuls too" if plan.get("tf32_convolutions")
+        "- precision: fp32 rows " + ("run convolutions in TF32 on this GPU (cuDNN's default); the precision "
+                                     "column says which run matmuls in TF32 too" if plan.get("tf32_convolutions")
                                      else "compute in float32 (no TF32 on this device)") + ".",
         "- peak MiB: the largest peak allocated of the timed epochs (windows); epoch 1's is in the list below.",
         "- one-process rows train one device's batch; % of peak (fp32 against the same bf16 peak), vs "

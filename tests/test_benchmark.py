@@ -745,8 +745,8 @@ def cpu_plan(tool, **changes):
 def test_each_named_ratio_compares_rows_that_differ_in_what_it_names(tool):
     """A ratio credited to one change compares rows that differ in that change alone: two
     ceilings differ in one of precision, layout, compilation, CUDA graphs or batch; two script
-    rows under different launchers (with DDP and without) say so; no caption names a per-device
-    batch that --batch-size changes."""
+    rows under different launchers (with DDP and without), or on all devices against one, say so;
+    no caption names a per-device batch that --batch-size changes."""
     rows = {r.name: r for r in [*tool.ROWS, *tool.CEILINGS]}
 
     def ceiling_traits(c):
@@ -756,8 +756,11 @@ def test_each_named_ratio_compares_rows_that_differ_in_what_it_names(tool):
         first, second = rows[a], rows[b]
         if isinstance(first, tool.Ceiling) and isinstance(second, tool.Ceiling):
             assert sum(x != y for x, y in zip(ceiling_traits(first), ceiling_traits(second))) == 1, (a, b, what)
-        elif isinstance(first, tool.Row) and isinstance(second, tool.Row) and first.launcher != second.launcher:
-            assert "DDP" in what, (a, b, what)
+        elif isinstance(first, tool.Row) and isinstance(second, tool.Row):
+            if first.launcher != second.launcher:
+                assert "DDP" in what, (a, b, what)
+            if first.all_devices != second.all_devices:  # on several GPUs, scaling is in the ratio too
+                assert "all devices" in what and "one" in what, (a, b, what)
         assert not re.search(r"\b(128|256|512)\b", what), (a, b, what)
 
 

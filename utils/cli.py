@@ -192,7 +192,7 @@ def add_fast_path_flags(parser, data_on_gpu: bool = False, torch_compile: bool =
         g.add_argument("--compile-mode", default="default",
                        choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
                        help="torch.compile's mode (needs --compile). reduce-overhead and max-autotune replay CUDA "
-                            "graphs, for one process (no DDP hooks between them); max-autotune* tune for minutes")
+                            "graphs (under DDP, one per bucket's part of the model); max-autotune* tune for minutes")
     g.add_argument("--eval-every", type=positive_int, default=1, metavar="N",
                    help="evaluate after every N-th epoch and after the last one (the others record null test figures)")
 
