@@ -4,6 +4,7 @@ read from --data-dir are data, never code."""
 import os
 import pickle
 import subprocess
+import time
 
 import pytest
 import torch
@@ -64,9 +65,22 @@ def test_compare_models_refuses_a_nan_tolerance(tmp_path):
     ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x'"),
     ({"RANK": "0", "WORLD_SIZE": "two"}, "WORLD_SIZE='two'"),
     ({"RANK": "3", "WORLD_SIZE": "2"}, "do not fit together"),
+    # torch's rendezvous raises a ValueError there (a trace on rank 0)
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "70000"}, "MASTER_PORT='70000'"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "abc"}, "MASTER_PORT='abc' do"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "", "MASTER_PORT": "29500"}, "MASTER_ADDR='', MASTER_PORT="),
 ])
 def test_garbage_in_the_launchers_variables_is_one_line(run_in_process, env, fragment):
     assert_refused(run_in_process("distributed.py", SMALL, **env), fragment)
+
+
+def test_a_rank_given_a_port_that_is_not_one_is_refused_at_once(run_in_process):
+    # Rank 1 refuses as rank 0 does (silently: rank 0 prints the line), not after waiting --dist-timeout
+    # for a store at "127.0.0.1:abc".
+    started = time.monotonic()
+    code, out, err = run_in_process("distributed.py", [*SMALL, "--dist-timeout", "20"], RANK=1, WORLD_SIZE=2,
+                                    MASTER_ADDR="127.0.0.1", MASTER_PORT="abc")
+    assert code == 2 and time.monotonic() - started < 10, (code, out, err)
 
 
 @pytest.mark.parametrize("env", [{"RANK": "x", "WORLD_SIZE": "2"}, {"RANK": "0", "WORLD_SIZE": "-1"}])

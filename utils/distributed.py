@@ -93,9 +93,10 @@ def check_job(job: DistEnv, device_choice: str = "auto", check_only: bool = Fals
     """This rank's device, and this node's refusals that need no process group: a device this machine lacks, more
     processes than devices, on several nodes a network on which the groups cannot form (utils/network.py)."""
     if job.distributed and not check_only:
-        if job.init_method.startswith("env://") and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
-            raise UsageError("WORLD_SIZE is set but MASTER_ADDR or MASTER_PORT is not: the launcher "
-                             "(torchrun) sets them; where they meet is node 0's address and a free port")
+        addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "").strip()  # torch: int(port)
+        if job.init_method.startswith("env://") and not (addr and port.isdecimal() and 0 < int(port) <= 65535):
+            raise UsageError(f"WORLD_SIZE is set but MASTER_ADDR={addr!r}, MASTER_PORT={port!r} do not say where the "
+                             "ranks meet: the launcher (torchrun) sets them, node 0's address and a free TCP port")
         tell_refusals_to(job)
     device = pick_device(job.local_rank, job.local_world_size, device_choice, job.world_size > 1, check_only,
                          guessed_local=job.distributed and "LOCAL_WORLD_SIZE" not in os.environ)  # job_from_env's
@@ -288,9 +289,8 @@ def joining(job: DistEnv, timeout_s: float, backend: str, launcher: int = None):
     watcher.start()
     try:
         with lifecycle.deadline(timeout_s + JOIN_GRACE_S, late):
-            # Until a store answers (the watcher's probe): TCPStore's client that finds no one prints a C++ trace
-            # at each try. Not under torchrun: its store's port is one it picked, and of a failure to reach it
-            # the line below (every port) says more.
+            # Until a store answers (the watcher's probe): TCPStore's client that finds no one prints a C++ trace at
+            # each try. Not under torchrun, whose store's port it picked: the line below (every port) says more then.
             if job.rank and job.rendezvous.startswith("tcp://") and "TORCHELASTIC_RUN_ID" not in os.environ \
                     and not answered.wait(timeout_s):
                 print_line(late())
