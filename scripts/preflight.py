@@ -297,9 +297,9 @@ def endpoint_findings(endpoint: str) -> list:
     agent hosts the store where the endpoint is "localhost", a loopback address, this host's name
     or an address that name resolves to (torch.distributed.elastic.rendezvous.utils.
     _matches_machine_hostname, asked here); an address of this host that its name does not
-    resolve to is not recognised, and nobody hosts the store. The opposite error is harmless: an
-    agent that wrongly takes itself for the host serves a store nobody uses, and connects to the
-    endpoint as the others do (c10d_rendezvous_backend._create_tcp_store)."""
+    resolve to is not recognised, and nobody hosts the store. An endpoint that is not this host's is
+    not asked about: an agent that took itself for its host would serve a store nobody uses, and
+    connect to the endpoint's as the others do (c10d_rendezvous_backend._create_tcp_store)."""
     from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
     here, name = network.own_address(endpoint), socket.gethostname()  # the endpoint's address that is this host's

@@ -339,9 +339,7 @@ def test_an_endpoint_is_read_as_torchruns_c10d_rendezvous_reads_it(text):
 @pytest.mark.parametrize("endpoint, torchrun_hosts, fix", [
     ("node0.cluster", False, "map nodea to 10.0.0.1 in /etc/hosts; "),  # an alias: /etc/hosts maps names to addresses
     ("fd00:57::1", True, None),  # an IPv6 address of this host, which torchrun recognises: nothing to fix
-    # Another host that torchrun takes for this one: its agent serves a store nobody uses, and joins the
-    # endpoint's as the others do (c10d_rendezvous_backend._create_tcp_store): nothing to fix either.
-    ("node1.cluster", True, None),
+    ("node1.cluster", True, None),  # another host's: not this node's to host, whatever torchrun would guess
 ])
 def test_this_host_as_the_endpoint_is_recognised_by_any_of_its_addresses(monkeypatch, endpoint, torchrun_hosts, fix):
     """This host is nodea, whose name is on a loopback line; 10.0.0.1 and fd00:57::1 are its addresses."""
