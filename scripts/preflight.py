@@ -246,8 +246,8 @@ def port_facts(port) -> dict:
 
 
 def endpoint_answers(host, port, seconds=3.0) -> str:
-    """How host:port answers a TCP connection from here: "listening", "refused" (the host is
-    reached, nothing listens yet: what a job's endpoint does before the job), or why not."""
+    """How host:port answers a TCP connection from here: "listening", "refused" (nothing listens yet,
+    as at a job's endpoint before the job; or a firewall that rejects, as iptables' REJECT does), or why not."""
     try:
         with socket.create_connection((host, port), timeout=seconds):
             return "listening"
@@ -687,7 +687,8 @@ class Report:
                 where = f"{endpoint['host']}:{endpoint['port']}"
                 if endpoint.get("answers") in ("refused", "listening"):
                     print(f"  node {node}: the rendezvous endpoint {where} answers ("
-                          + ("nothing listens yet, as before the job starts)" if endpoint["answers"] == "refused"
+                          + ("nothing listens yet, as before the job starts, or a firewall rejects the port)"
+                             if endpoint["answers"] == "refused"
                              else "something listens already: the job's node 0, or one left running)"))
                 elif endpoint.get("answers"):
                     self.problem(f"node {node} ({net['hostname']}) cannot reach the rendezvous endpoint {where}: "
