@@ -414,9 +414,8 @@ class Loader(DataLoader):
                 self.batch_sampler.sampler = sampler
 
     def __iter__(self):
-        # A new iterator draws its workers' base seed from the global generator, with no workers too: put it back,
-        # so that the training's own draws (a model's dropout) do not depend on it, and a resume, whose epoch
-        # starts a new iterator after the checkpoint's generator state is restored, continues them exactly.
+        # A new iterator draws its workers' base seed from the global generator, with no workers too: put back, the
+        # training's own draws (dropout) do not depend on it, and continue exactly after a resume's restore.
         with torch.random.fork_rng(devices=[]):
             return start_loader_workers(super().__iter__) if self.num_workers else super().__iter__()
 

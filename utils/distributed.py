@@ -93,10 +93,11 @@ def check_job(job: DistEnv, device_choice: str = "auto", check_only: bool = Fals
     """This rank's device, and this node's refusals that need no process group: a device this machine lacks, more
     processes than devices, on several nodes a network on which the groups cannot form (utils/network.py)."""
     if job.distributed and not check_only:
-        addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "").strip()  # torch: int(port)
-        if job.init_method.startswith("env://") and not (addr and port.isdecimal() and 0 < int(port) <= 65535):
-            raise UsageError(f"WORLD_SIZE is set but MASTER_ADDR={addr!r}, MASTER_PORT={port!r} do not say where the "
-                             "ranks meet: the launcher (torchrun) sets them, node 0's address and a free TCP port")
+        addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")  # go into a URL as they are
+        ok = addr.split() == [addr] and "[" not in addr and port.isascii() and port.isdigit() and 0 < int(port) < 65536
+        if job.init_method.startswith("env://") and not ok:  # else torch raises on rank 0, and the others wait
+            raise UsageError(f"MASTER_ADDR={addr!r}, MASTER_PORT={port!r} do not say where the ranks meet: the "
+                             "launcher sets them: node 0's address (IPv6 without brackets), a free port", met_by="node")
         tell_refusals_to(job)
     device = pick_device(job.local_rank, job.local_world_size, device_choice, job.world_size > 1, check_only,
                          guessed_local=job.distributed and "LOCAL_WORLD_SIZE" not in os.environ)  # job_from_env's
