@@ -237,8 +237,8 @@ COMPARISONS = [
     ("fast-bf16-compile", "fast-bf16", "torch.compile against eager"),
     ("fast-bf16-compile-1024", "fast-bf16-compile", "1024 images per device against the run's batch, compiled"),
     ("fast-bf16-cudagraphs-ddp", "fast-bf16-compile", "CUDA graphs against plain torch.compile, both under DDP"),
-    ("fast-bf16-cudagraphs-ddp", "fast-bf16-cudagraphs", "CUDA graphs, all devices under DDP against one without "
-                                                         "it (on one GPU DDP's own cost; on more, scaling too)"),
+    ("fast-bf16-cudagraphs-ddp", "fast-bf16-cudagraphs", "both with CUDA graphs: all devices under DDP against one "
+                                                         "without DDP (one GPU: DDP's own cost; more: scaling too)"),
     ("ceiling-bf16-channels-last", "ceiling-bf16-nchw", "channels_last against NCHW, the step alone, bf16"),
     ("ceiling-bf16-compile", "ceiling-bf16-channels-last", "torch.compile against eager, the step alone, bf16"),
     ("ceiling-bf16-cudagraphs", "ceiling-bf16-compile", "CUDA graphs against plain torch.compile, the step alone, "

@@ -981,7 +981,7 @@ def main(argv=None):
     # with a launcher that does not, rank 0 hosts it, as env:// initialisation would.
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # as torch reads it (rendezvous.py)
     addr, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
-    if not (port.strip().isdigit() and 0 < int(port) <= 65535):
+    if not (port.isascii() and port.isdigit() and 0 < int(port) <= 65535):  # as utils/distributed.py's check_job
         raise UsageError(f"MASTER_PORT={port!r} is not a TCP port (1 .. 65535): the launcher (torchrun) sets it")
     try:
         connect_store(addr, int(port), role.world_size, args.timeout, host_it=role.rank == 0 and not agent)

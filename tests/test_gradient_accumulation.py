@@ -300,7 +300,7 @@ def test_two_processes_accumulate_like_distributed_py(tmp_path):
     for name, script, extra in (("big", "distributed.py", []), ("accum", SCRIPT, ["--accum-steps", "2"])):
         torchrun(2, runner, [ROOT / script, *flags, *extra, "--checkpoint-dir", tmp_path / name], timeout=180)
     big, accum = (torch.load(tmp_path / name / "checkpoint.pt", weights_only=True) for name in ("big", "accum"))
-    assert accum["global_step"] == big["global_step"] == 6
+    assert accum["global_step"] == big["global_step"] == 6 and accum["config"]["accum_steps"] == 2
     torch.manual_seed(0)  # --seed 0: the scripts' initial weights
     initial = build_model("resnet_tiny", 100, norm_layer=torch.nn.Identity).state_dict()
     assert max_difference(big["model"], initial) > 1e-3
