@@ -274,17 +274,13 @@ def test_torchrun_resume_continues_with_the_exact_next_batch(two_process_run, tm
     assert_same_training_state(straight / "ck" / "checkpoint.pt", ck / "checkpoint.pt", global_step=8)
 
 
-# torchrun's entry point: the script named first, its model built without batch norm (whose statistics
-# depend on how a rank's share is cut into micro-batches; with it, accumulation is not the big batch).
-NO_BATCH_NORM = """
-import runpy, sys
-sys.path.insert(0, {root!r})
-import models, torch
-build = models.build_model
-models.build_model = lambda name, classes: build(name, classes, norm_layer=torch.nn.Identity)
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
+# The model built without batch norm, whose statistics depend on how a rank's share is cut into micro-batches
+# (with it, accumulation is not the big batch).
+WITHOUT_BATCH_NORM = """
+    import models, torch
+    build = models.build_model
+    models.build_model = lambda name, classes: build(name, classes, norm_layer=torch.nn.Identity)
+    """
 
 
 def test_two_processes_accumulate_like_distributed_py(tmp_path):
@@ -292,8 +288,7 @@ def test_two_processes_accumulate_like_distributed_py(tmp_path):
     (loader workers on, across an epoch's end). The micro-batches of both ranks make up distributed.py's
     global batch, the loss is divided by k, the last micro-batch all-reduces. (No --clip-grad-norm: a clip on every
     step would hide a loss not divided by k. It is tested with accumulation in tests/test_clip_grad.py.)"""
-    runner = tmp_path / "no_batch_norm.py"
-    runner.write_text(NO_BATCH_NORM.format(root=str(ROOT)))
+    runner = observing_entry(tmp_path, WITHOUT_BATCH_NORM)
     # 128 samples, 32 a step: 4 steps an epoch, 6 in all
     flags = [*with_flag(with_flag(SMALL, "--workers", 2), "--train-samples", 128), "--epochs", "2",
              "--max-steps", "6", "--warmup-epochs", "0"]
