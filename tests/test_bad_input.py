@@ -90,6 +90,18 @@ def test_a_rank_given_a_port_that_is_not_one_is_refused_at_once(run_in_process):
     assert time.monotonic() - started < 10
 
 
+@pytest.mark.parametrize("addr", ["198.51.100.7", "nodea.invalid"])  # a documentation address (RFC 5737); no name
+def test_rank_0_given_an_address_of_another_host_is_refused_at_once(run_in_process, addr):
+    # Rank 0 serves the store there, and its own client found no one: a C++ trace at each try, then a line that
+    # blamed a rank that did not come, --dist-timeout later.
+    started = time.monotonic()
+    outcome = run_in_process("distributed.py", [*SMALL, "--dist-timeout", "20"], RANK=0, WORLD_SIZE=2,
+                             MASTER_ADDR=addr, MASTER_PORT="29500")
+    assert_refused(outcome, f"MASTER_ADDR={addr!r}, MASTER_PORT='29500' do not say where the ranks meet",
+                   "this host runs rank 0, and MASTER_ADDR does not name it")
+    assert time.monotonic() - started < 10
+
+
 @pytest.mark.parametrize("env", [{"RANK": "x", "WORLD_SIZE": "2"}, {"RANK": "0", "WORLD_SIZE": "-1"}])
 def test_collectives_tour_bad_input_exits_2(env):
     proc = run_script(["scripts/collectives.py"], check=False, timeout=120, env=subprocess_env(**env))

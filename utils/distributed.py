@@ -56,6 +56,10 @@ class DistEnv:
         return urlparse(self.rendezvous).hostname
 
     @property
+    def store_by_rank_0(self) -> bool:  # else torchrun's agent serves it (rendezvous.py, _create_c10d_store)
+        return not self.init_method.startswith("env://") or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+
+    @property
     def several_nodes(self) -> bool:
         return self.world_size > self.local_world_size
 
@@ -95,9 +99,12 @@ def check_job(job: DistEnv, device_choice: str = "auto", check_only: bool = Fals
     if job.distributed and not check_only:
         addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")  # go into a URL as they are
         ok = addr.split() == [addr] and "[" not in addr and port.isascii() and port.isdigit() and 0 < int(port) < 65536
-        if job.init_method.startswith("env://") and not ok:  # else torch raises on rank 0, and the others wait
+        # Rank 0 serves the store there and connects to it as the others do: elsewhere, a C++ trace at each try.
+        here = job.rank > 0 or not job.store_by_rank_0 or ok and network.own_address(addr) is not None
+        if job.init_method.startswith("env://") and not (ok and here):  # torch raises on rank 0, or the others wait
             raise UsageError(f"MASTER_ADDR={addr!r}, MASTER_PORT={port!r} do not say where the ranks meet: the "
-                             "launcher sets them: node 0's address (IPv6 without brackets), a free port", met_by="node")
+                             "launcher sets them: node 0's address (IPv6 without brackets), a free port"
+                             + ("" if here else "; this host runs rank 0, and MASTER_ADDR does not name it"), met_by="node")
         tell_refusals_to(job)
     device = pick_device(job.local_rank, job.local_world_size, device_choice, job.world_size > 1, check_only,
                          guessed_local=job.distributed and "LOCAL_WORLD_SIZE" not in os.environ)  # job_from_env's
@@ -110,11 +117,8 @@ def tell_refusals_to(job: DistEnv):
     """From here on, a refusal of this process reaches the job's other ranks (lifecycle.tell_the_job)."""
     # Several nodes meeting at a loopback address reach no rank of another node there: no one to tell (None).
     alone = job.several_nodes and job.meets_at and network.loopback_for_several_nodes(job.meets_at)
-    # Rank 0 serves the store, but where torchrun's agent serves it at MASTER_ADDR:MASTER_PORT (rendezvous.py,
-    # _create_c10d_store): env:// meets there.
-    agent = job.init_method.startswith("env://") and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     lifecycle.meets_at(None if alone else job.rendezvous, job.rank, job.world_size,
-                       hosts_store=job.rank == 0 and not agent and not alone)
+                       hosts_store=job.rank == 0 and job.store_by_rank_0 and not alone)
 
 
 def check_network(meets_at, device: torch.device, flag: str = "MASTER_ADDR", announce: bool = True):
@@ -208,8 +212,8 @@ def setup(job: DistEnv, device: torch.device, timeout_s: float = 1800.0) -> Dist
         dist.init_process_group(backend, store=dist.PrefixStore(f"{attempt}/pg", store), rank=job.rank,
                                 world_size=job.world_size, timeout=timeout,
                                 device_id=device if device.type != "cpu" else None)
-        agreements = _rank_0s_store(job, store, f"{attempt}/agreements-at", timeout) if (
-            os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and not job.several_nodes) else store
+        agreements = store if job.store_by_rank_0 or job.several_nodes else _rank_0s_store(
+            job, store, f"{attempt}/agreements-at", timeout)
     _store, _agreements = dist.PrefixStore(f"{attempt}/agreements", agreements), 0
     lifecycle.joined_a_group(store)  # the process now ends through lifecycle.leave (see there)
     return dataclasses.replace(job, device=device)
