@@ -48,6 +48,9 @@ check at that same step boundary can already see them.
 --once-file PATH: act at most once among all the processes given the same PATH, whatever
 their restart count (on several nodes each torchrun counts only its own restarts).
 
+EXIT_STATUS_DIR=FOLDER in the environment: each rank writes its exit status to FOLDER/RANK
+(record_exit_status).
+
 FAULT_INJECTION="OPTIONS -- SCRIPT" in the environment gives the options and the script,
 and the command line then only the script's arguments (for launchers that append their own).
 """
@@ -237,6 +240,20 @@ def patch_checkpoint_save(nth_save: int):
     checkpoint.torch = TorchWithCrashingSave()
 
 
+def record_exit_status(folder):
+    """FOLDER/RANK holds this process's exit status once it ends through os._exit, as a rank that joined a group
+    does (utils.lifecycle.leave): torchrun, itself stopped by a signal, reports none. Not written by the loader
+    workers, forked with the patch, nor by a process that a signal killed."""
+    own, real_exit = os.getpid(), os._exit
+
+    def recorded(code):
+        if os.getpid() == own:
+            with open(os.path.join(folder, os.environ.get("RANK", "0")), "w") as f:
+                f.write(str(code))
+        real_exit(code)
+    os._exit = recorded
+
+
 def main():
     argv = sys.argv[1:]
     if os.environ.get("FAULT_INJECTION"):
@@ -286,6 +303,8 @@ def main():
         patch_step_done(opts.fault, opts.rank, opts.step, once=opts.once or opts.fault == "kill",
                         once_file=opts.once_file)
 
+    if os.environ.get("EXIT_STATUS_DIR"):
+        record_exit_status(os.environ["EXIT_STATUS_DIR"])
     sys.argv = [script, *script_args]
     runpy.run_path(script, run_name="__main__")
 
