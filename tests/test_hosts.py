@@ -673,7 +673,7 @@ def test_a_node_without_the_data_set_says_why_and_the_other_node_names_it(make_h
 def test_the_wrong_interface_is_named_by_preflight_and_the_variable_fixes_it(make_hosts, tmp_path):
     """Each host has eth0 (listed first, and the address its own name resolves to), which
     reaches no other host, and eth1, the link. gloo takes eth0. preflight under torchrun on
-    both hosts ends within its --timeout bounds and names GLOO_SOCKET_IFNAME=eth1; with it
+    both hosts fails (torchrun's exit status 1) and names GLOO_SOCKET_IFNAME=eth1; with it
     set, training works."""
     hosts = make_hosts(two_interfaces=True)
     job = Job(hosts, tmp_path)
@@ -683,9 +683,10 @@ def test_the_wrong_interface_is_named_by_preflight_and_the_variable_fixes_it(mak
                                                                if name == "nodea" else []),
                                               "scripts/preflight.py", "--workers", "0", "--model", "resnet_tiny",
                                               "--timeout", "10"])
-    job.wait(120, expect=None)
+    codes = job.wait(120, expect=None)
     elapsed = time.monotonic() - started
     report = job.log("preflight-nodea") + job.log("preflight-nodeb")
+    assert codes == {"preflight-nodea": 1, "preflight-nodeb": 1}, report  # torchrun's: a worker failed
     assert "FAILED" in report and "export GLOO_SOCKET_IFNAME=eth1" in report, report
     assert "NCCL: its own choice (NCCL_DEBUG=INFO prints it)" in report, report  # nothing here imitates NCCL
     print(f"preflight ended in {elapsed:.0f} s")
@@ -707,8 +708,9 @@ def test_the_launcher_names_node_0_as_the_endpoint_not_as_node_0_resolves_its_na
     address, which no other host reaches (node B resolves it to eth1's). Node A's --local_addr, every rank's
     MASTER_ADDR where node A is node rank 0, is the name as the other host reaches it. Node A's route to its
     own name says nothing of the interface the others reach it by: its launcher sets no GLOO_SOCKET_IFNAME
-    (it had set eth0, and the run then advised eth1 toward node B's address). Node B's sets eth1. On each
-    node the run advises no other interface than its launcher set, and the job trains."""
+    (it had set eth0, and the run then advised eth1 toward node B's address). Node B's sets eth1. Any advice
+    on either node names eth1, the link: where node B is node rank 0, node A's run, which meets at node B's
+    address, may warn that gloo listens on eth0 (a warning: the job trains all the same here)."""
     hosts = make_hosts(two_interfaces=True)
     job = Job(hosts, tmp_path)
     for name in hosts.names:
@@ -727,7 +729,7 @@ def test_the_launcher_names_node_0_as_the_endpoint_not_as_node_0_resolves_its_na
         chosen = set(re.findall(r"GLOO_SOCKET_IFNAME=(\w+)", decided))
         assert chosen == ({"eth1"} if name == "nodeb" else set()), decided
         advised = set(re.findall(r"export GLOO_SOCKET_IFNAME=(\w+)", log))
-        assert not chosen or advised <= chosen, log
+        assert advised <= {"eth1"}, log
 
 
 def test_a_c10d_rendezvous_in_a_shared_file_trains_through_the_launcher(make_hosts, tmp_path):
