@@ -354,8 +354,9 @@ def write_markdown(path: str, report: dict):
         "in forward stays whole until its backward. For `ddp` it is the parameters themselves, "
         "already in the parameters column; under FSDP2 it is gathered copies on top of the shards (FSDP2 "
         "copies even with one process). Buffers being gathered for the next unit are not in it. The GPU "
-        "peak (activations included) is everything PyTorch's caching allocator handed out during the "
-        "step, not NCCL's own buffers.", ""]
+        "peak is the most bytes that PyTorch's caching allocator had handed out at one moment of the step: "
+        "what was held before it (parameters, gradients, optimizer state, the batch) and the activations, "
+        "not NCCL's own buffers.", ""]
     with open(path + ".tmp", "w") as f:
         f.write("\n".join(lines))
     os.replace(path + ".tmp", path)

@@ -101,18 +101,20 @@ def test_epochs_without_evaluation_are_skipped_by_the_test_curves(tmp_path, monk
     """--eval-every 2: odd epochs record no test figures. The test curves join the evaluated epochs into a
     line (NaN between them left dots), and the summary gives the last evaluated accuracy, not '-'."""
     path = tmp_path / "every2.jsonl"
-    path.write_text("".join(json.dumps(record(epoch, **({"test_loss": None, "test_acc1": None} if epoch % 2 else
-                                                           {"test_acc1": 10.0 * epoch}))) + "\n"
+    # One slow epoch's throughput, a tenth of the others': the summary's median (102) leaves it out, a mean would not.
+    speeds = [101.0, 102.0, 103.0, 104.0, 10.0]
+    path.write_text("".join(json.dumps(record(epoch, images_per_second=speeds[epoch - 1], **(
+        {"test_loss": None, "test_acc1": None} if epoch % 2 else {"test_acc1": 10.0 * epoch}))) + "\n"
                             for epoch in range(1, 6)))
     runs = plot_metrics.label_runs(plot_metrics.read_runs(str(path)))
-    assert plot_metrics.summary(runs).splitlines()[1].split()[3:5] == ["5", "40.00%"]
+    assert plot_metrics.summary(runs).splitlines()[1].split()[3:6] == ["5", "40.00%", "102"]
     import matplotlib.pyplot as plt
     figures = []
     monkeypatch.setattr(plt, "close", figures.append)
     plot_metrics.plot(runs, str(tmp_path / "every2.png"))
     loss, acc, speed = (ax.get_lines()[0] for ax in figures[0].axes[:3])
     assert list(loss.get_xdata()) == list(acc.get_xdata()) == [2, 4] and list(acc.get_ydata()) == [20.0, 40.0]
-    assert list(speed.get_xdata()) == [1, 2, 3, 4, 5]
+    assert list(speed.get_xdata()) == [1, 2, 3, 4, 5] and list(speed.get_ydata()) == speeds  # what its title says
 
 
 def test_a_missing_file_is_one_line_and_exit_2(tmp_path):
