@@ -789,6 +789,27 @@ def test_a_group_of_one_agrees_on_a_stop_without_a_collective(monkeypatch):
         dist.destroy_process_group()
 
 
+def test_a_gloo_that_cannot_start_is_not_blamed_on_a_rank_that_did_not_come():
+    """GLOO_SOCKET_IFNAME naming no interface of this host: both ranks fail as they form the group, at once, and
+    each says gloo's own error. Only a wait that ran out is put down to a rank that did not come."""
+    env = dict(WORLD_SIZE=2, LOCAL_WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(),
+               GLOO_SOCKET_IFNAME="nosuchif0")
+    ranks = [subprocess.Popen([sys.executable, "distributed.py", *SMALL, "--device", "cpu", "--dist-timeout", "300"],
+                              cwd=ROOT, env=subprocess_env(RANK=rank, LOCAL_RANK=rank, **env), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        errors = [rank.communicate(timeout=120)[1] for rank in ranks]  # not --dist-timeout later
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.communicate()
+    for rank, err in enumerate(errors):
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert ranks[rank].returncode == 1 and len(lines) == 1, err
+        assert lines[0].startswith(f"distributed.py: error: rank {rank} could not join the gloo process group ("), err
+        assert "nosuchif0" in lines[0] and "did not come" not in lines[0], err
+
+
 @pytest.mark.parametrize("slow", [False, True])
 def test_a_rank_whose_peer_never_comes_on_one_node_says_so_in_one_line(tmp_path, slow):
     """Rank 0 of two on one node, the other never started: the store's own wait ends at --dist-timeout with a
