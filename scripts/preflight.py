@@ -979,12 +979,15 @@ def main(argv=None):
                 "torchrun", dist_utils._env_int("GROUP_WORLD_SIZE", 1))
     # Under torchrun the agent hosts the rendezvous store (TORCHELASTIC_USE_AGENT_STORE);
     # with a launcher that does not, rank 0 hosts it, as env:// initialisation would.
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # as torch reads it (rendezvous.py)
+    host_it = role.rank == 0 and job.store_by_rank_0
     addr, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
     if not (port.isascii() and port.isdigit() and 0 < int(port) <= 65535):  # as utils/distributed.py's check_job
         raise UsageError(f"MASTER_PORT={port!r} is not a TCP port (1 .. 65535): the launcher (torchrun) sets it")
+    if host_it and network.own_address(addr) is None:  # it would serve the store there, and connect to it there
+        raise UsageError(f"MASTER_ADDR={addr!r} does not name this host, where rank 0 serves the ranks' store: "
+                         "start rank 0 on the host it names, or give MASTER_ADDR this host's address")
     try:
-        connect_store(addr, int(port), role.world_size, args.timeout, host_it=role.rank == 0 and not agent)
+        connect_store(addr, int(port), role.world_size, args.timeout, host_it=host_it)
     except RuntimeError as err:  # torch's DistNetworkError: no report can come from this rank
         # Why, as the run itself would say it: the port this rank was to serve taken (USE_LIBUV=0's wording
         # too); on several nodes, MASTER_ADDR (bare torchrun's c10d: node 0's name) unresolvable or loopback
