@@ -130,9 +130,8 @@ def build_parser(doc: str, model_names, own_data: bool = False, images: bool = T
     g.add_argument("--epochs", type=positive_int, default=200, help="passes over the training set")
     g.add_argument("--batch-size", "--batch_size", type=positive_int, default=128,
                    help="GLOBAL batch per optimizer step, over all processes and accumulation steps")
-    g.add_argument("--lr", type=positive_float, default=0.1,
-                   help="learning rate for 128 samples a step; the scripts scale it linearly with "
-                        "--batch-size where they build the optimizer")
+    g.add_argument("--lr", type=positive_float, default=0.1, help="learning rate for 128 samples a step; the scripts "
+                   "scale it linearly with --batch-size where they build the optimizer")
     g.add_argument("--momentum", type=non_negative_float, default=0.9, help="SGD's momentum")
     g.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=True, help="SGD's Nesterov momentum")
     g.add_argument("--weight-decay", "--weight_decay", type=non_negative_float, default=5e-4, help="SGD's weight decay")

@@ -4,7 +4,6 @@
 A sample's augmentation depends on (--seed, epoch, index) alone, not on the loader worker that loads
 it (TrainImages, SeededSamples): so runs compare across strategies and numbers of processes or
 workers, resumes in the middle of an epoch are exact, and --data-on-gpu augments as the loader does."""
-
 import contextlib
 import fcntl
 import os

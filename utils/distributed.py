@@ -104,8 +104,7 @@ def check_job(job: DistEnv, device_choice: str = "auto", check_only: bool = Fals
         if job.init_method.startswith("env://") and not (ok and here):  # torch raises on rank 0, or the others wait
             raise UsageError(f"MASTER_ADDR={addr!r}, MASTER_PORT={port!r} do not say where the ranks meet: the "
                              "launcher sets them: node 0's address (IPv6 without brackets), a free port"
-                             + ("" if here else "; rank 0 runs here, and MASTER_ADDR does not name this host"),
-                             met_by="node")
+                             + ("" if here else "; rank 0 runs here, which MASTER_ADDR does not name"), met_by="node")
         tell_refusals_to(job)
     device = pick_device(job.local_rank, job.local_world_size, device_choice, job.world_size > 1, check_only,
                          guessed_local=job.distributed and "LOCAL_WORLD_SIZE" not in os.environ)  # job_from_env's
@@ -307,11 +306,11 @@ def joining(job: DistEnv, timeout_s: float, backend: str, launcher: int = None):
         # did not come. Several nodes: under torchrun the ranks' store is at a port it picks on node 0, and gloo
         # and NCCL listen on ports of their own: a firewall that lets only the endpoint's port through stops here.
         busy = "address already in use" in str(err).lower()  # rank 0's store (libuv's or not): free when checked
-        late = "time" in str(err).lower()  # a wait that ran out ("Timed out", "timeout"), not any other failure
+        timed_out = "time" in str(err).lower()  # a wait that ran out ("Timed out", "timeout"), not any other failure
         why = ("another program (another run?) took the port after it was checked: start again on another port"
                if busy else ("the nodes must reach each other on every TCP port, not only the rendezvous endpoint's: "
                              if job.several_nodes else "another rank did not come in time (it failed or was slow to "
-                             "start): " if late else "") + "scripts/preflight.py checks each node's network")
+                             "start): " if timed_out else "") + "scripts/preflight.py checks each node's network")
         print_line(error_line(f"rank {job.rank} could not join the {backend} process group ({type(err).__name__}: "
                               f"{first_line(err)}); {why}"))
         raise SystemExit(2 if busy else 1) from None

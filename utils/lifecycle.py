@@ -5,7 +5,7 @@ import atexit
 import contextlib
 import datetime
 import json
-import multiprocessing
+import multiprocessing.util
 import os
 import signal
 import socket
@@ -340,7 +340,6 @@ def start_loader_workers(start):
     own: utils/compat.py). The workers share this process's multiprocessing folder ("pymp-" in /tmp: the sockets
     that hand batches over), made here first, not one each, which a killed worker would leave behind."""
     global _kill_at_exit_registered
-    import multiprocessing.util
     if not _kill_at_exit_registered:
         atexit.register(kill_loader_workers)
         _kill_at_exit_registered = True

@@ -68,9 +68,8 @@ def validated(args, check, state=checkpoint.WholeState) -> Plan:
                 (path := _resume_choice(args, bool(saved) and os.path.isfile(saved), restarts=False)[0]):
             state.check(loaded := checkpoint.load(path), path)
             _check_recipe(args, loaded, path)
-        n = plan.world_size
-        print(f"arguments OK for {n} process{'es' if n != 1 else ''}" + (f" ({plan.read})" if plan.read else ""),
-              flush=True)
+        n, read = plan.world_size, f" ({plan.read})" if plan.read else ""
+        print(f"arguments OK for {n} process{'es' if n != 1 else ''}{read}", flush=True)
         sys.exit(0)
     return plan
 
