@@ -355,8 +355,8 @@ def write_markdown(path: str, report: dict):
         "already in the parameters column; under FSDP2 it is gathered copies on top of the shards (FSDP2 "
         "copies even with one process). Buffers being gathered for the next unit are not in it. The GPU "
         "peak is the most bytes that PyTorch's caching allocator had handed out at one moment of the step: "
-        "what was held before it (parameters, gradients, optimizer state, the batch) and the activations, "
-        "not NCCL's own buffers.", ""]
+        "what was held before it (parameters, gradients, optimizer state, the batch) and what the step "
+        "allocates (activations, new gradients, gathered parameters), not NCCL's own buffers.", ""]
     with open(path + ".tmp", "w") as f:
         f.write("\n".join(lines))
     os.replace(path + ".tmp", path)

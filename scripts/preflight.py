@@ -984,8 +984,7 @@ def main(argv=None):
     if not (port.isascii() and port.isdigit() and 0 < int(port) <= 65535):  # as utils/distributed.py's check_job
         raise UsageError(f"MASTER_PORT={port!r} is not a TCP port (1 .. 65535): the launcher (torchrun) sets it")
     if host_it and network.own_address(addr) is None:  # it would serve the store there, and connect to it there
-        raise UsageError(f"MASTER_ADDR={addr!r} does not name this host, where rank 0 serves the ranks' store: "
-                         "start rank 0 on the host it names, or give MASTER_ADDR this host's address")
+        raise UsageError(network.store_elsewhere(addr))  # as the run refuses it (utils/distributed.py, check_job)
     try:
         connect_store(addr, int(port), role.world_size, args.timeout, host_it=host_it)
     except RuntimeError as err:  # torch's DistNetworkError: no report can come from this rank

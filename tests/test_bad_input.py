@@ -97,8 +97,8 @@ def test_rank_0_given_an_address_of_another_host_is_refused_at_once(run_in_proce
     started = time.monotonic()
     outcome = run_in_process("distributed.py", [*SMALL, "--dist-timeout", "20"], RANK=0, WORLD_SIZE=2,
                              MASTER_ADDR=addr, MASTER_PORT="29500")
-    assert_refused(outcome, f"MASTER_ADDR={addr!r}, MASTER_PORT='29500' do not say where the ranks meet",
-                   "rank 0 runs here, which MASTER_ADDR does not name")
+    assert_refused(outcome, f"MASTER_ADDR={addr} resolves to no address of this host, where rank 0 serves the ranks' "
+                   "store: start rank 0 on the host it names, or give MASTER_ADDR this host's address")
     assert time.monotonic() - started < 10
 
 

@@ -690,7 +690,9 @@ def test_workers_stop_when_the_mp_spawn_parent_is_killed_while_they_start(tmp_pa
                 PYTHONPATH=str(slow))
     deadline = time.time() + 60
     while spawned_workers(proc.tag) < 2:  # both started (multiprocessing's resource tracker has the tag too)
-        assert time.time() < deadline, proc.output()
+        if time.time() > deadline:
+            proc.kill()
+            raise AssertionError(f"the workers did not start\n{proc.output()}")
         time.sleep(0.1)
     os.kill(proc.popen.pid, signal.SIGKILL)
     proc.popen.wait(10)
@@ -776,8 +778,11 @@ def test_a_group_of_one_agrees_on_a_stop_without_a_collective(monkeypatch):
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        for name in ("all_reduce", "broadcast", "all_gather", "all_gather_object", "barrier", "reduce"):
-            monkeypatch.setattr(dist, name, collective)
+        for module in (dist, dist.distributed_c10d):  # the functions and their calls of one another
+            for name in ("all_reduce", "broadcast", "all_gather", "all_gather_object", "barrier", "reduce",
+                         "broadcast_object_list", "all_gather_into_tensor", "reduce_scatter_tensor", "gather",
+                         "scatter", "all_to_all", "monitored_barrier"):
+                monkeypatch.setattr(module, name, collective)
         stop = StopSignal(distributed=False)
         try:
             assert not stop.should_stop(1)

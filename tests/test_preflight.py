@@ -213,7 +213,7 @@ def test_bad_arguments_exit_2_before_starting_anything(argv, fragment, capsys):
     ({"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "70000"}, [], "MASTER_PORT='70000' is not a TCP"),
     # Rank 0 without torchrun's agent store: it serves the store at MASTER_ADDR, a documentation address (RFC 5737).
     ({"WORLD_SIZE": "2", "MASTER_ADDR": "198.51.100.7", "MASTER_PORT": "29500"}, [],
-     "MASTER_ADDR='198.51.100.7' does not name this host, where rank 0 serves the ranks' store"),
+     "MASTER_ADDR=198.51.100.7 resolves to no address of this host, where rank 0 serves the ranks' store"),
 ])
 def test_launcher_variables_that_cannot_be_right_are_refused(monkeypatch, capsys, env, argv, fragment):
     for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):

@@ -154,9 +154,8 @@ def build_parser(doc: str, model_names, own_data: bool = False, images: bool = T
                    help="continue from PATH, or from --checkpoint-dir/checkpoint.pt without PATH")
     g.add_argument("--metrics", default=None, metavar="FILE",
                    help="append JSON lines: one record per epoch and one at the end of the run")
-    g.add_argument("--log-every", type=positive_int, default=50,
-                   help="refresh the progress bar's loss every N steps (each refresh waits for the device; "
-                        "the bar is drawn when stderr is a terminal)")
+    g.add_argument("--log-every", type=positive_int, default=50, help="refresh the progress bar's loss every N steps "
+                   "(each refresh waits for the device; the bar is drawn when stderr is a terminal)")
     g.add_argument("--check-args", action="store_true",
                    help="make the run's every check before it starts, with the launcher's variables (WORLD_SIZE, "
                         "LOCAL_WORLD_SIZE, RANK, MASTER_ADDR), and exit: 0 if it would start, else its line and 2")
@@ -179,9 +178,8 @@ def add_fast_path_flags(parser, data_on_gpu: bool = False, torch_compile: bool =
     g = parser.add_argument_group("fast path")
     parser.set_defaults(data_on_gpu=False, channels_last=False, compile=False)  # what a script without them reads
     if data_on_gpu and not getattr(parser, "own_data", False):
-        g.add_argument("--data-on-gpu", action="store_true",
-                       help="images: keep the uint8 CIFAR training set in device memory and augment it there "
-                            "(no loader workers)")
+        g.add_argument("--data-on-gpu", action="store_true", help="images: keep the uint8 CIFAR training set in device "
+                       "memory and augment it there (no loader workers)")
     if getattr(parser, "images", True):
         g.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
                        help="images: NHWC model and inputs (default: on for NVIDIA GPUs of compute capability 8.0+)")

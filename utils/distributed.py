@@ -99,12 +99,12 @@ def check_job(job: DistEnv, device_choice: str = "auto", check_only: bool = Fals
     if job.distributed and not check_only:
         addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")  # go into a URL as they are
         ok = addr.split() == [addr] and "[" not in addr and port.isascii() and port.isdigit() and 0 < int(port) < 65536
-        # Rank 0 serves the store there and connects to it as the others do: elsewhere, a C++ trace at each try.
-        here = job.rank > 0 or not job.store_by_rank_0 or ok and network.own_address(addr) is not None
-        if job.init_method.startswith("env://") and not (ok and here):  # torch raises on rank 0, or the others wait
+        if (env := job.init_method.startswith("env://")) and not ok:  # else torch raises on rank 0, the others wait
             raise UsageError(f"MASTER_ADDR={addr!r}, MASTER_PORT={port!r} do not say where the ranks meet: the "
-                             "launcher sets them: node 0's address (IPv6 without brackets), a free port"
-                             + ("" if here else "; rank 0 runs here, which MASTER_ADDR does not name"), met_by="node")
+                             "launcher sets them: node 0's address (IPv6 without brackets), a free port", met_by="node")
+        # Rank 0 serves the store at MASTER_ADDR and connects to it there (a C++ trace a try): before a refusal is.
+        if env and job.rank == 0 and job.store_by_rank_0 and not network.own_address(addr):
+            raise UsageError(network.store_elsewhere(addr))
         tell_refusals_to(job)
     device = pick_device(job.local_rank, job.local_world_size, device_choice, job.world_size > 1, check_only,
                          guessed_local=job.distributed and "LOCAL_WORLD_SIZE" not in os.environ)  # job_from_env's
@@ -305,12 +305,13 @@ def joining(job: DistEnv, timeout_s: float, backend: str, launcher: int = None):
         # The store's and the backend's own waits end at --dist-timeout, before the deadline above: a rank that
         # did not come. Several nodes: under torchrun the ranks' store is at a port it picks on node 0, and gloo
         # and NCCL listen on ports of their own: a firewall that lets only the endpoint's port through stops here.
+        said = first_line(err).lower()  # "peer": a wait that ran out or a peer gone, not gloo failing here, say
         busy = "address already in use" in str(err).lower()  # rank 0's store (libuv's or not): free when checked
-        timed_out = "time" in str(err).lower()  # a wait that ran out ("Timed out", "timeout"), not any other failure
+        peer = any(words in said for words in ("timed out", "timeout", "by peer", "broken pipe"))
         why = ("another program (another run?) took the port after it was checked: start again on another port"
                if busy else ("the nodes must reach each other on every TCP port, not only the rendezvous endpoint's: "
                              if job.several_nodes else "another rank did not come in time (it failed or was slow to "
-                             "start): " if timed_out else "") + "scripts/preflight.py checks each node's network")
+                             "start): " if peer else "") + "scripts/preflight.py checks each node's network")
         print_line(error_line(f"rank {job.rank} could not join the {backend} process group ({type(err).__name__}: "
                               f"{first_line(err)}); {why}"))
         raise SystemExit(2 if busy else 1) from None

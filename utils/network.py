@@ -94,11 +94,16 @@ def source_toward(address: str):
     return None
 
 
+def store_elsewhere(addr: str) -> str:  # the refusal of a rank 0 whose MASTER_ADDR names another host, or none
+    return (f"MASTER_ADDR={addr} resolves to no address of this host, where rank 0 serves the ranks' store: start "
+            "rank 0 on the host it names, or give MASTER_ADDR this host's address")
+
+
 def is_own(address: str) -> bool:
     """Whether `address` (IPv4 or IPv6) is this host's own: the kernel routes it here (`ip route get` says local), a
     floating one too. Not a bind, which any address passes under net.ipv4.ip_nonlocal_bind=1 (floating ones need it)."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    with contextlib.suppress(OSError), socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0) as s:  # NETLINK_ROUTE
+    with contextlib.suppress(OSError, AttributeError), socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0) as s:
         dst = socket.inet_pton(family, address)
         query = struct.pack("=BB6xI", family, 8 * len(dst), 0) + struct.pack("=HH", 4 + len(dst), 1) + dst  # RTA_DST
         s.send(struct.pack("=IHHII", 16 + len(query), 26, 1, 0, 0) + query)  # RTM_GETROUTE, a request

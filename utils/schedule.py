@@ -9,8 +9,6 @@ GAMMA = 0.2
 def warmup_multistep(optimizer, args, steps_per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:
     warmup = round(args.warmup_epochs * steps_per_epoch)
     milestones = [round(m * args.epochs * steps_per_epoch) for m in MILESTONES]
-
     def factor(step: int) -> float:  # step = optimizer steps taken so far
         return (step + 1) / warmup if step < warmup else GAMMA ** sum(step >= m for m in milestones)
-
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
