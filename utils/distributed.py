@@ -102,10 +102,9 @@ def check_job(job: DistEnv, device_choice: str = "auto", check_only: bool = Fals
         if (env := job.init_method.startswith("env://")) and not ok:  # else torch raises on rank 0, the others wait
             raise UsageError(f"MASTER_ADDR={addr!r}, MASTER_PORT={port!r} do not say where the ranks meet: the "
                              "launcher sets them: node 0's address (IPv6 without brackets), a free port", met_by="node")
-        # Rank 0 serves the store at MASTER_ADDR and connects to it there (a C++ trace a try): before a refusal is.
-        if env and job.rank == 0 and job.store_by_rank_0 and not network.own_address(addr):
-            raise UsageError(network.store_elsewhere(addr))
-        tell_refusals_to(job)
+        if env and job.rank == 0 and job.store_by_rank_0 and not network.own_address(addr):  # it serves the store
+            raise UsageError(network.store_elsewhere(addr))  # there and joins it there: else a C++ trace a try
+        tell_refusals_to(job)  # after the checks above: a refusal served at another host's address reaches no one
     device = pick_device(job.local_rank, job.local_world_size, device_choice, job.world_size > 1, check_only,
                          guessed_local=job.distributed and "LOCAL_WORLD_SIZE" not in os.environ)  # job_from_env's
     if job.several_nodes:

@@ -47,8 +47,7 @@ def interfaces() -> dict:
 def resolve(host: str, family=socket.AF_INET) -> list:
     """The IPv4 (or `family`'s) addresses `host` resolves to here, in the resolver's order ([] if none)."""
     with contextlib.suppress(OSError, UnicodeError):
-        infos = socket.getaddrinfo(host, None, family, socket.SOCK_STREAM)
-        return list(dict.fromkeys(info[4][0] for info in infos))
+        return list(dict.fromkeys(info[4][0] for info in socket.getaddrinfo(host, None, family, socket.SOCK_STREAM)))
     return []
 
 
