@@ -152,9 +152,12 @@ STUB = textwrap.dedent("""\
         # ends before scancel returns, the batch shell's trap still running (as a fast step may).
         with open(os.environ["STUB_LOG"] + ".srun_pid") as f:
             pid = int(f.read())
-        os.kill(pid, signal.SIGTERM)
-        while os.path.exists(f"/proc/{{pid}}") and open(f"/proc/{{pid}}/stat").read().split(") ")[1][0] != "Z":
-            time.sleep(0.01)
+        try:
+            os.kill(pid, signal.SIGTERM)
+            while open(f"/proc/{{pid}}/stat").read().split(") ")[1][0] != "Z":
+                time.sleep(0.01)
+        except OSError:  # ended, and reaped by the batch shell's wait meanwhile: scancel does not fail then
+            pass
         time.sleep(0.2)
 """)
 
