@@ -983,8 +983,8 @@ def main(argv=None):
     addr, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
     if not (port.isascii() and port.isdigit() and 0 < int(port) <= 65535):  # as utils/distributed.py's check_job
         raise UsageError(f"MASTER_PORT={port!r} is not a TCP port (1 .. 65535): the launcher (torchrun) sets it")
-    if host_it and network.own_address(addr) is None:  # it would serve the store there, and connect to it there
-        raise UsageError(network.store_elsewhere(addr))  # as the run refuses it (utils/distributed.py, check_job)
+    if host_it and (refusal := network.store_elsewhere(addr)):  # it would serve the store there and join it there
+        raise UsageError(refusal)  # as the run refuses it (utils/distributed.py, check_job)
     try:
         connect_store(addr, int(port), role.world_size, args.timeout, host_it=host_it)
     except RuntimeError as err:  # torch's DistNetworkError: no report can come from this rank

@@ -102,8 +102,8 @@ def check_job(job: DistEnv, device_choice: str = "auto", check_only: bool = Fals
         if (env := job.init_method.startswith("env://")) and not ok:  # else torch raises on rank 0, the others wait
             raise UsageError(f"MASTER_ADDR={addr!r}, MASTER_PORT={port!r} do not say where the ranks meet: the "
                              "launcher sets them: node 0's address (IPv6 without brackets), a free port", met_by="node")
-        if env and job.rank == 0 and job.store_by_rank_0 and not network.own_address(addr):  # it serves the store
-            raise UsageError(network.store_elsewhere(addr))  # there and joins it there: else a C++ trace a try
+        if env and job.rank == 0 and job.store_by_rank_0 and (refusal := network.store_elsewhere(addr)):
+            raise UsageError(refusal)  # it would serve the store there and join it there: else a C++ trace a try
         tell_refusals_to(job)  # after the checks above: a refusal served at another host's address reaches no one
     device = pick_device(job.local_rank, job.local_world_size, device_choice, job.world_size > 1, check_only,
                          guessed_local=job.distributed and "LOCAL_WORLD_SIZE" not in os.environ)  # job_from_env's
@@ -304,13 +304,13 @@ def joining(job: DistEnv, timeout_s: float, backend: str, launcher: int = None):
         # The store's and the backend's own waits end at --dist-timeout, before the deadline above: a rank that
         # did not come. Several nodes: under torchrun the ranks' store is at a port it picks on node 0, and gloo
         # and NCCL listen on ports of their own: a firewall that lets only the endpoint's port through stops here.
-        said = first_line(err).lower()  # "peer": a wait that ran out or a peer gone, not gloo failing here, say
+        said = first_line(err).lower()  # a wait that ran out or a peer gone: a rank absent, not gloo failing here
         busy = "address already in use" in str(err).lower()  # rank 0's store (libuv's or not): free when checked
-        peer = any(words in said for words in ("timed out", "timeout", "by peer", "broken pipe"))
+        absent = any(words in said for words in ("timed out", "timeout", "by peer", "broken pipe"))
         why = ("another program (another run?) took the port after it was checked: start again on another port"
                if busy else ("the nodes must reach each other on every TCP port, not only the rendezvous endpoint's: "
                              if job.several_nodes else "another rank did not come in time (it failed or was slow to "
-                             "start): " if peer else "") + "scripts/preflight.py checks each node's network")
+                             "start): " if absent else "") + "scripts/preflight.py checks each node's network")
         print_line(error_line(f"rank {job.rank} could not join the {backend} process group ({type(err).__name__}: "
                               f"{first_line(err)}); {why}"))
         raise SystemExit(2 if busy else 1) from None

@@ -93,9 +93,9 @@ def source_toward(address: str):
     return None
 
 
-def store_elsewhere(addr: str) -> str:  # the refusal of a rank 0 whose MASTER_ADDR names another host, or none
-    return (f"MASTER_ADDR={addr} resolves to no address of this host, where rank 0 serves the ranks' store: start "
-            "rank 0 on the host it names, or give MASTER_ADDR this host's address")
+def store_elsewhere(addr: str):  # why rank 0, host of the ranks' store, cannot serve it at MASTER_ADDR; or None
+    return None if own_address(addr) else f"MASTER_ADDR={addr} resolves to no address of this host, where rank 0 " \
+        "serves the ranks' store: start rank 0 on the host it names, or give MASTER_ADDR this host's address"
 
 
 def is_own(address: str) -> bool:
