@@ -159,10 +159,9 @@ def shard(model, env, reshard_after_forward: bool, mp_policy: str):
         # others and the last after them: gathered at the first, its gradients reduced once
         # backward has passed the first. Made before the stages and the root, which then leave
         # these parameters to it.
-        bn_policy = MixedPrecisionPolicy(param_dtype=torch.float32, cast_forward_inputs=False)
         batch_norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-        if batch_norms:
-            fully_shard(batch_norms, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=bn_policy)
+        if batch_norms:  # the default policy: no param_dtype, so nothing cast (FSDPState._cast_forward_inputs)
+            fully_shard(batch_norms, mesh=mesh, reshard_after_forward=reshard_after_forward)
     for stage in (model.layer1, model.layer2, model.layer3, model.layer4):
         fully_shard(stage, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     # The root is left to PyTorch's default (reshard_after_forward=None): it stays whole from
