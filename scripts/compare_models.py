@@ -20,6 +20,7 @@ Exit status: 0 they match, 1 they differ, 2 a file cannot be read.
 """
 import os
 import sys
+import warnings
 
 # `python scripts/compare_models.py` puts scripts/ on sys.path, not the repository root.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,19 +31,63 @@ from utils import checkpoint, sharded  # noqa: E402
 from utils.cli import Parser, UsageError, non_negative_float  # noqa: E402
 
 
+def read_sharded(folder: str) -> dict:
+    """Every tensor of a sharded checkpoint, whole, on the CPU, in one process (no process
+    group): {"model.conv1.weight": tensor, "optimizer.<name>.momentum_buffer": tensor, ...}."""
+    import torch.distributed.checkpoint as dcp
+    metadata = sharded.check_sharded_folder(folder)
+    state = {name: torch.empty(item.size, dtype=item.properties.dtype)
+             for name, item in metadata.state_dict_metadata.items()}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        try:
+            dcp.load(state, storage_reader=sharded.checked_reader(folder, metadata), no_dist=True)
+        except dcp.CheckpointException as exc:  # a BaseException: `except Exception` would miss it
+            sharded.interrupted(exc)
+            # The template is the metadata's own: it fits. This one process is DCP's "rank 0".
+            cause = sharded.causes(exc).removeprefix("rank 0: ")
+            raise UsageError(f"cannot read sharded checkpoint {folder}: {cause}") from None
+    return state
+
+
+def load_full(path: str) -> dict:
+    """A checkpoint of ours as a plain one, whatever wrote it: a sharded checkpoint's model
+    and optimizer are read whole from its folder, the optimizer in torch's own layout
+    (parameters numbered in param_groups order), as a DDP checkpoint holds them."""
+    state = checkpoint.load(path)
+    if "sharded" not in state:
+        return state
+    tensors = read_sharded(sharded.sharded_folder(path, state["sharded"]["folder"]))
+    groups = state["sharded"]["param_groups"]
+    names = [name for group in groups for name in group["params"]]
+    optim_state = {}
+    for index, name in enumerate(names):
+        prefix = f"optimizer.{name}."
+        entries = {key[len(prefix):]: value for key, value in tensors.items() if key.startswith(prefix)}
+        if entries:
+            optim_state[index] = entries
+    numbered, start = [], 0
+    for group in groups:
+        numbered.append(dict(group, params=list(range(start, start + len(group["params"])))))
+        start += len(group["params"])
+    model = {key[len("model."):]: value for key, value in tensors.items() if key.startswith("model.")}
+    return dict(state, model=model, optimizer={"state": optim_state, "param_groups": numbered})
+
+
+
 def read_state(path: str) -> dict:
     """The whole checkpoint, or {"model": state_dict} for a plain state_dict file."""
     # A shard folder alone: its model (the checkpoint.pt beside it numbers the optimizer state). A folder
     # holding a checkpoint.pt is a --checkpoint-dir: read_file's refusal names the file to give.
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, checkpoint.FILENAME)):
-        tensors = sharded.read_sharded(path)
+        tensors = read_sharded(path)
         return {"model": {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}}
     state = checkpoint.read_file(path, what="file")
     if not isinstance(state, dict):
         raise UsageError(f"{path} holds a {type(state).__name__}, not a checkpoint or a state_dict")
     if state.get("format") == checkpoint.FORMAT:
         # load_full reads checkpoint.pt again: a sharded one is small (its tensors are in the shard folder).
-        return sharded.load_full(path) if "sharded" in state else state
+        return load_full(path) if "sharded" in state else state
     if state and all(isinstance(v, torch.Tensor) for v in state.values()):
         return {"model": state}
     raise UsageError(f"{path} is neither a checkpoint of these scripts (format {checkpoint.FORMAT!r}) "

@@ -40,7 +40,8 @@ import torch
 import test_gpu_scripts
 from cifar_files import dump_as_python2, write_cifar100
 from conftest import ROOT, free_port, freeze_the_imports, keep_on_cpu, read_metrics, torchrun
-from utils import checkpoint, data, lifecycle, sharded
+from scripts import compare_models
+from utils import checkpoint, data, lifecycle
 from utils.run import TrainingRun
 
 SCRIPTS = ["distributed.py", "distributed_mp.py", "dataparallel.py", "distributed_apex.py",
@@ -402,7 +403,7 @@ class Result:
         return self._baseline()
 
     def state(self):
-        return sharded.load_full(str(self.tmp / "ck" / "checkpoint.pt"))
+        return compare_models.load_full(str(self.tmp / "ck" / "checkpoint.pt"))
 
 
 class InlineSpawn:
@@ -648,5 +649,5 @@ def test_fsdp_bf16_channels_last_resumed_at_another_world_size(run_script_here, 
     assert "resumed from" in result.stdout and "3 steps in all" in result.stdout, result.stdout
     assert result.last["step"] == 4 and result.last["world_size"] == 1 and result.last["grad_norm"] > 0
     assert result.dtypes == {torch.bfloat16} and result.layouts == {torch.channels_last}
-    resumed = sharded.load_full(str(tmp_path / "ck" / "checkpoint.pt"))
+    resumed = compare_models.load_full(str(tmp_path / "ck" / "checkpoint.pt"))
     assert resumed["world_size"] == 1 and resumed["model"]["conv1.weight"].dtype == torch.float32

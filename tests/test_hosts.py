@@ -459,8 +459,8 @@ def test_mp_spawn_across_hosts_by_tcp_and_by_a_shared_file(make_hosts, tmp_path,
 # --- c. sharded checkpoints written from two hosts, resumed on one ----------------------------
 
 def full_state(checkpoint_dir) -> dict:
-    from utils import sharded
-    return sharded.load_full(str(Path(checkpoint_dir) / "checkpoint.pt"))
+    from scripts import compare_models
+    return compare_models.load_full(str(Path(checkpoint_dir) / "checkpoint.pt"))
 
 
 @pytest.mark.not_on_floor("the sharded save and resume of FSDP2: test_fsdp.py; torchrun across hosts: the other tests here")

@@ -14,11 +14,10 @@ import enum
 import os
 import pickle
 import shutil
-import warnings
 
 import torch
 
-from .checkpoint import LOCKNAME, check_kind, load, look_again
+from .checkpoint import LOCKNAME, check_kind, look_again
 from .cli import UsageError, first_line
 
 SHARDED_PREFIX = "sharded-step"
@@ -221,7 +220,7 @@ def _enum_member(cls, name):
     raise pickle.UnpicklingError(f"it asks getattr for {name!r}, which is not a member of an enum")
 
 
-def _checked_reader(folder: str, metadata):
+def checked_reader(folder: str, metadata):
     """DCP's FileSystemReader for `folder`, handed the metadata that check_sharded_folder read.
     Its own read_metadata would unpickle the file again with pickle.load: a second read (of a
     file that may have changed) by an unpickler that resolves names its own way (the real
@@ -279,7 +278,7 @@ def load_sharded(model, optimizer, folder: str, param_groups: list, metadata):
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state["state"]}
     try:
-        dcp.load(state, storage_reader=_checked_reader(folder, metadata))
+        dcp.load(state, storage_reader=checked_reader(folder, metadata))
     except dcp.CheckpointException as exc:  # on every rank: a shard unreadable, a missing key, another shape
         interrupted(exc)
         what = (f"cannot read sharded checkpoint {folder}" if any(isinstance(err, StorageError) for err, _ in
@@ -291,46 +290,3 @@ def load_sharded(model, optimizer, folder: str, param_groups: list, metadata):
     except Exception as exc:
         raise UsageError(f"sharded checkpoint {folder} does not fit this model/optimizer: "
                          f"{first_line(exc, typed=True)}") from None
-
-
-def read_sharded(folder: str) -> dict:
-    """Every tensor of a sharded checkpoint, whole, on the CPU, in one process (no process
-    group): {"model.conv1.weight": tensor, "optimizer.<name>.momentum_buffer": tensor, ...}."""
-    import torch.distributed.checkpoint as dcp
-    metadata = check_sharded_folder(folder)
-    state = {name: torch.empty(item.size, dtype=item.properties.dtype)
-             for name, item in metadata.state_dict_metadata.items()}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        try:
-            dcp.load(state, storage_reader=_checked_reader(folder, metadata), no_dist=True)
-        except dcp.CheckpointException as exc:  # a BaseException: `except Exception` would miss it
-            interrupted(exc)
-            # The template is the metadata's own: it fits. This one process is DCP's "rank 0".
-            cause = causes(exc).removeprefix("rank 0: ")
-            raise UsageError(f"cannot read sharded checkpoint {folder}: {cause}") from None
-    return state
-
-
-def load_full(path: str) -> dict:
-    """A checkpoint of ours as a plain one, whatever wrote it: a sharded checkpoint's model
-    and optimizer are read whole from its folder, the optimizer in torch's own layout
-    (parameters numbered in param_groups order), as a DDP checkpoint holds them."""
-    state = load(path)
-    if "sharded" not in state:
-        return state
-    tensors = read_sharded(sharded_folder(path, state["sharded"]["folder"]))
-    groups = state["sharded"]["param_groups"]
-    names = [name for group in groups for name in group["params"]]
-    optim_state = {}
-    for index, name in enumerate(names):
-        prefix = f"optimizer.{name}."
-        entries = {key[len(prefix):]: value for key, value in tensors.items() if key.startswith(prefix)}
-        if entries:
-            optim_state[index] = entries
-    numbered, start = [], 0
-    for group in groups:
-        numbered.append(dict(group, params=list(range(start, start + len(group["params"])))))
-        start += len(group["params"])
-    model = {key[len("model."):]: value for key, value in tensors.items() if key.startswith("model.")}
-    return dict(state, model=model, optimizer={"state": optim_state, "param_groups": numbered})
