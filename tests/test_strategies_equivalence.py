@@ -11,7 +11,8 @@ tests/test_clip_grad.py.
 import pytest
 import torch
 
-from conftest import SMALL, assert_same_state, expect_ok, run_script, torchrun
+from conftest import SMALL, assert_same_state, run_script, torchrun
+from models import build_model
 
 STEPS = ["--epochs", "3", "--max-steps", "5", "--train-samples", "128"]  # 4 steps per epoch: crosses an epoch's end
 
@@ -46,8 +47,11 @@ def test_bitwise_identical_to_distributed(checkpoints, name):
     assert_same_state(reference["scheduler"], other["scheduler"], "scheduler")
 
 
-def test_training_moved_the_weights(checkpoints, tmp_path, run_in_process):
-    # Guard against a vacuous pass: a different seed gives different weights.
-    expect_ok(run_in_process("distributed.py", [*SMALL, *STEPS, "--seed", "1", "--checkpoint-dir", tmp_path]))
-    other = torch.load(tmp_path / "checkpoint.pt", map_location="cpu", weights_only=True)
-    assert not torch.equal(other["model"]["fc.weight"], checkpoints["distributed"]["model"]["fc.weight"])
+def test_training_moved_the_weights(checkpoints):
+    # Guard against a vacuous pass: a schedule or optimizer that never stepped would leave every script at the
+    # same initial weights. They moved from --seed 0's (as the scripts build them), by a few steps, so these are
+    # the initial weights of the run (another seed's differ by 0.19 on average; 5 steps moved them by 0.0024).
+    torch.manual_seed(0)
+    initial = build_model("resnet_tiny", 100).state_dict()
+    moved = (checkpoints["distributed"]["model"]["conv1.weight"] - initial["conv1.weight"]).abs().mean().item()
+    assert 0 < moved < 0.05, moved
