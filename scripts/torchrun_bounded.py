@@ -11,7 +11,7 @@ store_type=file, has no host to decide), what this node decides before it starts
   is_host=1 on the node that HOST names (0 on another). torchrun takes HOST for itself when it is
   this host's name, or an address that this host's name resolves to: where HOST is the node's
   address and its name resolves to 127.0.1.1 (the default of Debian's and Ubuntu's installers),
-  no node would host the store, and every node would fail 1.5 to 3 minutes later. Where the
+  no node would host the store, and every node would fail about 2 minutes later. Where the
   guess is right it is left alone: it lets a second agent of the job on the same machine join as
   a client. An is_host given already is kept.
 - --local_addr: c10d numbers the nodes in the order of this value, and node rank 0's becomes

@@ -25,7 +25,7 @@ def atomic_save(obj, path: str):
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
-    try:  # its own, made here ("x"; mode: the umask's): two runs where no lock works may have rank 0s of one pid
+    try:  # "x": a new file, never another writer's (two runs where no lock works may have rank 0s of one pid)
         with open(tmp, "xb") as f:
             torch.save(obj, f)
             f.flush()
