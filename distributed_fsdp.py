@@ -160,7 +160,7 @@ def shard(model, env, reshard_after_forward: bool, mp_policy: str):
         # backward has passed the first. Made before the stages and the root, which then leave
         # these parameters to it.
         batch_norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-        if batch_norms:  # the default policy: no param_dtype, so nothing cast (FSDPState._cast_forward_inputs)
+        if batch_norms:  # the default policy: no param_dtype, so nothing cast (FSDPState's pre-forward)
             fully_shard(batch_norms, mesh=mesh, reshard_after_forward=reshard_after_forward)
     for stage in (model.layer1, model.layer2, model.layer3, model.layer4):
         fully_shard(stage, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)

@@ -74,7 +74,6 @@ def load_full(path: str) -> dict:
     return dict(state, model=model, optimizer={"state": optim_state, "param_groups": numbered})
 
 
-
 def read_state(path: str) -> dict:
     """The whole checkpoint, or {"model": state_dict} for a plain state_dict file."""
     # A shard folder alone: its model (the checkpoint.pt beside it numbers the optimizer state). A folder

@@ -310,7 +310,7 @@ def endpoint_findings(endpoint: str) -> list:
             return []
         what = (f"torchrun's c10d rendezvous will not host its store here: it recognises itself by its name, and "
                 f"{name} resolves to {', '.join(network.resolve(name))}; every node then waits for a store that "
-                "nobody serves, and fails 1.5 to 3 minutes later with RendezvousConnectionError")
+                "nobody serves, and fails about 2 minutes later with RendezvousConnectionError")
     except OSError:  # its getaddrinfo of this host's own name, outside any try in torch (2.11 to 2.14)
         what = (f"{name}, this host's name, does not resolve: torchrun's c10d rendezvous looks it up to tell "
                 "whether to host the store, and fails here at once (socket.gaierror)")
